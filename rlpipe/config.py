@@ -1,0 +1,198 @@
+"""One typed config for a whole run, validated once.
+
+Every process (launcher, rollout workers, learner) reads the same YAML file plus
+``RLPIPE_<SECTION>__<KEY>`` environment overrides (``RLPIPE_LEARNER__LR=1e-4``). Unknown or
+ill-typed keys are errors that name the key. The launcher resolves the config (model path,
+Redis URL, run directory) and writes it to ``runs/<id>/config.yaml`` for its children, so
+every role sees exactly the same values.
+
+Rules that span roles are checked in one place, :func:`validate_run`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+IsMode = Literal["none", "token_tis"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """``path: null`` builds (once, cached) the toy model described by ``toy``."""
+
+    path: str | None = None
+    toy_hidden_size: int = Field(128, ge=16)
+    toy_layers: int = Field(2, ge=1)
+    toy_target_sampled_accuracy: float = Field(0.25, gt=0, lt=1)
+
+
+class TaskConfig(Section):
+    type: Literal["arith"] = "arith"
+    digits: int = Field(2, ge=1, le=4)
+    ops: str = Field("+", pattern=r"^[+\-*]+$")
+    size: int = Field(4096, ge=1)
+    seed: int = 0
+
+
+class SamplingConfig(Section):
+    """Rollout sampling. The learner divides its logits by the same temperature, so the
+    behavior log-probs (vLLM ``processed_logprobs``) and the learner's are comparable.
+    ``top_p < 1`` or ``top_k > 0`` truncate the behavior distribution, which the learner
+    does not reproduce: keep them off for exact mismatch accounting."""
+
+    n: int = Field(8, ge=1, le=256)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(8, ge=1)
+
+
+class RolloutConfig(Section):
+    precision: Precision = "bf16"
+    max_inflight_groups: int = Field(16, ge=1)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    kv_cache_gib: int = Field(1, ge=1)
+    enforce_eager: bool = True
+    max_model_len: int = Field(64, ge=8)
+    heartbeat_s: float = Field(2.0, gt=0)
+    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    # Limits on what /v1/generate accepts.
+    max_prompt_tokens: int = Field(48, ge=1)
+    max_n: int = Field(64, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+
+
+class LearnerConfig(Section):
+    dtype: Literal["fp32"] = "fp32"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    groups_per_step: int = Field(64, ge=1)
+    ppo_epochs: int = Field(2, ge=1)
+    minibatches: int = Field(1, ge=1)
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    is_mode: IsMode = "token_tis"
+    is_cap: float = Field(2.0, gt=0)
+    adv_std_norm: bool = True
+    threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    read_block_ms: int = Field(200, ge=1)
+
+
+class QueueConfig(Section):
+    """Back-pressure and staleness (DESIGN.md, 'Staleness')."""
+
+    max_lag: int = Field(1, ge=0)
+    max_staleness: int = Field(4, ge=0)
+
+
+class SyncConfig(Section):
+    host: str = "127.0.0.1"
+    timeout_s: float = Field(60.0, gt=0)
+    bucket_mib: int = Field(256, ge=1)
+    join_timeout_s: float = Field(120.0, gt=0)
+
+
+class RunConfig(Section):
+    run_id: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$")
+    run_dir: str = ""
+    seed: int = 0
+    steps: int = Field(100, ge=1)
+    workers: int = Field(2, ge=1)
+    redis_url: str = ""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = LearnerConfig()
+    queue: QueueConfig = QueueConfig()
+    sync: SyncConfig = SyncConfig()
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names every bad field."""
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{'.'.join(path)}: parent is not a section")
+    tree[path[-1]] = value
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict:
+    """``RLPIPE_LEARNER__LR=1e-4`` -> ``{"learner": {"lr": 1e-4}}`` (values parsed as YAML).
+
+    Only names with a ``__`` are config keys, so variables such as ``RLPIPE_CACHE`` or
+    ``RLPIPE_API_TOKEN`` are left to the code that reads them.
+    """
+    environ = os.environ if environ is None else environ
+    out: dict = {}
+    for name, raw in environ.items():
+        if name.startswith("RLPIPE_") and "__" in name:
+            path = [p.lower() for p in name[len("RLPIPE_") :].split("__")]
+            _set_path(out, path, yaml.safe_load(raw) if raw != "" else "")
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_config(data: dict | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> RunConfig:
+    """Validate ``data`` merged with env overrides and dotted ``overrides`` (``learner.lr=...``)."""
+    tree = _merge(data or {}, env_overrides(environ))
+    for dotted, value in overrides.items():
+        _set_path(tree, dotted.split("."), value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(root)"
+            problems.append(f"{where}: {err['msg']}")
+        raise ConfigError("invalid config: " + "; ".join(problems)) from None
+
+
+def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> RunConfig:
+    data = {}
+    if path:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    return build_config(data, environ, **overrides)
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def validate_run(cfg: RunConfig) -> None:
+    """Cross-role rules, checked once at launch."""
+    problems = []
+    if cfg.sampling.max_tokens > cfg.rollout.max_new_tokens:
+        problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
+    if cfg.learner.minibatches > cfg.learner.groups_per_step:
+        problems.append("learner.minibatches: more minibatches than groups per step")
+    if cfg.sampling.n < 2:
+        problems.append("sampling.n: group advantages need at least 2 samples per prompt")
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))

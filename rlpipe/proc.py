@@ -1,0 +1,54 @@
+"""Process plumbing shared by every role: logging set-up and the orphan guard."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+
+def setup_logging(role: str, level: str | None = None) -> None:
+    logging.basicConfig(
+        level=level or os.environ.get("RLPIPE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def exit_with_parent() -> None:
+    """If the launcher that started us dies (even by SIGKILL), stop ourselves cleanly.
+
+    The launcher passes its pid in ``RLPIPE_PARENT_PID``; a daemon thread checks once a
+    second and sends this process SIGTERM when the parent is gone (a clean shutdown),
+    then SIGKILL to its whole process group if that has not finished within 15 s, so no
+    role, nor any process it started, outlives its run as an orphan.
+    """
+    parent = os.environ.get("RLPIPE_PARENT_PID")
+    if not parent:
+        return
+    parent_pid = int(parent)
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(15)
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket bound before the server starts, so port 0 yields a known port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock

