@@ -1,0 +1,121 @@
+"""Packing weights into flat, dtype-homogeneous buckets, and the manifest that unpacks them.
+
+The sender copies every tensor into a few large byte buffers (one collective per bucket
+instead of one per parameter); the receiver gets the same buffers and takes zero-copy
+views of each tensor. The manifest (name, dtype, shape, offset per tensor) travels as
+JSON through Redis; its hash lets both sides check they agree on the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of its bucket
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: str
+    nbytes: int
+    tensors: tuple[TensorSlot, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(b) for b in self.buckets], separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        buckets = []
+        for b in json.loads(text):
+            slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
+            buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
+        return cls(tuple(buckets))
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> Manifest:
+    """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
+
+    A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
+    stays contiguous and unpacks as a view.
+    """
+    by_dtype: dict[torch.dtype, list] = {}
+    for name, dtype, shape in specs:
+        by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
+    buckets = []
+    for dtype, items in by_dtype.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        slots, used = [], 0
+        for name, shape in items:
+            nbytes = itemsize * _numel(shape)
+            if slots and used + nbytes > bucket_bytes:
+                buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
+                slots, used = [], 0
+            slots.append(TensorSlot(name, shape, used, nbytes))
+            used += nbytes
+        if slots:
+            buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
+    return Manifest(tuple(buckets))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the bucket's tensors (cast to its dtype) into one uint8 buffer."""
+    dtype = DTYPES[bucket.dtype]
+    if out is None:
+        out = torch.empty(bucket.nbytes, dtype=torch.uint8)
+    for slot in bucket.tensors:
+        src = tensors[slot.name].detach()
+        view = out[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)
+        view.copy_(src)  # casts to the wire dtype where the source differs
+    return out
+
+
+def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of the bucket's tensors into ``buffer`` (no copies)."""
+    dtype = DTYPES[bucket.dtype]
+    return [
+        (slot.name, buffer[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape))
+        for slot in bucket.tensors
+    ]

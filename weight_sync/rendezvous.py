@@ -1,0 +1,65 @@
+"""The sync rendezvous in Redis: the ``rlpipe:{run}:sync`` hash (DESIGN.md, 'Weight sync').
+
+The learner publishes a *generation* (who takes part, where rank 0 listens, the bucket
+manifest) and then each *version* it broadcasts. Workers poll the hash: a new generation
+that lists them means "join", a higher version means "receive". Besides DESIGN.md's
+fields the hash carries ``members`` (JSON list; worker i has rank i+1) and
+``manifest_hash``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import redis
+
+from rlpipe.queue import Keys
+
+
+@dataclass
+class SyncState:
+    generation: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    world_size: int = 0
+    members: tuple[str, ...] = ()
+    version: int = -1
+    manifest: str = ""
+    manifest_hash: str = ""
+
+    def rank_of(self, worker_id: str) -> int | None:
+        return self.members.index(worker_id) + 1 if worker_id in self.members else None
+
+
+def read_sync(r: redis.Redis, keys: Keys) -> SyncState:
+    raw = {k.decode(): v.decode() for k, v in r.hgetall(keys.sync).items()}
+    if not raw:
+        return SyncState()
+    return SyncState(
+        generation=int(raw.get("generation", 0)),
+        master_addr=raw.get("master_addr", ""),
+        master_port=int(raw.get("master_port", 0)),
+        world_size=int(raw.get("world_size", 0)),
+        members=tuple(json.loads(raw.get("members", "[]"))),
+        version=int(raw.get("version", -1)),
+        manifest=raw.get("manifest", ""),
+        manifest_hash=raw.get("manifest_hash", ""),
+    )
+
+
+def publish_generation(r: redis.Redis, keys: Keys, state: SyncState) -> None:
+    r.hset(keys.sync, mapping={
+        "generation": state.generation,
+        "master_addr": state.master_addr,
+        "master_port": state.master_port,
+        "world_size": state.world_size,
+        "members": json.dumps(list(state.members)),
+        "version": state.version,
+        "manifest": state.manifest,
+        "manifest_hash": state.manifest_hash,
+    })
+
+
+def publish_version(r: redis.Redis, keys: Keys, version: int) -> None:
+    r.hset(keys.sync, "version", version)
