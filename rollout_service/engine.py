@@ -1,0 +1,173 @@
+"""The rollout engine: a vLLM ``AsyncLLM`` that returns behavior log-probs and takes
+weight updates in flight.
+
+- Log-probs are vLLM's ``processed_logprobs`` (after temperature), the distribution the
+  tokens were actually sampled from: exactly what importance sampling needs.
+- Token ids flow unchanged from the engine into the result; nothing is re-tokenized.
+- An update pauses the scheduler with ``mode="keep"`` (running requests are frozen, not
+  aborted), loads the new weights, resets the prefix cache and resumes. Every request
+  in flight records at which of its tokens the version changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from quant.profiles import PrecisionProfile
+from rlpipe.config import RolloutConfig
+from rollout_service import vllm_compat
+from rollout_service.worker_ext import EXTENSION_CLS
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclass
+class SampleResult:
+    tokens: np.ndarray  # int32, as sampled
+    logprobs: np.ndarray  # float32, behavior log-probs
+    finish_reason: str
+    versions: np.ndarray | None  # int32 per token, only if the version changed mid-sequence
+
+
+@dataclass
+class _Tracked:
+    """A request in flight: its children's token counts and the version changes they saw."""
+
+    start_version: int
+    counts: dict[int, int] = field(default_factory=dict)
+    changes: list[tuple[dict[int, int], int]] = field(default_factory=list)
+
+    def versions_for(self, index: int, length: int) -> np.ndarray | None:
+        if not self.changes:
+            return None
+        out = np.full(length, self.start_version, dtype=np.int32)
+        for counts, version in self.changes:
+            out[min(counts.get(index, 0), length):] = version
+        return out
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0):
+        self.model_path = model_path
+        self.profile = profile
+        self.cfg = cfg
+        self.seed = seed
+        self.llm = None
+        self.engine_pid: int | None = None
+        self.version = 0
+        self.synced = False  # True once weights came from the learner (not just from disk)
+        self._active: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._update_lock = asyncio.Lock()
+        self.paused_seconds_total = 0.0
+        self.prefix_cache_reset_failures = 0
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
+        vllm_compat.before_engine_start()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            enforce_eager=self.cfg.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_CLS,
+            max_model_len=self.cfg.max_model_len,
+            seed=self.seed,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+            **self.profile.engine_kwargs(),
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        info = (await self.llm.collective_rpc("rlpipe_init"))[0]
+        if info["ppid"] != os.getpid():
+            log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
+                        "executor is in use and busy-polls a core", info["pid"])
+        self.engine_pid = info["pid"]
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    async def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float = 1.0,
+                       top_k: int = -1, max_tokens: int = 16, seed: int | None = None,
+                       stop: list[str] | None = None) -> tuple[list[SampleResult], int, int]:
+        """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+            seed=seed, stop=stop or None, logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
+        )
+        request_id = f"r{next(self._ids)}"
+        tracked = _Tracked(start_version=self.version)
+        self._active[request_id] = tracked
+        latest = {}
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
+                for c in out.outputs:  # when streaming, each event carries one child
+                    latest[c.index] = c
+                    tracked.counts[c.index] = len(c.token_ids)
+        finally:
+            self._active.pop(request_id, None)
+        results = []
+        for i in range(n):
+            c = latest[i]
+            tokens = np.asarray(c.token_ids, dtype=np.int32)
+            lps = np.asarray([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
+            results.append(SampleResult(tokens, lps, FINISH_REASONS.get(c.finish_reason, "abort"),
+                                        tracked.versions_for(i, len(tokens))))
+        end_version = tracked.changes[-1][1] if tracked.changes else tracked.start_version
+        return results, tracked.start_version, end_version
+
+    # -- weight sync -----------------------------------------------------------------
+    async def join(self, host: str, port: int, rank: int, world_size: int, generation: int,
+                   timeout_s: float, join_timeout_s: float) -> dict:
+        return (await self.llm.collective_rpc(
+            "rlpipe_join", args=(host, port, rank, world_size, generation, timeout_s, join_timeout_s)))[0]
+
+    async def update(self, version: int, manifest_json: str) -> dict:
+        """Receive and load ``version`` with generation paused (requests kept, not aborted)."""
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                for _ in range(3):  # let streamed outputs of the last step reach their requests
+                    await asyncio.sleep(0)
+                result = (await self.llm.collective_rpc("rlpipe_update", args=(version, manifest_json)))[0]
+                if result.get("ok"):
+                    self.version = version
+                    self.synced = True
+                    for tracked in self._active.values():
+                        tracked.changes.append((dict(tracked.counts), version))
+                    if not await self.llm.reset_prefix_cache():
+                        # Blocks held by running requests keep old-weight KV; the recorded
+                        # behavior log-probs stay exact, only prefix reuse may lag a version.
+                        self.prefix_cache_reset_failures += 1
+            finally:
+                await self.llm.resume_generation()
+                pause = time.perf_counter() - t0
+                self.paused_seconds_total += pause
+            result["pause_s"] = pause
+            return result
+
+    async def leave(self) -> None:
+        await self.llm.collective_rpc("rlpipe_leave")
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

@@ -1,0 +1,184 @@
+"""The rollout loop of one worker: take prompts, generate groups, push them to the stream.
+
+Three asyncio tasks share the engine:
+
+- the dispatcher keeps up to ``max_inflight_groups`` groups generating at once
+  (continuous batching happens inside vLLM), within the back-pressure allowance;
+- the sync watcher joins new sync generations and applies new versions in flight;
+- the heartbeat keeps this worker in the registry.
+
+Redis calls are synchronous (they take well under a millisecond on loopback) and run in
+a thread so the event loop never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import numpy as np
+
+from rlpipe import registry
+from rlpipe.config import RunConfig
+from rlpipe.queue import TrajectoryQueue, rollout_allowance
+from rlpipe.schema import GroupRecord, Sample
+from rollout_service.engine import RolloutEngine
+from rollout_service.metrics import RolloutMetrics
+from rollout_service.tasks import Task
+from weight_sync.rendezvous import read_sync
+
+log = logging.getLogger(__name__)
+
+
+class RolloutLoop:
+    def __init__(self, cfg: RunConfig, worker_id: str, address: str, engine: RolloutEngine,
+                 queue: TrajectoryQueue, task: Task, tokenizer, metrics: RolloutMetrics):
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.address = address
+        self.engine = engine
+        self.queue = queue
+        self.r = queue.r
+        self.keys = queue.keys
+        self.task = task
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.generation = 0
+        self.stopping = asyncio.Event()
+        self.groups: set[asyncio.Task] = set()
+        self.tasks: list[asyncio.Task] = []
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(coro) for coro in (self._dispatch(), self._watch_sync(), self._heartbeat())]
+
+    async def stop(self, deadline_s: float = 10.0) -> None:
+        """Stop taking prompts, give in-flight groups ``deadline_s`` to finish, then cancel."""
+        self.stopping.set()
+        if self.groups:
+            await asyncio.wait(self.groups, timeout=deadline_s)
+        for t in list(self.groups) + self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.groups, *self.tasks, return_exceptions=True)
+        await asyncio.to_thread(registry.remove_worker, self.r, self.keys, self.worker_id)
+
+    # -- dispatcher -------------------------------------------------------------------
+    async def _dispatch(self) -> None:
+        while not self.stopping.is_set():
+            free = self.cfg.rollout.max_inflight_groups - len(self.groups)
+            if free <= 0 or not self.engine.synced:
+                await asyncio.sleep(0.02)
+                continue
+            allowance = await asyncio.to_thread(self._allowance)
+            if allowance <= 0:
+                self.metrics.backpressure_waits.inc()
+                await asyncio.sleep(0.05)
+                continue
+            for _ in range(min(free, allowance)):
+                index = await asyncio.to_thread(self.queue.next_prompt_index)
+                task = asyncio.create_task(self._run_group(index))
+                self.groups.add(task)
+                task.add_done_callback(self._group_done)
+            self.metrics.inflight.set(len(self.groups))
+            await asyncio.to_thread(self._publish, status="ready")
+            await asyncio.sleep(0)
+
+    def _allowance(self) -> int:
+        others = registry.live_workers(self.r, self.keys)
+        inflight = len(self.groups) + sum(
+            int(w.get("inflight", 0)) for wid, w in others.items() if wid != self.worker_id)
+        version = min(self.engine.version, registry.learner_version(self.r, self.keys))
+        return rollout_allowance(self.queue.counters(), inflight, version,
+                                 self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self.groups.discard(task)
+        self.metrics.inflight.set(len(self.groups))
+        if not task.cancelled() and task.exception() is not None:
+            self.last_error = repr(task.exception())
+            log.error("group failed: %r", task.exception())
+
+    async def _run_group(self, index: int) -> None:
+        s = self.cfg.sampling
+        prompt = self.task.prompt(index)
+        prompt_ids = self.tokenizer(prompt.text)["input_ids"]
+        seed = (self.cfg.seed * 1_000_003 + index) % (2**31)
+        t0 = time.perf_counter()
+        results, v0, v1 = await self.engine.generate(
+            prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            max_tokens=s.max_tokens, seed=seed)
+        gen_seconds = time.perf_counter() - t0
+        samples = []
+        for res in results:
+            reward, info = self.task.reward(prompt, self.tokenizer.decode(res.tokens, skip_special_tokens=True))
+            samples.append(Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info))
+        record = GroupRecord(
+            run_id=self.cfg.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
+            worker_id=self.worker_id, policy_version=v0, policy_version_end=v1,
+            precision=self.engine.profile.precision, quant_profile=self.engine.profile.quant_hash,
+            sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                      "max_tokens": s.max_tokens, "seed": seed},
+            prompt_tokens=np.asarray(prompt_ids, dtype=np.int32), samples=samples, gen_seconds=gen_seconds,
+        )
+        await asyncio.to_thread(self.queue.push, record)
+        # Leave the in-flight count now, so the registry never counts a pushed group twice.
+        self.groups.discard(asyncio.current_task())
+        await asyncio.to_thread(self._publish, status="ready")
+        self.metrics.groups.inc()
+        self.metrics.tokens.inc(sum(len(x.tokens) for x in samples))
+        self.metrics.generate_seconds.observe(gen_seconds)
+
+    # -- weight sync --------------------------------------------------------------------
+    async def _watch_sync(self) -> None:
+        scfg = self.cfg.sync
+        must_receive = False
+        while not self.stopping.is_set():
+            try:
+                st = await asyncio.to_thread(read_sync, self.r, self.keys)
+                rank = st.rank_of(self.worker_id)
+                if st.generation > self.generation and rank is not None:
+                    res = await self.engine.join(st.master_addr, st.master_port, rank, st.world_size,
+                                                 st.generation, scfg.timeout_s, scfg.join_timeout_s)
+                    self.generation = st.generation
+                    must_receive = res.get("ok", False)
+                    if not must_receive:
+                        self._sync_failed(res)
+                if st.generation == self.generation and (must_receive or st.version > self.engine.version):
+                    must_receive = False
+                    res = await self.engine.update(st.version, st.manifest)
+                    if res.get("ok"):
+                        self.metrics.version.set(self.engine.version)
+                        self.metrics.sync_pause_seconds.observe(res["pause_s"])
+                        self.metrics.paused_seconds.inc(res["pause_s"])
+                        for phase in ("transfer", "load"):
+                            self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(res[f"{phase}_s"])
+                        await asyncio.to_thread(self._publish, status="ready")
+                    else:
+                        self._sync_failed(res)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis hiccup: keep serving, try again
+                log.warning("sync watcher: %r", e)
+            await asyncio.sleep(0.05)
+
+    def _sync_failed(self, res: dict) -> None:
+        self.metrics.sync_failures.inc()
+        self.last_error = res.get("error")
+        log.warning("weight sync failed, keeping version %d: %s", self.engine.version, res.get("error"))
+
+    # -- registry ------------------------------------------------------------------------
+    def _publish(self, status: str) -> None:
+        registry.heartbeat_worker(
+            self.r, self.keys, self.worker_id, self.cfg.rollout.heartbeat_ttl_s,
+            address=self.address, version=self.engine.version, precision=self.engine.profile.precision,
+            inflight=len(self.groups), status=status)
+
+    async def _heartbeat(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                await asyncio.to_thread(self._publish, status="ready")
+            except Exception as e:
+                log.warning("heartbeat: %r", e)
+            await asyncio.sleep(self.cfg.rollout.heartbeat_s)

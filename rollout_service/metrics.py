@@ -1,0 +1,36 @@
+"""Prometheus metrics of a rollout worker (names from DESIGN.md, prefix ``rlpipe_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RolloutMetrics:
+    def __init__(self, worker_id: str, precision: str):
+        self.registry = CollectorRegistry()
+        labels = {"worker": worker_id, "precision": precision}
+        r = self.registry
+
+        def counter(name, doc):
+            return Counter(f"rlpipe_{name}", doc, list(labels), registry=r).labels(**labels)
+
+        def gauge(name, doc):
+            return Gauge(f"rlpipe_{name}", doc, list(labels), registry=r).labels(**labels)
+
+        self.tokens = counter("rollout_tokens", "response tokens generated")
+        self.groups = counter("rollout_groups", "groups pushed to the stream")
+        self.generate_seconds = Histogram(
+            "rlpipe_rollout_generate_seconds", "wall time to generate one group", list(labels),
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r).labels(**labels)
+        self.version = gauge("rollout_policy_version", "weights version in the engine")
+        self.paused_seconds = counter("rollout_paused_seconds", "time generation was paused for weight updates")
+        self.inflight = gauge("rollout_inflight_groups", "groups being generated now")
+        self.backpressure_waits = counter("rollout_backpressure_waits", "times a free slot waited for the learner")
+        self.sync_seconds = Histogram(
+            "rlpipe_weight_sync_seconds", "weight update time on the worker, by phase", list(labels) + ["phase"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.sync_pause_seconds = Histogram(
+            "rlpipe_weight_sync_pause_seconds", "generation pause per weight update", list(labels),
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r).labels(**labels)
+        self.sync_failures = counter("weight_sync_failures", "weight updates that failed (previous weights kept)")
+        self.labels = labels
