@@ -1,0 +1,45 @@
+"""The learner's HTTP interface: ``/healthz``, ``/metrics`` (Prometheus) and ``/status`` (JSON).
+
+Served by uvicorn in a daemon thread next to the training loop; it only reads the
+learner's state.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rlpipe.proc import bind_socket
+
+
+def create_app(learner) -> FastAPI:
+    app = FastAPI(title="rlpipe learner", version="1")
+
+    @app.get("/healthz")
+    def healthz():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(generate_latest(learner.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    def status():
+        return learner.snapshot()
+
+    return app
+
+
+def serve_in_thread(learner, host: str, port: int) -> str:
+    """Start the app; returns the bound ``host:port``."""
+    import uvicorn
+
+    sock = bind_socket(host, port)
+    server = uvicorn.Server(uvicorn.Config(create_app(learner), log_level="warning"))
+    server.install_signal_handlers = lambda: None  # the main thread owns signals
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="learner-http", daemon=True).start()
+    host, port = sock.getsockname()[:2]
+    return f"{host}:{port}"

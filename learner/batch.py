@@ -1,0 +1,70 @@
+"""Turn group records into padded training tensors.
+
+Each sample becomes one row ``prompt + response`` (right-padded). Position t of the
+``(N, T-1)`` tensors describes the token at t+1, predicted from the logits at t, so
+``mask`` is 1 exactly on the response tokens (the sampled ones, EOS included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlpipe.schema import GroupRecord
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (N, T) long
+    attention_mask: torch.Tensor  # (N, T) long
+    targets: torch.Tensor  # (N, T-1) long: input_ids shifted left
+    mask: torch.Tensor  # (N, T-1) float: 1 on response tokens
+    behavior_logprobs: torch.Tensor  # (N, T-1) float: mu, 0 off the mask
+    advantages: torch.Tensor  # (N,)
+    rewards: torch.Tensor  # (N,)
+    group_index: torch.Tensor  # (N,) long: which record each row came from
+    staleness: torch.Tensor  # (N,) long: learner version - policy_version
+    temperature: torch.Tensor  # (N,) float: the sampling temperature of each row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+
+def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, pad_id: int = 0) -> Batch:
+    """``advantages`` is (G, n): one row per record, one column per sample."""
+    rows, mus, lengths = [], [], []
+    for rec in records:
+        prompt = rec.prompt_tokens.tolist()
+        for s in rec.samples:
+            rows.append(prompt + s.tokens.tolist())
+            mus.append((len(prompt), s.logprobs))
+    n_rows, width = len(rows), max(map(len, rows))
+    input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n_rows, width), dtype=torch.long)
+    mask = torch.zeros((n_rows, width - 1))
+    mu = torch.zeros((n_rows, width - 1))
+    for i, (row, (plen, lps)) in enumerate(zip(rows, mus)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        # response token k sits at position plen+k and is predicted at plen+k-1
+        mask[i, plen - 1 : len(row) - 1] = 1
+        mu[i, plen - 1 : len(row) - 1] = torch.from_numpy(lps)
+    group_index = torch.tensor([g for g, rec in enumerate(records) for _ in rec.samples])
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        targets=input_ids[:, 1:],
+        mask=mask,
+        behavior_logprobs=mu,
+        advantages=torch.cat([advantages[g, : len(rec.samples)] for g, rec in enumerate(records)]).float(),
+        rewards=torch.tensor([s.reward for rec in records for s in rec.samples], dtype=torch.float32),
+        group_index=group_index,
+        staleness=torch.tensor([version - rec.policy_version for rec in records for _ in rec.samples]),
+        temperature=torch.tensor([float(rec.sampling.get("temperature", 1.0)) or 1.0
+                                  for rec in records for _ in rec.samples]),
+    )
