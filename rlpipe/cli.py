@@ -1,0 +1,139 @@
+"""The ``rlpipe`` command.
+
+    rlpipe demo [--steps N] [--seed S] [--precision bf16|fp8|...] [--set key=value ...]
+    rlpipe rollout --config run.yaml --worker-id w0       one rollout worker
+    rlpipe learner --config run.yaml                      the learner
+    rlpipe build-model [--seed S]                         build/cache the toy model, print its path
+    rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
+
+Arguments are parsed and the config validated before anything heavy (torch, vLLM) is
+imported, so ``--help`` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from rlpipe.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlpipe", description="asynchronous RL for LLMs with quantized vLLM rollout")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp):
+        sp.add_argument("--config", help="YAML config file (RLPIPE_<SECTION>__<KEY> env vars override it)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
+        return sp
+
+    d = with_config(sub.add_parser("demo", help="run a whole RL job locally on the toy task"))
+    d.add_argument("--steps", type=int)
+    d.add_argument("--seed", type=int)
+    d.add_argument("--workers", type=int)
+    d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8")
+    d.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
+    d.add_argument("--run-id")
+    d.add_argument("--runs-dir", default="runs")
+    d.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
+
+    r = with_config(sub.add_parser("rollout", help="run one rollout worker"))
+    r.add_argument("--worker-id", required=True)
+    r.add_argument("--port", type=int)
+    r.add_argument("--address-file", help="write host:port here once bound")
+
+    with_config(sub.add_parser("learner", help="run the learner"))
+
+    b = with_config(sub.add_parser("build-model", help="build (or find) the cached toy model and print its path"))
+    b.add_argument("--seed", type=int)
+
+    pl = sub.add_parser("plot", help="draw metrics.png for a run directory")
+    pl.add_argument("run_dir")
+    return p
+
+
+def _overrides(args) -> dict:
+    out = {}
+    for item in args.set:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    for flag, key in (("steps", "steps"), ("seed", "seed"), ("workers", "workers"), ("precision", "rollout.precision"),
+                      ("is_mode", "learner.is_mode"), ("run_id", "run_id"), ("port", "rollout.port")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(getattr(args, "config", None), **_overrides(args)) if args.command != "plot" else None
+    except (ConfigError, OSError) as e:
+        print(f"rlpipe: error: {e}", file=sys.stderr)
+        return 2
+
+    from rlpipe.proc import exit_with_parent, setup_logging
+
+    if args.command == "demo":
+        import signal
+
+        from rlpipe.demo import format_summary, run_demo
+
+        def on_term(signum, frame):  # stop like Ctrl-C: every child is stopped, none orphaned
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            summary = run_demo(cfg, runs_dir=args.runs_dir, timeout_s=args.timeout)
+        except KeyboardInterrupt:
+            return 130
+        except (ConfigError, FileNotFoundError) as e:
+            print(f"rlpipe: error: {e}", file=sys.stderr)
+            return 2
+        print(format_summary(summary))
+        return 0 if summary.get("completed") else 1
+
+    if args.command == "rollout":
+        setup_logging(f"rollout[{args.worker_id}]")
+        exit_with_parent()
+        from rollout_service.server import serve
+
+        serve(cfg, args.worker_id, args.address_file)
+        return 0
+
+    if args.command == "learner":
+        setup_logging("learner")
+        exit_with_parent()
+        from learner.main import main as learner_main
+
+        return learner_main(cfg)
+
+    if args.command == "build-model":
+        from rlpipe.demo import resolve_model
+
+        print(resolve_model(cfg, log=lambda m: print(m, file=sys.stderr)))
+        return 0
+
+    if args.command == "plot":
+        from pathlib import Path
+
+        from learner.metrics import read_jsonl
+        from rlpipe.plots import plot_run
+
+        rows = read_jsonl(Path(args.run_dir) / "metrics.jsonl")
+        if not rows:
+            print(f"rlpipe: error: no metrics in {args.run_dir}", file=sys.stderr)
+            return 2
+        print(plot_run(rows, Path(args.run_dir) / "metrics.png"))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""``rlpipe demo``: a whole run on this machine, from nothing to a reward curve.
+
+Builds (or reuses) the toy model, starts a private Redis, N rollout workers and the
+learner as separate processes, shows a progress bar while the learner trains for
+``steps`` steps, then stops everything and leaves in ``runs/<id>/``:
+
+    config.yaml     the resolved config every role read
+    metrics.jsonl   one line of learner metrics per step
+    metrics.png     reward and mismatch KL over steps
+    summary.json    the table printed at the end
+    logs/           one log per process; commands.txt has their command lines
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlpipe import registry
+from rlpipe.config import RunConfig, dump_config, validate_run
+from rlpipe.launcher import Launcher, worker_env
+from rlpipe.queue import Keys, TrajectoryQueue, connect
+from rlpipe.redis_server import EmbeddedRedis
+
+
+def resolve_model(cfg: RunConfig, log=print) -> str:
+    """The model directory: ``model.path`` if given, else the cached toy model for this config."""
+    if cfg.model.path:
+        if not Path(cfg.model.path).is_dir():
+            raise FileNotFoundError(f"model.path: {cfg.model.path} is not a directory")
+        return cfg.model.path
+    from rlpipe.toy import ArithmeticTask, ToyModelSpec, ensure_toy_model
+
+    spec = ToyModelSpec(
+        hidden_size=cfg.model.toy_hidden_size,
+        num_layers=cfg.model.toy_layers,
+        task=ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops),
+        seed=cfg.seed,
+        target_sampled_accuracy=cfg.model.toy_target_sampled_accuracy,
+    )
+    return str(ensure_toy_model(spec, log=log))
+
+
+def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
+    validate_run(cfg)
+    run_id = cfg.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{cfg.seed}"
+    run_dir = Path(runs_dir).resolve() / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+
+    say(f"rlpipe demo: run {run_id} in {run_dir}")
+    model_path = resolve_model(cfg, log=say)
+    redis_server = None
+    redis_url = os.environ.get("REDIS_URL", "")
+    if not redis_url:
+        redis_server = EmbeddedRedis(run_dir / "redis").start()
+        redis_url = redis_server.url
+    cfg = cfg.model_copy(deep=True)
+    cfg.run_id, cfg.run_dir, cfg.redis_url, cfg.model.path = run_id, str(run_dir), redis_url, model_path
+    if cfg.learner.threads == 0 and cfg.workers >= len(os.sched_getaffinity(0)):
+        # Every core already runs a worker: a multi-threaded learner would fight them
+        # (OpenMP threads wait on each other at every barrier) and run slower than one.
+        cfg.learner.threads = 1
+    cfg_path = run_dir / "config.yaml"
+    dump_config(cfg, cfg_path)
+
+    launcher = Launcher(run_dir)
+    r = connect(redis_url)
+    keys = Keys(run_id)
+    learner_done = False
+    try:
+        for i in range(cfg.workers):
+            launcher.spawn(f"rollout-{i}", ["rollout", "--config", str(cfg_path), "--worker-id", f"w{i}"], worker_env(i, cfg.workers))
+        launcher.spawn("learner", ["learner", "--config", str(cfg_path)])
+        learner_done = _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress)
+    except KeyboardInterrupt:
+        say("\ninterrupted: stopping every process")
+        raise
+    finally:
+        launcher.stop_all()
+        summary = _summarize(cfg, r, run_dir, t_start, learner_done)
+        if redis_server:
+            redis_server.stop()
+    return summary
+
+
+def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bool:
+    """Show progress until the learner reports done; raise if a child fails or time runs out."""
+    from tqdm import tqdm
+
+    from learner.metrics import read_jsonl
+
+    bar = tqdm(total=cfg.steps, desc="starting", unit="step", disable=not progress, file=sys.stderr,
+               bar_format="{desc} |{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+    last_step = 0
+    try:
+        while True:
+            launcher.check()
+            state = registry.learner_state(r, keys)
+            step = int(state.get("step", 0))
+            if step > last_step:
+                rows = read_jsonl(run_dir / "metrics.jsonl")
+                if rows:
+                    m = rows[-1]
+                    bar.set_postfix_str(f" version {m['learner_version']}  reward {m['reward_mean']:.3f}  "
+                                        f"kl {m['mismatch_kl']:.1e}")
+                bar.set_description("training")
+                bar.update(step - last_step)
+                last_step = step
+            elif step == 0:
+                up = len(registry.live_workers(r, keys))
+                bar.set_description(f"starting ({up}/{cfg.workers} workers up)")
+            if state.get("status") == "done":
+                return True
+            if time.time() - t_start > timeout_s:
+                raise TimeoutError(f"demo did not finish within {timeout_s:.0f}s (step {step}/{cfg.steps})")
+            time.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: bool) -> dict:
+    from learner.metrics import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    queue = TrajectoryQueue(r, cfg.run_id)
+    counters = queue.counters()
+    k = min(3, max(1, len(rows) // 4)) if rows else 0
+    summary = {
+        "run_id": cfg.run_id,
+        "seed": cfg.seed,
+        "precision": cfg.rollout.precision,
+        "is_mode": cfg.learner.is_mode,
+        "completed": learner_done,
+        "steps": len(rows),
+        "final_version": rows[-1]["learner_version"] if rows else 0,
+        "wall_seconds": round(time.time() - t_start, 1),
+        "rl_seconds": round(rows[-1]["time"], 1) if rows else 0.0,
+        "reward_start": sum(x["reward_mean"] for x in rows[:k]) / k if k else None,
+        "reward_end": sum(x["reward_mean"] for x in rows[-k:]) / k if k else None,
+        "mismatch_kl_mean": sum(x["mismatch_kl"] for x in rows) / len(rows) if rows else None,
+        "staleness_mean": sum(x["staleness_mean"] for x in rows) / len(rows) if rows else None,
+        "groups_produced": counters["produced"],
+        "groups_trained": counters["trained"],
+        "groups_dropped_stale": counters["dropped_stale"],
+        "groups_pending": queue.length(),
+        "groups_dead": counters["dead"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rows:
+        from rlpipe.plots import plot_run
+
+        summary["plot"] = str(plot_run(rows, run_dir / "metrics.png",
+                                       title=f"{cfg.run_id}: {cfg.rollout.precision}, {cfg.learner.is_mode}"))
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    width = max(map(len, summary))
+    lines = ["", "rlpipe demo summary", "-" * (width + 24)]
+    lines += [f"{k.ljust(width)}  {fmt(v)}" for k, v in summary.items()]
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""The local launcher: owns the run directory, the child processes and their logs.
+
+Each role runs as ``python -m rlpipe.cli <role> ...`` in its own process session, with
+its output in ``runs/<id>/logs/<name>.log`` and its command line in
+``runs/<id>/commands.txt``. Children are stopped by process group (SIGTERM, then SIGKILL
+after a grace period), which takes vLLM's engine processes with them; and each child
+stops itself if the launcher dies (``RLPIPE_PARENT_PID``, see rlpipe.proc).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Environment every role gets: no hub, no telemetry, quiet vLLM.
+ROLE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+class Launcher:
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "rlpipe.cli", *args]
+        full_env = {**os.environ, **ROLE_ENV, **(env or {}), "RLPIPE_PARENT_PID": str(os.getpid())}
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=full_env, start_new_session=True, cwd=os.getcwd())
+        extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        with open(self.run_dir / "commands.txt", "a") as f:
+            f.write(f"{name}: {extra} {shlex.join(cmd)}\n")
+        self.procs[name] = proc
+        return proc
+
+    def check(self) -> None:
+        """Raise ChildFailed if any child has exited with an error."""
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0):
+                tail = self.log_tail(name)
+                raise ChildFailed(f"{name} exited with code {code}; last log lines:\n{tail}")
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, name: str, grace_s: float = 20.0) -> None:
+        self._stop([self.procs[name]], grace_s)
+
+    def stop_all(self, grace_s: float = 20.0) -> None:
+        self._stop(list(self.procs.values()), grace_s)
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+        """SIGTERM each role's main process (it shuts its engine down in order), wait,
+        then SIGKILL whatever is left of each process group."""
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in procs:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the child leads its own session: this reaches its whole tree
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def worker_env(index: int, n_workers: int, cores: list[int] | None = None) -> dict[str, str]:
+    """Give worker ``index`` its share of this machine's cores: an equal slice when there
+    are more cores than workers, else one core each, round-robin."""
+    cores = cores or sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n_workers)
+    mine = [cores[(index * per + k) % len(cores)] for k in range(per)]
+    return {"RLPIPE_CPU_AFFINITY": ",".join(map(str, mine)), "OMP_NUM_THREADS": str(per)}
