@@ -72,7 +72,8 @@ def ppo_clip_loss(pi: torch.Tensor, pi_old: torch.Tensor, advantages: torch.Tens
     loss = masked_mean(per_token, mask)
     with torch.no_grad():
         metrics = {
-            "ppo_clip_fraction": masked_mean((clipped != unclipped).float(), mask).item(),
+            # tokens where the clipped branch is the one taken (its gradient is zero)
+            "ppo_clip_fraction": masked_mean((clipped < unclipped).float(), mask).item(),
             "ppo_ratio_mean": masked_mean(ratio, mask).item(),
         }
     return loss, metrics
