@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quant.profiles import profile_for
 from rlpipe.config import RunConfig
@@ -31,8 +31,8 @@ class GenerateRequest(BaseModel):
 
     prompt_token_ids: list[int] | None = Field(None, description="prompt as token ids (exactly one of this and prompt)")
     prompt: str | None = Field(None, description="prompt as text, tokenized by the worker")
-    n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy")
+    n: int = Field(1, ge=1)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     max_tokens: int = Field(16, ge=1)
@@ -44,6 +44,13 @@ class GenerateRequest(BaseModel):
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
         return self
+
+    @field_validator("n")
+    @classmethod
+    def _greedy_is_single(cls, n, info):
+        if n > 1 and info.data.get("temperature", 1.0) == 0:
+            raise ValueError("greedy sampling (temperature 0) gives one distinct sample: n must be 1")
+        return n
 
 
 class Choice(BaseModel):
@@ -68,7 +75,7 @@ def bad_request(field: str, msg: str) -> HTTPException:
 
 
 def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> FastAPI:
-    from rollout_service.engine import RolloutEngine
+    from rollout_service.engine import InvalidRequest, RolloutEngine
     from rollout_service.metrics import RolloutMetrics
 
     profile = profile_for(cfg.rollout.precision)
@@ -170,9 +177,12 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             raise bad_request("max_tokens", f"{req.max_tokens} exceeds the limit of {limits.max_new_tokens}")
         if len(prompt_ids) + req.max_tokens > limits.max_model_len:
             raise bad_request("max_tokens", f"prompt + max_tokens exceeds the model length {limits.max_model_len}")
-        results, v0, v1 = await engine.generate(
-            prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            max_tokens=req.max_tokens, seed=req.seed, stop=req.stop)
+        try:
+            results, v0, v1 = await engine.generate(
+                prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=req.max_tokens, seed=req.seed, stop=req.stop)
+        except InvalidRequest as e:
+            raise bad_request(e.field, str(e)) from None
         return GenerateResponse(
             prompt_token_ids=list(prompt_ids),
             choices=[Choice(tokens=r.tokens.tolist(), logprobs=r.logprobs.tolist(),

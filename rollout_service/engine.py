@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
+class InvalidRequest(ValueError):
+    """The engine refused the sampling parameters; ``field`` names the offending one."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class SampleResult:
     tokens: np.ndarray  # int32, as sampled
@@ -105,13 +113,19 @@ class RolloutEngine:
                        stop: list[str] | None = None) -> tuple[list[SampleResult], int, int]:
         """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-            seed=seed, stop=stop or None, logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
-        )
+        try:
+            params = SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                seed=seed, stop=stop or None, logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
+            )
+        except VLLMValidationError as e:
+            raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None
+        except ValueError as e:
+            raise InvalidRequest("sampling", str(e)) from None
         request_id = f"r{next(self._ids)}"
         tracked = _Tracked(start_version=self.version)
         self._active[request_id] = tracked
