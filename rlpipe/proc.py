@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -41,6 +42,20 @@ def exit_with_parent() -> None:
                 os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send this process ``sig`` when its parent dies (Linux prctl).
+
+    Used as ``preexec_fn`` for children that are not Python roles (redis-server), and by
+    vLLM's engine process; it survives ``exec``. Returns False where unsupported.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except OSError:  # not Linux
+        return False
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

