@@ -37,7 +37,7 @@ class Batch:
 
 def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, pad_id: int = 0) -> Batch:
     """``advantages`` is (G, n): one row per record, one column per sample."""
-    rows, mus, lengths = [], [], []
+    rows, mus = [], []
     for rec in records:
         prompt = rec.prompt_tokens.tolist()
         for s in rec.samples:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from learner.batch import Batch, collate
-from learner.loss import group_advantages, importance_weights, mismatch_metrics, masked_mean, ppo_clip_loss
+from learner.loss import group_advantages, importance_weights, masked_mean, mismatch_metrics, ppo_clip_loss
 from learner.metrics import LearnerMetrics
 from learner.policy import load_policy, token_logprobs
 from quant.profiles import profile_for
