@@ -1,0 +1,142 @@
+"""Shared fixtures: one real Redis, the toy model, and one real rollout worker per session.
+
+The worker is a separate ``rlpipe rollout`` process (real vLLM engine in fp32, real
+FastAPI over HTTP, real Redis stream, real gloo weight sync). Tests act as the learner:
+they push weights with the production ``WeightSender`` and read the groups the worker
+produces. Back-pressure (``groups_per_step=1``, ``max_lag=0``) makes the worker produce
+exactly one group per learner version, so each test sees groups of a known version.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import Keys, TrajectoryQueue, connect, wait_for
+from rlpipe.redis_server import EmbeddedRedis
+from rlpipe.registry import set_learner_state
+from rlpipe.toy import ArithmeticTask, ToyModelSpec, ensure_toy_model
+
+ROOT = Path(__file__).resolve().parent.parent
+# The demo's own toy model (default config, seed 0): built once, reused by the tests and the demo.
+TOY_SPEC = ToyModelSpec(task=ArithmeticTask())
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def r(redis_server):
+    client = connect(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def toy_model_path() -> str:
+    return str(ensure_toy_model(TOY_SPEC, log=lambda m: None))
+
+
+def free_run_id(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+class WorkerHarness:
+    """A running rollout worker plus the learner-side tools to drive it."""
+
+    def __init__(self, cfg, proc, address, r):
+        self.cfg, self.proc, self.address, self.r = cfg, proc, address, r
+        self.keys = Keys(cfg.run_id)
+        self.queue = TrajectoryQueue(r, cfg.run_id)
+        self.queue.ensure_consumer_group()
+        self.http = httpx.Client(base_url=f"http://{address}", timeout=60)
+        self.version = -1
+        from weight_sync.sender import WeightSender
+
+        self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, join_timeout_s=60,
+                                   bucket_bytes=1 << 20, wire_dtype=torch.float32)
+
+    def sync(self, model) -> int:
+        """Broadcast ``model``'s weights as the next version and let the worker produce for it."""
+        self.version += 1
+        stats = self.sender.sync(self.version, model.named_parameters, ["w0"])
+        assert stats["members"] == 1
+        set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running")
+        wait_for(lambda: self.http.get("/v1/status").json()["version"] == self.version, 60, what="worker version")
+        return self.version
+
+    def next_group(self, version: int, timeout: float = 60):
+        """The next group generated with ``version`` (older ones are skipped); acknowledged."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for entry in self.queue.read("tests", 1, block_ms=500):
+                self.queue.ack([entry.entry_id])
+                if entry.record.policy_version >= version:
+                    return entry.record
+        raise TimeoutError(f"no group of version {version} from the worker")
+
+
+@pytest.fixture(scope="session")
+def worker(redis_server, toy_model_path, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("worker-run")
+    cfg = build_config({}, environ={},
+                       run_id=free_run_id("w"), run_dir=str(run_dir), redis_url=redis_server.url,
+                       **{"model.path": toy_model_path, "rollout.precision": "fp32",
+                          "learner.groups_per_step": 1, "queue.max_lag": 0, "rollout.max_inflight_groups": 4})
+    cfg_path = run_dir / "config.yaml"
+    dump_config(cfg, cfg_path)
+    address_file = run_dir / "address"
+    log = open(run_dir / "worker.log", "wb")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(cfg_path),
+                             "--worker-id", "w0", "--address-file", str(address_file)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    r = connect(redis_server.url)
+
+    def up():
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited: {(run_dir / 'worker.log').read_text()[-3000:]}")
+        return address_file.exists() and r.exists(Keys(cfg.run_id).worker("w0"))
+
+    wait_for(up, 300, interval=0.5, what="rollout worker start-up")
+    harness = WorkerHarness(cfg, proc, address_file.read_text(), r)
+    yield harness
+    harness.sender.drop()
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    log.close()
+
+
+def learner_logprobs(model, prompt_tokens, response_tokens, temperature: float = 1.0) -> torch.Tensor:
+    """The learner's log-probs of a response, via the production code path."""
+    import numpy as np
+
+    from learner.batch import collate
+    from learner.policy import token_logprobs
+    from rlpipe.schema import GroupRecord, Sample
+
+    rec = GroupRecord("t", "g", "p", "w", 0, 0, "fp32", "", {"temperature": temperature},
+                      np.asarray(prompt_tokens, dtype=np.int32),
+                      [Sample(np.asarray(response_tokens, dtype=np.int32),
+                              np.zeros(len(response_tokens), dtype=np.float32), "stop", 0.0)])
+    batch = collate([rec], torch.zeros(1, 1), 0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch)
+    return logp[0][batch.mask[0].bool()]

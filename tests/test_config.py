@@ -1,0 +1,59 @@
+"""Config: defaults validate, overrides apply, and bad keys are named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlpipe.config import ConfigError, build_config, load_config, validate_run
+
+
+def test_defaults_are_valid():
+    cfg = build_config({}, environ={})
+    validate_run(cfg)
+    assert cfg.learner.is_mode == "token_tis" and cfg.learner.is_cap == 2.0
+    assert (cfg.learner.eps_low, cfg.learner.eps_high) == (0.2, 0.28)
+
+
+def test_yaml_env_and_dotted_overrides_layer(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learner:\n  lr: 1.0e-5\n  groups_per_step: 8\nrollout:\n  precision: fp8\n")
+    cfg = load_config(path, environ={"RLPIPE_LEARNER__LR": "2e-5", "RLPIPE_CACHE": "/x"}, **{"learner.ppo_epochs": 3})
+    assert cfg.learner.lr == 2e-5 and cfg.learner.groups_per_step == 8
+    assert cfg.rollout.precision == "fp8" and cfg.learner.ppo_epochs == 3
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"learner": {"lrr": 1}}, "learner.lrr"),
+    ({"learner": {"lr": "fast"}}, "learner.lr"),
+    ({"rollout": {"precision": "fp4"}}, "rollout.precision"),
+    ({"sampling": {"n": 0}}, "sampling.n"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_bad_keys_are_named(data, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        build_config(data, environ={})
+
+
+def test_cross_role_rules():
+    with pytest.raises(ConfigError, match="sampling.n"):
+        validate_run(build_config({"sampling": {"n": 1}}, environ={}))
+
+
+def test_cli_names_the_bad_field_without_importing_the_engine():
+    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "demo", "--set", "learner.is_mode=magic"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "learner.is_mode" in out.stderr
+
+
+def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        validate_run(load_config(path, environ={}))
+    assert load_config(configs[0].parent / "demo.yaml", environ={}) == build_config({}, environ={})

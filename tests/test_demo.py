@@ -1,0 +1,90 @@
+"""The whole loop, as a user runs it: ``rlpipe demo`` with Redis, 2 workers and the learner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from learner.metrics import read_jsonl
+from rlpipe.config import build_config
+from rlpipe.demo import run_demo
+from rlpipe.queue import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def processes_of_run(launcher_pid: int, run_dir: Path) -> list[psutil.Process]:
+    """Every process a run started: roles (and their engines) carry the launcher's pid in
+    their environment; the embedded Redis runs in the run directory (it rewrites its title)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.pid == launcher_pid:
+                continue
+            if p.environ().get("RLPIPE_PARENT_PID") == str(launcher_pid) or p.cwd().startswith(str(run_dir)):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
+    steps = 30
+    cfg = build_config({}, environ={}, steps=steps, seed=0, run_id="e2e")
+    summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False)
+    run_dir = tmp_path / "e2e"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+
+    assert summary["completed"] and len(rows) == steps
+    assert [r["learner_version"] for r in rows] == list(range(1, steps + 1))
+    # Every version reached both workers, and what they sampled followed the versions.
+    assert all(r["weight_sync_members"] == 2 and "weight_sync_failed" not in r for r in rows)
+    assert all(r["staleness_max"] <= cfg.queue.max_staleness for r in rows)
+    assert rows[-1]["staleness_mean"] <= cfg.queue.max_lag + 1
+
+    # No group lost: every one produced was trained, dropped, or is still in the stream.
+    produced, trained = summary["groups_produced"], summary["groups_trained"]
+    assert produced == trained + summary["groups_dropped_stale"] + summary["groups_pending"]
+    assert trained == steps * cfg.learner.groups_per_step
+    assert summary["groups_dead"] == 0
+
+    # It learns: the last steps' reward is clearly above the first steps'.
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.05, (first, last)
+
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "learner.log").exists()
+    assert processes_of_run(os.getpid(), run_dir) == []
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
+    run_dir = tmp_path / "stop"
+    log = open(tmp_path / "demo.log", "wb")
+    demo = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "demo", "--steps", "500", "--run-id", "stop",
+                             "--runs-dir", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: demo.poll() is not None or len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, 300,
+                 interval=0.5, what="the first learner step")
+        assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
+        assert len(processes_of_run(demo.pid, run_dir)) >= 6  # redis, 2 x (server + engine), learner
+        demo.send_signal(how)
+        demo.wait(60)
+        if how == signal.SIGINT:
+            assert demo.returncode == 130
+        # A Ctrl-C stops children in order; a killed launcher's children notice and stop themselves.
+        wait_for(lambda: not processes_of_run(demo.pid, run_dir), 45, interval=0.5, what="every child to exit")
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        for p in processes_of_run(demo.pid, run_dir):
+            p.kill()
+        log.close()
+    assert not processes_of_run(demo.pid, run_dir)

@@ -1,0 +1,96 @@
+"""The wire schema: round trips, and every kind of malformed record rejected with a reason."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from rlpipe.schema import GroupRecord, Sample, SchemaError, decode_group, encode_group
+
+
+def make_record(**overrides) -> GroupRecord:
+    samples = [
+        Sample(np.array([5, 6, 2], dtype=np.int32), np.array([-0.1, -0.5, -0.01], dtype=np.float32), "stop", 1.0),
+        Sample(np.array([7, 2], dtype=np.int32), np.array([-2.0, -0.3], dtype=np.float32), "length", 0.0,
+               versions=np.array([3, 4], dtype=np.int32), reward_info={"parsed": "7"}),
+    ]
+    fields = dict(run_id="run", group_id="ab" * 16, prompt_id="17", worker_id="w0", policy_version=3,
+                  policy_version_end=4, precision="fp8", quant_profile="abc123",
+                  sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 11},
+                  prompt_tokens=np.array([1, 5, 14, 6, 17], dtype=np.int32), samples=samples,
+                  created_at=1.5, gen_seconds=0.25)
+    fields.update(overrides)
+    return GroupRecord(**fields)
+
+
+def test_round_trip_keeps_every_field_exactly():
+    rec = make_record()
+    back = decode_group(encode_group(rec))
+    for name in ("run_id", "group_id", "prompt_id", "worker_id", "policy_version", "policy_version_end",
+                 "precision", "quant_profile", "sampling", "created_at", "gen_seconds", "schema"):
+        assert getattr(back, name) == getattr(rec, name), name
+    assert back.prompt_tokens.tolist() == rec.prompt_tokens.tolist()
+    for a, b in zip(back.samples, rec.samples):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.logprobs.tobytes() == b.logprobs.tobytes()  # bit-exact float32
+        assert a.finish_reason == b.finish_reason and a.reward == b.reward and a.reward_info == b.reward_info
+        assert (a.versions is None) == (b.versions is None)
+    assert back.samples[1].versions.tolist() == [3, 4]
+
+
+def test_arrays_are_little_endian_int32_and_float32():
+    raw = msgpack.unpackb(encode_group(make_record()), raw=False)
+    assert raw["prompt_tokens"] == np.array([1, 5, 14, 6, 17], dtype="<i4").tobytes()
+    assert raw["samples"][0]["logprobs"] == np.array([-0.1, -0.5, -0.01], dtype="<f4").tobytes()
+    assert "versions" not in raw["samples"][0]
+
+
+def mutate(path, value):
+    raw = msgpack.unpackb(encode_group(make_record()), raw=False)
+    target = raw
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+@pytest.mark.parametrize("path, value, reason", [
+    (["schema"], 2, "schema"),
+    (["schema"], KeyError, "schema"),
+    (["precision"], "fp4", "precision"),
+    (["group_id"], 12, "group_id"),
+    (["policy_version"], "3", "policy_version"),
+    (["policy_version_end"], 1, "policy_version_end"),
+    (["samples"], [], "samples"),
+    (["samples", 0, "tokens"], b"\x01\x02\x03", "tokens"),
+    (["samples", 0, "logprobs"], np.array([-0.1], dtype="<f4").tobytes(), "logprobs"),
+    (["samples", 0, "logprobs"], np.array([-0.1, np.nan, -1], dtype="<f4").tobytes(), "logprobs"),
+    (["samples", 0, "logprobs"], np.array([-0.1, 0.5, -1], dtype="<f4").tobytes(), "logprobs"),
+    (["samples", 0, "finish_reason"], "eos", "finish_reason"),
+    (["samples", 0, "reward"], "1", "reward"),
+    (["samples", 0, "reward"], float("inf"), "reward"),
+    (["samples", 1, "versions"], np.array([1], dtype="<i4").tobytes(), "versions"),
+    (["sampling", "beam"], 4, "sampling"),
+    (["prompt_tokens"], b"", "prompt_tokens"),
+    (["created_at"], None, "created_at"),
+])
+def test_malformed_records_are_rejected_with_the_field_named(path, value, reason):
+    with pytest.raises(SchemaError, match=reason):
+        decode_group(mutate(path, value))
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb("x")])
+def test_garbage_is_rejected_not_crashed_on(data):
+    with pytest.raises(SchemaError):
+        decode_group(data)
+
+
+def test_writer_refuses_a_bad_record():
+    rec = make_record()
+    rec.samples[0].logprobs = rec.samples[0].logprobs[:1]
+    with pytest.raises(SchemaError, match="logprobs"):
+        encode_group(rec)

@@ -1,0 +1,127 @@
+"""A real rollout worker (vLLM engine in fp32) against the learner's own log-prob code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from learner.policy import load_policy
+from tests.conftest import learner_logprobs
+
+pytestmark = pytest.mark.slow
+
+
+def perturbed(path: str, seed: int, scale: float = 0.05):
+    model = load_policy(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def max_diff(model, rec) -> float:
+    return max(float((learner_logprobs(model, rec.prompt_tokens, s.tokens) - torch.from_numpy(s.logprobs)).abs().max())
+               for s in rec.samples)
+
+
+def test_worker_group_logprobs_equal_learner_fp32(worker, toy_model_path):
+    model = load_policy(toy_model_path)
+    version = worker.sync(model)
+    rec = worker.next_group(version)
+    assert rec.precision == "fp32" and rec.worker_id == "w0"
+    assert rec.policy_version == rec.policy_version_end == version
+    assert len(rec.samples) == worker.cfg.sampling.n
+    assert max_diff(model, rec) < 1e-4
+    # The reward is the task's verdict on the decoded response.
+    from transformers import AutoTokenizer
+
+    from rollout_service.tasks import make_task
+
+    task, tok = make_task(worker.cfg.task), AutoTokenizer.from_pretrained(toy_model_path)
+    prompt = task.prompt(int(rec.prompt_id))
+    assert tok(prompt.text)["input_ids"] == rec.prompt_tokens.tolist()
+    for s in rec.samples:
+        assert s.reward == task.reward(prompt, tok.decode(s.tokens, skip_special_tokens=True))[0]
+
+
+def test_logprobs_equal_learner_after_weight_sync(worker, toy_model_path):
+    base = load_policy(toy_model_path)
+    model = perturbed(toy_model_path, seed=1)
+    version = worker.sync(model)
+    rec = worker.next_group(version)
+    assert max_diff(model, rec) < 1e-4
+    assert max_diff(base, rec) > 1e-2  # the update really changed the engine's policy
+    # The HTTP path samples from the same, updated engine.
+    resp = worker.http.post("/v1/generate", json={"prompt_token_ids": rec.prompt_tokens.tolist(), "n": 4,
+                                                  "max_tokens": 6, "seed": 7})
+    resp.raise_for_status()
+    body = resp.json()
+    assert body["policy_version"] == version
+    for choice in body["choices"]:
+        ours = learner_logprobs(model, rec.prompt_tokens, choice["tokens"])
+        assert float((ours - torch.tensor(choice["logprobs"])).abs().max()) < 1e-4
+
+
+def test_second_sync_replaces_first(worker, toy_model_path):
+    first, second = perturbed(toy_model_path, seed=2), perturbed(toy_model_path, seed=3)
+    worker.sync(first)
+    version = worker.sync(second)
+    rec = worker.next_group(version)
+    assert max_diff(second, rec) < 1e-4
+    assert max_diff(first, rec) > 1e-2
+
+
+def test_health_ready_metrics_status(worker):
+    assert worker.http.get("/healthz").json()["status"] == "ok"
+    worker.sync(load_policy(worker.cfg.model.path))
+    ready = worker.http.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["version"] == worker.version
+    status = worker.http.get("/v1/status").json()
+    assert status["precision"] == "fp32" and status["synced"] and status["sync_generation"] >= 1
+    metrics = worker.http.get("/metrics").text
+    groups = [line for line in metrics.splitlines() if line.startswith("rlpipe_rollout_groups_total")]
+    assert groups and float(groups[0].split()[-1]) >= 1
+    assert "rlpipe_rollout_policy_version" in metrics and "rlpipe_weight_sync_pause_seconds" in metrics
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt_token_ids": [1, 5], "n": 0}, "n"),
+    ({"prompt_token_ids": [1, 5], "n": 10_000}, "n"),
+    ({"prompt_token_ids": [1, 5], "max_tokens": 0}, "max_tokens"),
+    ({"prompt_token_ids": [1, 5], "max_tokens": 100_000}, "max_tokens"),
+    ({"prompt_token_ids": [1, 5], "temperature": -1}, "temperature"),
+    ({"prompt_token_ids": [1, 5], "top_p": 0}, "top_p"),
+    ({"prompt_token_ids": [1, 99999]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [-3]}, "prompt_token_ids"),
+    ({"prompt_token_ids": []}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1] * 500}, "prompt_token_ids"),
+    ({"prompt_token_ids": "12"}, "prompt_token_ids"),
+    ({"prompt": "1+1=", "prompt_token_ids": [1]}, None),
+    ({}, None),
+    ({"prompt": "1+1=", "bogus": 1}, "bogus"),
+])
+def test_generate_rejects_bad_input_with_the_field_named(worker, body, field):
+    resp = worker.http.post("/v1/generate", json=body)
+    assert resp.status_code == 422, resp.text
+    if field:
+        assert any(field in map(str, err["loc"]) for err in resp.json()["detail"]), resp.text
+
+
+def test_generate_rejects_oversized_and_malformed_bodies(worker):
+    resp = worker.http.post("/v1/generate", content=b"{" + b" " * (2 << 20) + b"}",
+                            headers={"content-type": "application/json"})
+    assert resp.status_code == 413
+    resp = worker.http.post("/v1/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+    # Nothing a client sent took the worker down.
+    assert worker.http.get("/healthz").status_code == 200
+    # The engine's own rule (greedy sampling needs n = 1) is a 422 too, not a 500.
+    resp = worker.http.post("/v1/generate", json={"prompt": "12+30=", "n": 2, "max_tokens": 4, "temperature": 0})
+    assert resp.status_code == 422 and "n" in map(str, resp.json()["detail"][0]["loc"])
+    greedy = [worker.http.post("/v1/generate", json={"prompt": "12+30=", "max_tokens": 4, "temperature": 0})
+              for _ in range(2)]
+    assert [g.status_code for g in greedy] == [200, 200]
+    assert greedy[0].json()["choices"][0]["tokens"] == greedy[1].json()["choices"][0]["tokens"]
+    assert np.isfinite(greedy[0].json()["choices"][0]["logprobs"]).all()
