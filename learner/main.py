@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 
+from rlpipe import registry
 from rlpipe.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ def main(cfg: RunConfig) -> int:
     signal.signal(signal.SIGTERM, on_term)
     learner = Learner(cfg)
     address = serve_in_thread(learner, cfg.learner.host, cfg.learner.port)
+    registry.set_learner_state(learner.r, learner.keys, address=address)
     log.info("learner serving /status at http://%s", address)
     try:
         learner.run()
