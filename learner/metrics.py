@@ -29,6 +29,8 @@ class LearnerMetrics:
         self.staleness = Histogram("rlpipe_staleness_versions", "versions between sampling and training, per group",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=self.registry)
         self.dropped_stale = Counter("rlpipe_dropped_stale", "groups dropped as too stale", registry=self.registry)
+        self.queue_dead = Counter("rlpipe_queue_dead", "malformed entries moved to the dead-letter stream",
+                                  registry=self.registry)
         self.sync_seconds = Histogram("rlpipe_weight_sync_seconds", "learner-side weight sync time, by phase",
                                       ["phase"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                       registry=self.registry)

@@ -57,6 +57,7 @@ class Learner:
         self.step = 0
         self.version = 0
         self.dropped_stale_total = 0
+        self.dead_seen = 0
         self.last_metrics: dict = {}
         self.status = "starting"
         self.started_at = time.time()
@@ -146,6 +147,7 @@ class Learner:
             "learner_grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
             "learner_lr": self.opt.param_groups[0]["lr"],
             "groups": len(records),
+            "groups_by_precision": {p: sum(r.precision == p for r in records) for p in sorted({r.precision for r in records})},
             "groups_skipped_equal_reward": len(records) - len(informative),
             "tokens": batch.num_tokens,
             "staleness_mean": batch.staleness.float().mean().item(),
@@ -186,6 +188,8 @@ class Learner:
     # -- bookkeeping -------------------------------------------------------------------------
     def _finish_step(self, m: dict, train_s: float, step_s: float) -> None:
         counters = self.queue.counters()
+        self.metrics.queue_dead.inc(counters["dead"] - self.dead_seen)
+        self.dead_seen = counters["dead"]
         m.update({
             "step": self.step,
             "learner_step": self.step,
@@ -196,6 +200,7 @@ class Learner:
             "queue_depth": self.queue.length(),
             "queue_pending": self.queue.pending(),
             "produced_total": counters["produced"],
+            "queue_dead_total": counters["dead"],
             "time": time.time() - self.started_at,
         })
         self.last_metrics = m

@@ -8,13 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from learner.metrics import read_jsonl
-from rlpipe.config import build_config
+from rlpipe.config import build_config, load_config
 from rlpipe.demo import run_demo
-from rlpipe.queue import wait_for
+from rlpipe.queue import Keys, connect, wait_for
+from rlpipe.registry import learner_state, live_workers
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +66,43 @@ def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
     assert processes_of_run(os.getpid(), run_dir) == []
 
 
+def check_http_interfaces(run_dir: Path) -> None:
+    """The running learner and workers answer on their published addresses."""
+    cfg = load_config(run_dir / "config.yaml", environ={})
+    r = connect(cfg.redis_url)
+    keys = Keys(cfg.run_id)
+    learner = httpx.Client(base_url=f"http://{learner_state(r, keys)['address']}", timeout=30)
+    status = learner.get("/status").json()
+    assert status["status"] == "running" and status["version"] >= 1 and status["last_metrics"]["reward_mean"] >= 0
+    assert sorted(status["sync_members"]) == ["w0", "w1"]
+    metrics = learner.get("/metrics").text
+    for name in ("rlpipe_learner_step", "rlpipe_reward_mean", "rlpipe_mismatch_kl", "rlpipe_is_weight_mean",
+                 "rlpipe_staleness_versions_bucket", "rlpipe_dropped_stale_total", "rlpipe_queue_dead_total",
+                 "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total"):
+        assert name in metrics, name
+    workers = live_workers(r, keys)
+    assert sorted(workers) == ["w0", "w1"]
+    for w in workers.values():
+        text = httpx.get(f"http://{w['address']}/metrics", timeout=30).text
+        for name in ("rlpipe_rollout_tokens_total", "rlpipe_rollout_groups_total", "rlpipe_rollout_generate_seconds",
+                     "rlpipe_rollout_policy_version", "rlpipe_rollout_paused_seconds_total",
+                     "rlpipe_weight_sync_pause_seconds"):
+            assert name in text, name
+        assert httpx.get(f"http://{w['address']}/readyz", timeout=30).status_code == 200
+
+
+def test_fp8_demo_runs_and_stamps_its_records(tmp_path):
+    cfg = build_config({}, environ={}, steps=3, run_id="fp8", **{"rollout.precision": "fp8",
+                                                                "learner.groups_per_step": 16})
+    summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False)
+    rows = read_jsonl(tmp_path / "fp8" / "metrics.jsonl")
+    assert summary["completed"] and [r["learner_version"] for r in rows] == [1, 2, 3]
+    assert all(r["groups_by_precision"] == {"fp8": 16} for r in rows)
+    assert all(r["weight_sync_members"] == 2 for r in rows)
+    # Online FP8 is a different function from the bf16 the learner compares against, but a close one.
+    assert 0 < rows[0]["mismatch_k3_kl"] < 0.05
+
+
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
     run_dir = tmp_path / "stop"
@@ -75,6 +114,8 @@ def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
                  interval=0.5, what="the first learner step")
         assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
         assert len(processes_of_run(demo.pid, run_dir)) >= 6  # redis, 2 x (server + engine), learner
+        if how == signal.SIGINT:
+            check_http_interfaces(run_dir)
         demo.send_signal(how)
         demo.wait(60)
         if how == signal.SIGINT:
