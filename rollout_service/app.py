@@ -13,6 +13,8 @@ one it only serves ``/v1/generate`` (a plain sampling server, as the tests use i
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
@@ -96,9 +98,15 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             from rollout_service.loop import RolloutLoop
             from rollout_service.tasks import make_task
 
+            def on_fatal(reason: str) -> None:
+                # Exit (non-zero, see rollout_service.server) so a supervisor restarts us.
+                log.critical("worker %s cannot continue: %s", worker_id, reason)
+                app.state.fatal = reason
+                os.kill(os.getpid(), signal.SIGTERM)
+
             queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
             app.state.loop = RolloutLoop(cfg, worker_id, address, engine, queue, make_task(cfg.task),
-                                         app.state.tokenizer, metrics)
+                                         app.state.tokenizer, metrics, on_fatal)
             app.state.loop.start()
         else:
             engine.synced = True  # standalone: the weights on disk are the policy
@@ -114,6 +122,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
 
     app = FastAPI(title="rlpipe rollout worker", version="1", lifespan=lifespan)
     app.state.ready = False
+    app.state.fatal = None
     app.state.engine = engine
     app.state.metrics = metrics
 
@@ -126,11 +135,13 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
 
     @app.get("/healthz")
     async def healthz():
+        if engine.errored:
+            return JSONResponse({"status": "engine dead", "worker_id": worker_id}, status_code=503)
         return {"status": "ok", "worker_id": worker_id}
 
     @app.get("/readyz")
     async def readyz():
-        if not app.state.ready or not engine.synced:
+        if not app.state.ready or not engine.synced or engine.errored:
             return JSONResponse({"ready": False, "version": engine.version}, status_code=503)
         return {"ready": True, "version": engine.version}
 

@@ -108,6 +108,10 @@ class RolloutEngine:
     def inflight(self) -> int:
         return len(self._active)
 
+    @property
+    def errored(self) -> bool:
+        return self.llm is not None and self.llm.errored
+
     async def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float = 1.0,
                        top_k: int = -1, max_tokens: int = 16, seed: int | None = None,
                        stop: list[str] | None = None) -> tuple[list[SampleResult], int, int]:

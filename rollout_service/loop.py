@@ -17,8 +17,10 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import Callable
 
 import numpy as np
+import redis
 
 from rlpipe import registry
 from rlpipe.config import RunConfig
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 
 class RolloutLoop:
     def __init__(self, cfg: RunConfig, worker_id: str, address: str, engine: RolloutEngine,
-                 queue: TrajectoryQueue, task: Task, tokenizer, metrics: RolloutMetrics):
+                 queue: TrajectoryQueue, task: Task, tokenizer, metrics: RolloutMetrics,
+                 on_fatal: Callable[[str], None]):
         self.cfg = cfg
         self.worker_id = worker_id
         self.address = address
@@ -45,6 +48,7 @@ class RolloutLoop:
         self.task = task
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
         self.generation = 0
         self.stopping = asyncio.Event()
         self.groups: set[asyncio.Task] = set()
@@ -67,22 +71,29 @@ class RolloutLoop:
     # -- dispatcher -------------------------------------------------------------------
     async def _dispatch(self) -> None:
         while not self.stopping.is_set():
+            if self.engine.errored:
+                self.on_fatal(f"engine died: {self.engine.llm.dead_error!r}")
+                return
             free = self.cfg.rollout.max_inflight_groups - len(self.groups)
             if free <= 0 or not self.engine.synced:
                 await asyncio.sleep(0.02)
                 continue
-            allowance = await asyncio.to_thread(self._allowance)
-            if allowance <= 0:
-                self.metrics.backpressure_waits.inc()
-                await asyncio.sleep(0.05)
-                continue
-            for _ in range(min(free, allowance)):
-                index = await asyncio.to_thread(self.queue.next_prompt_index)
-                task = asyncio.create_task(self._run_group(index))
-                self.groups.add(task)
-                task.add_done_callback(self._group_done)
-            self.metrics.inflight.set(len(self.groups))
-            await asyncio.to_thread(self._publish, status="ready")
+            try:
+                allowance = await asyncio.to_thread(self._allowance)
+                if allowance <= 0:
+                    self.metrics.backpressure_waits.inc()
+                    await asyncio.sleep(0.05)
+                    continue
+                for _ in range(min(free, allowance)):
+                    index = await asyncio.to_thread(self.queue.next_prompt_index)
+                    task = asyncio.create_task(self._run_group(index))
+                    self.groups.add(task)
+                    task.add_done_callback(self._group_done)
+                self.metrics.inflight.set(len(self.groups))
+                await asyncio.to_thread(self._publish, status="ready")
+            except (redis.RedisError, OSError) as e:  # Redis away for a moment: keep the engine, retry
+                log.warning("dispatcher: %r; retrying", e)
+                await asyncio.sleep(1.0)
             await asyncio.sleep(0)
 
     def _allowance(self) -> int:

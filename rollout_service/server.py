@@ -45,3 +45,5 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
     app = create_app(cfg, worker_id, address)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15))
     server.run(sockets=[sock])
+    if app.state.fatal:
+        raise SystemExit(f"rollout worker {worker_id} stopped: {app.state.fatal}")

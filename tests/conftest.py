@@ -88,40 +88,51 @@ class WorkerHarness:
         raise TimeoutError(f"no group of version {version} from the worker")
 
 
-@pytest.fixture(scope="session")
-def worker(redis_server, toy_model_path, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("worker-run")
-    cfg = build_config({}, environ={},
-                       run_id=free_run_id("w"), run_dir=str(run_dir), redis_url=redis_server.url,
-                       **{"model.path": toy_model_path, "rollout.precision": "fp32",
-                          "learner.groups_per_step": 1, "queue.max_lag": 0, "rollout.max_inflight_groups": 4})
+def start_worker(redis_url: str, model_path: str, run_dir: Path, worker_id: str = "w0", **overrides):
+    """Start ``rlpipe rollout`` as its own process; returns (config, process, address)."""
+    settings = {"model.path": model_path, "rollout.precision": "fp32", "learner.groups_per_step": 1,
+                "queue.max_lag": 0, "rollout.max_inflight_groups": 4, **overrides}
+    cfg = build_config({}, environ={}, run_id=free_run_id("w"), run_dir=str(run_dir), redis_url=redis_url, **settings)
     cfg_path = run_dir / "config.yaml"
     dump_config(cfg, cfg_path)
     address_file = run_dir / "address"
-    log = open(run_dir / "worker.log", "wb")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
            "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(cfg_path),
-                             "--worker-id", "w0", "--address-file", str(address_file)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    r = connect(redis_server.url)
+    with open(run_dir / "worker.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(cfg_path),
+                                 "--worker-id", worker_id, "--address-file", str(address_file)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    r = connect(redis_url)
 
     def up():
         if proc.poll() is not None:
             raise RuntimeError(f"worker exited: {(run_dir / 'worker.log').read_text()[-3000:]}")
-        return address_file.exists() and r.exists(Keys(cfg.run_id).worker("w0"))
+        return address_file.exists() and r.exists(Keys(cfg.run_id).worker(worker_id))
 
     wait_for(up, 300, interval=0.5, what="rollout worker start-up")
-    harness = WorkerHarness(cfg, proc, address_file.read_text(), r)
-    yield harness
-    harness.sender.drop()
+    return cfg, proc, address_file.read_text()
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(proc.pid, 9)
-        proc.wait()
-    log.close()
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture(scope="session")
+def worker(redis_server, toy_model_path, tmp_path_factory):
+    cfg, proc, address = start_worker(redis_server.url, toy_model_path, tmp_path_factory.mktemp("worker-run"))
+    harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
+    yield harness
+    harness.sender.drop()
+    stop_worker(proc)
 
 
 def learner_logprobs(model, prompt_tokens, response_tokens, temperature: float = 1.0) -> torch.Tensor:

@@ -47,6 +47,11 @@ def test_cli_names_the_bad_field_without_importing_the_engine():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "learner.is_mode" in out.stderr
+    probe = ("import sys, rlpipe.cli; code = rlpipe.cli.main(['learner', '--set', 'sampling.n=zero']); "
+             "print(code, 'torch' in sys.modules, 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "False", "False"], out.stderr
+    assert "sampling.n" in out.stderr
 
 
 def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
