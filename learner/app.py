@@ -34,12 +34,12 @@ def create_app(learner) -> FastAPI:
 
 
 def serve_in_thread(learner, host: str, port: int) -> str:
-    """Start the app; returns the bound ``host:port``."""
+    """Start the app; returns the bound ``host:port``. (uvicorn leaves signals alone outside
+    the main thread, so SIGTERM still reaches the training loop.)"""
     import uvicorn
 
     sock = bind_socket(host, port)
     server = uvicorn.Server(uvicorn.Config(create_app(learner), log_level="warning"))
-    server.install_signal_handlers = lambda: None  # the main thread owns signals
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="learner-http", daemon=True).start()
     host, port = sock.getsockname()[:2]
     return f"{host}:{port}"

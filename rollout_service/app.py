@@ -162,6 +162,8 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             "inflight_groups": len(loop.groups) if loop else 0,
             "sync_generation": loop.generation if loop else 0,
             "paused_seconds_total": engine.paused_seconds_total,
+            # updates after which running requests kept the prefix cache from being reset
+            "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,
             "last_error": loop.last_error if loop else None,
         }
 
