@@ -74,7 +74,11 @@ class WorkerHarness:
         stats = self.sender.sync(self.version, model.named_parameters, ["w0"])
         assert stats["members"] == 1
         set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running")
-        wait_for(lambda: self.http.get("/v1/status").json()["version"] == self.version, 60, what="worker version")
+        def arrived():
+            status = self.http.get("/v1/status").json()
+            return status["synced"] and status["version"] == self.version
+
+        wait_for(arrived, 60, what=f"version {self.version} on the worker")
         return self.version
 
     def next_group(self, version: int, timeout: float = 60):

@@ -75,9 +75,9 @@ def test_second_sync_replaces_first(worker, toy_model_path):
 
 def test_health_ready_metrics_status(worker):
     assert worker.http.get("/healthz").json()["status"] == "ok"
-    worker.sync(load_policy(worker.cfg.model.path))
+    worker.next_group(worker.sync(load_policy(worker.cfg.model.path)))
     ready = worker.http.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["version"] == worker.version
+    assert ready.status_code == 200 and ready.json()["version"] == worker.version, ready.text
     status = worker.http.get("/v1/status").json()
     assert status["precision"] == "fp32" and status["synced"] and status["sync_generation"] >= 1
     assert status["paused_seconds_total"] > 0 and status["prefix_cache_reset_failures"] >= 0
