@@ -97,8 +97,10 @@ class Learner:
                 entries, self._backlog = self._backlog[: want - len(batch)], self._backlog[want - len(batch):]
             else:
                 entries = self.queue.read(self.consumer, want - len(batch), self.cfg.learner.read_block_ms)
-            stale = [e for e in entries if self.version - e.record.policy_version > self.cfg.queue.max_staleness]
-            fresh = [e for e in entries if self.version - e.record.policy_version <= self.cfg.queue.max_staleness]
+            stale, fresh = [], []
+            for e in entries:
+                too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
+                (stale if too_old else fresh).append(e)
             if stale:
                 self.queue.ack([], [e.entry_id for e in stale])
                 self.dropped_stale_total += len(stale)

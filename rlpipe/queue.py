@@ -12,7 +12,6 @@ their reason and are counted in ``dead``; they never crash a reader.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import redis
@@ -164,14 +163,3 @@ def rollout_allowance(
     occupied = counters["produced"] - counters["dropped_stale"] + inflight
     return (version + 1 + max_lag) * groups_per_step - occupied
 
-
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy, or raise TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import Keys, TrajectoryQueue, connect, wait_for
+from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
 from rlpipe.registry import set_learner_state
 from rlpipe.toy import ArithmeticTask, ToyModelSpec, ensure_toy_model
@@ -47,6 +47,18 @@ def r(redis_server):
 @pytest.fixture(scope="session")
 def toy_model_path() -> str:
     return str(ensure_toy_model(TOY_SPEC, log=lambda m: None))
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy, or raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
 
 
 def free_run_id(prefix: str) -> str:

@@ -15,8 +15,9 @@ import pytest
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, load_config
 from rlpipe.demo import run_demo
-from rlpipe.queue import Keys, connect, wait_for
+from rlpipe.queue import Keys, connect
 from rlpipe.registry import learner_state, live_workers
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 

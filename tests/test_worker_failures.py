@@ -6,8 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from rlpipe.queue import Keys, connect, wait_for
-from tests.conftest import start_worker, stop_worker
+from rlpipe.queue import Keys, connect
+from tests.conftest import start_worker, stop_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
