@@ -70,7 +70,6 @@ class RolloutEngine:
         self.cfg = cfg
         self.seed = seed
         self.llm = None
-        self.engine_pid: int | None = None
         self.version = 0
         self.synced = False  # True once weights came from the learner (not just from disk)
         self._active: dict[str, _Tracked] = {}
@@ -102,7 +101,6 @@ class RolloutEngine:
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
-        self.engine_pid = info["pid"]
 
     @property
     def inflight(self) -> int:
@@ -181,9 +179,6 @@ class RolloutEngine:
                 self.paused_seconds_total += pause
             result["pause_s"] = pause
             return result
-
-    async def leave(self) -> None:
-        await self.llm.collective_rpc("rlpipe_leave")
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -90,7 +90,7 @@ class RolloutLoop:
                     self.groups.add(task)
                     task.add_done_callback(self._group_done)
                 self.metrics.inflight.set(len(self.groups))
-                await asyncio.to_thread(self._publish, status="ready")
+                await asyncio.to_thread(self._publish)
             except (redis.RedisError, OSError) as e:  # Redis away for a moment: keep the engine, retry
                 log.warning("dispatcher: %r; retrying", e)
                 await asyncio.sleep(1.0)
@@ -136,7 +136,7 @@ class RolloutLoop:
         await asyncio.to_thread(self.queue.push, record)
         # Leave the in-flight count now, so the registry never counts a pushed group twice.
         self.groups.discard(asyncio.current_task())
-        await asyncio.to_thread(self._publish, status="ready")
+        await asyncio.to_thread(self._publish)
         self.metrics.groups.inc()
         self.metrics.tokens.inc(sum(len(x.tokens) for x in samples))
         self.metrics.generate_seconds.observe(gen_seconds)
@@ -165,7 +165,7 @@ class RolloutLoop:
                         self.metrics.paused_seconds.inc(res["pause_s"])
                         for phase in ("transfer", "load"):
                             self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(res[f"{phase}_s"])
-                        await asyncio.to_thread(self._publish, status="ready")
+                        await asyncio.to_thread(self._publish)
                     else:
                         self._sync_failed(res)
             except asyncio.CancelledError:
@@ -180,16 +180,16 @@ class RolloutLoop:
         log.warning("weight sync failed, keeping version %d: %s", self.engine.version, res.get("error"))
 
     # -- registry ------------------------------------------------------------------------
-    def _publish(self, status: str) -> None:
+    def _publish(self) -> None:
         registry.heartbeat_worker(
             self.r, self.keys, self.worker_id, self.cfg.rollout.heartbeat_ttl_s,
             address=self.address, version=self.engine.version, precision=self.engine.profile.precision,
-            inflight=len(self.groups), status=status)
+            inflight=len(self.groups))
 
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():
             try:
-                await asyncio.to_thread(self._publish, status="ready")
+                await asyncio.to_thread(self._publish)
             except Exception as e:
                 log.warning("heartbeat: %r", e)
             await asyncio.sleep(self.cfg.rollout.heartbeat_s)
