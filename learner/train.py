@@ -169,7 +169,7 @@ class Learner:
         if now - self._last_membership_check < 0.5:
             return
         self._last_membership_check = now
-        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version)
+        self._publish_state()
         if set(self.live_workers()) != set(self.sender.members):
             self.sync_weights()
 
@@ -207,12 +207,15 @@ class Learner:
         })
         self.last_metrics = m
         self.metrics.record(m)
-        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version)
+        self._publish_state()
         log.info("step %d: reward %.3f, kl %.2e, %.2fs", self.step, m["reward_mean"], m["mismatch_kl"], step_s)
 
     def _set_status(self, status: str) -> None:
         self.status = status
-        registry.set_learner_state(self.r, self.keys, status=status, step=self.step, version=self.version)
+        self._publish_state()
+
+    def _publish_state(self) -> None:
+        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version)
 
     def snapshot(self) -> dict:
         return {
