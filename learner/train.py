@@ -61,6 +61,7 @@ class Learner:
         self.last_metrics: dict = {}
         self.status = "starting"
         self.started_at = time.time()
+        self._monotonic_start = time.monotonic()
         self._backlog: list[Entry] = []
         self._last_membership_check = 0.0
 
@@ -170,7 +171,13 @@ class Learner:
             return
         self._last_membership_check = now
         self._publish_state()
-        if set(self.live_workers()) != set(self.sender.members):
+        live = self.live_workers()
+        if self.sender.group is None and len(live) < self.cfg.workers \
+                and time.monotonic() - self._monotonic_start < self.cfg.sync.join_timeout_s:
+            # The first generation waits (up to join_timeout_s) for the fleet the run was
+            # configured with, so no worker fills the first batches alone while the others start.
+            return
+        if set(live) != set(self.sender.members):
             self.sync_weights()
 
     def sync_weights(self) -> dict:
