@@ -6,16 +6,19 @@ Notation, per response token t of sample i:
     pi      learner log-prob now (with grad)                          (N, T)
     mask    1 on response tokens, 0 on prompt and padding             (N, T)
 
-The mismatch weight ``w = exp(pi_old - mu)`` corrects for sampling from ``mu`` while
-training ``pi``; truncated importance sampling (TIS) caps it at ``C``. Every function
-returns its metrics as plain floats next to its result.
+The mismatch weight ``w = exp(pi_old - mu)`` corrects for sampling from ``mu`` (the
+rollout engine, in its precision, maybe some versions old) while training ``pi``.
+Every log-ratio is clamped to ``[-clamp, clamp]`` before ``exp`` so that one wild token
+cannot produce inf or nan. Functions return their metrics as plain floats.
 """
 
 from __future__ import annotations
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough to never bind in practice, small enough to stay finite
+IS_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass")
+# Modes whose PPO ratio is taken against mu instead of pi_old (and that need no extra weight).
+RATIO_AGAINST_MU = ("ppo_is", "bypass")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -23,70 +26,194 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: reward minus its group's mean, optionally over the group's std.
+def row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) -> (N,): the sum of each row over its response tokens."""
+    return (x * mask).sum(dim=1)
 
-    rewards: (G, n) -> (G, n). A group whose rewards are all equal gets zeros.
+
+def row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) -> (N,): the mean of each row over its response tokens."""
+    return row_sum(x, mask) / mask.sum(dim=1).clamp(min=1)
+
+
+# -- advantages ------------------------------------------------------------------------------
+def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm: bool = True,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages (G, n) for rewards (G, n), and which groups carry signal (G,) bool.
+
+    grpo          r - mean(group), divided by the group's std when ``std_norm``
+    rloo          r_i - mean of the *other* samples of the group = n/(n-1) (r_i - mean)
+    reinforce_pp  r - mean(group), then normalised by the mean and std over every sample of
+                  the informative groups in the batch (REINFORCE++ with a group baseline)
+
+    A group whose rewards are all equal has no signal under any of them: its advantages
+    are 0 and it is reported as not informative, so the learner skips it (dynamic sampling).
     """
+    informative = (rewards.max(dim=1).values - rewards.min(dim=1).values) > 0
+    n = rewards.shape[1]
     centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if std_norm:
-        centered = centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
-    return centered
+    if estimator == "grpo":
+        adv = centered / (rewards.std(dim=1, keepdim=True) + eps) if std_norm and n > 1 else centered
+    elif estimator == "rloo":
+        adv = centered * n / max(n - 1, 1)
+    elif estimator == "reinforce_pp":
+        signal = centered[informative]
+        adv = centered
+        if signal.numel() > 1:
+            adv = (centered - signal.mean()) / (signal.std() + eps)
+    else:
+        raise ValueError(f"advantage: unknown estimator {estimator!r}")
+    return adv * informative[:, None], informative
 
 
-def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float):
+# -- importance weights ----------------------------------------------------------------------
+def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0,
+                       geo_low: float = 0.5, geo_high: float = 2.0, clamp: float = 20.0):
     """Per-token mismatch weights (N, T), detached, and their metrics.
 
-    none       w = 1
-    token_tis  w = min(exp(pi_old - mu), cap)
+    With ``w_t = exp(pi_old - mu)`` per token, ``W = prod_t w_t`` per sequence and
+    ``g = W ** (1/len)`` its geometric mean:
+
+    none, ppo_is, bypass   1 (ppo_is and bypass correct through the PPO ratio instead)
+    vanilla_is             w_t, untruncated (for ablations: unbounded variance)
+    token_tis              min(w_t, C)
+    seq_tis                min(W, C), the same for every token of the sequence
+    token_mis              w_t if w_t <= C else 0 (the token is rejected, not truncated)
+    seq_mis                W if W <= C else 0 (the whole sequence is rejected)
+    geo_mask               1 if geo_low <= g <= geo_high else 0, per sequence
     """
-    log_ratio = (pi_old - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask
-    raw = torch.exp(log_ratio)
-    if mode == "none":
-        w = torch.ones_like(raw)
-    elif mode == "token_tis":
-        w = raw.clamp(max=cap)
-    else:
+    if mode not in IS_MODES:
         raise ValueError(f"is_mode: unknown mode {mode!r}")
+    log_w = (pi_old - mu).clamp(-clamp, clamp) * mask
+    w_tok = torch.exp(log_w)
+    seq_log_w = log_w.sum(dim=1, keepdim=True).clamp(-clamp, clamp)  # (N, 1)
+    w_seq = torch.exp(seq_log_w).expand_as(w_tok)
+    no = torch.zeros_like(mask, dtype=torch.bool)
+    truncated, rejected = no, no
+    if mode in ("none", "ppo_is", "bypass"):
+        w = torch.ones_like(w_tok)
+    elif mode == "vanilla_is":
+        w = w_tok
+    elif mode == "token_tis":
+        truncated = w_tok > cap
+        w = w_tok.clamp(max=cap)
+    elif mode == "seq_tis":
+        truncated = w_seq > cap
+        w = w_seq.clamp(max=cap)
+    elif mode == "token_mis":
+        rejected = w_tok > cap
+        w = w_tok * ~rejected
+    elif mode == "seq_mis":
+        rejected = w_seq > cap
+        w = w_seq * ~rejected
+    else:  # geo_mask
+        geo = torch.exp(log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1))
+        rejected = ((geo < geo_low) | (geo > geo_high)).expand_as(w_tok)
+        w = (~rejected).to(w_tok.dtype)
+    on = mask.bool()
     w = (w * mask).detach()
-    metrics = {
-        "is_weight_mean": masked_mean(w, mask).item(),
+    return w, weight_metrics(w, truncated & on, rejected & on, mask)
+
+
+def weight_metrics(w: torch.Tensor, truncated: torch.Tensor, masked: torch.Tensor, mask: torch.Tensor) -> dict:
+    """IS weight statistics over response tokens, and per sequence.
+
+    is_ess is the normalised effective sample size (sum w)^2 / (n sum w^2) in (0, 1]:
+    1 when every weight is equal, 1/n when one weight carries everything. is_ess_seq is the
+    same over the sequences' mean weights (the relevant one for sequence-level modes).
+    """
+    n_tok = mask.sum().clamp(min=1)
+    w_row = row_mean(w, mask)
+    rows = (mask.sum(dim=1) > 0).float()
+
+    def ess(x, m):
+        return ((x * m).sum() ** 2 / (m.sum().clamp(min=1) * (x * x * m).sum()).clamp(min=1e-30)).item()
+
+    return {
+        "is_weight_mean": ((w * mask).sum() / n_tok).item(),
         "is_weight_max": (w * mask).max().item() if mask.any() else 0.0,
-        "is_truncated_fraction": masked_mean((raw > cap).float(), mask).item() if mode == "token_tis" else 0.0,
+        "is_ess": ess(w, mask),
+        "is_ess_seq": ess(w_row, rows),
+        "is_truncated_fraction": (truncated.float().sum() / n_tok).item(),
+        "is_truncated_seq_fraction": (truncated.any(dim=1).float().sum() / rows.sum().clamp(min=1)).item(),
+        "is_masked_fraction": (masked.float().sum() / n_tok).item(),
+        "is_masked_seq_fraction": (masked.any(dim=1).float().sum() / rows.sum().clamp(min=1)).item(),
     }
-    return w, metrics
 
 
-def ppo_clip_loss(pi: torch.Tensor, pi_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  weights: torch.Tensor, eps_low: float, eps_high: float):
-    """Token-mean PPO-clip loss, each token scaled by its mismatch weight.
+# -- policy loss -------------------------------------------------------------------------------
+def ppo_clip_terms(pi: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   weights: torch.Tensor, eps_low: float, eps_high: float, clamp: float = 20.0):
+    """Per-token PPO-clip loss (N, T), each token scaled by its mismatch weight.
 
-    pi, pi_old, mask, weights: (N, T); advantages: (N,) broadcast over tokens.
-    loss = -mean_t w_t * min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A),  r_t = exp(pi - pi_old)
+    ``ref`` is pi_old, or mu for the modes that take the ratio against the behavior policy.
+    loss_t = -w_t * min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A),  r_t = exp(pi - ref)
     """
     adv = advantages[:, None]
-    ratio = torch.exp((pi - pi_old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = torch.exp((pi - ref).clamp(-clamp, clamp))
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
-    per_token = -weights * torch.minimum(unclipped, clipped)
-    loss = masked_mean(per_token, mask)
+    per_token = -weights * torch.minimum(unclipped, clipped) * mask
     with torch.no_grad():
         metrics = {
             # tokens where the clipped branch is the one taken (its gradient is zero)
             "ppo_clip_fraction": masked_mean((clipped < unclipped).float(), mask).item(),
             "ppo_ratio_mean": masked_mean(ratio, mask).item(),
         }
-    return loss, metrics
+    return per_token, metrics
 
 
-def mismatch_metrics(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def loss_sum_and_denominator(per_token: torch.Tensor, mask: torch.Tensor, agg: str,
+                             norm_length: int) -> tuple[torch.Tensor, float]:
+    """Loss aggregation as ``sum / denominator``, so data-parallel ranks can share one denominator.
+
+    token_mean             sum over all tokens / number of tokens (long answers weigh more)
+    seq_mean_token_mean    mean over sequences of each sequence's token mean (each answer weighs the same)
+    seq_sum_norm           sum over all tokens / (sequences x norm_length): Dr. GRPO's constant
+                           normaliser, with no length bias in either direction
+    """
+    if agg == "token_mean":
+        return (per_token * mask).sum(), float(mask.sum().item())
+    if agg == "seq_mean_token_mean":
+        return row_mean(per_token, mask).sum(), float(mask.shape[0])
+    if agg == "seq_sum_norm":
+        return (per_token * mask).sum(), float(mask.shape[0] * norm_length)
+    raise ValueError(f"loss_agg: unknown aggregation {agg!r}")
+
+
+# -- mismatch ----------------------------------------------------------------------------------
+def mismatch_metrics(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, clamp: float = 20.0) -> dict:
     """How far the training policy is from the behavior policy on the sampled tokens.
 
-    mismatch_kl     mean(mu - pi_old): the direct estimator of KL(mu || pi_old) on tokens sampled from mu
-    mismatch_k3_kl  mean(exp(d) - d - 1), d = pi_old - mu: the non-negative, lower-variance k3 estimator
+    With d = pi_old - mu per token (the log of the mismatch weight):
+    mismatch_kl                 mean_t(-d): the direct (k1) estimator of KL(mu || pi_old) per token
+    mismatch_seq_kl             mean_i sum_t(-d): the same per sequence (grows with length)
+    mismatch_k3_kl              mean_t(e^d - d - 1): non-negative, lower-variance k3 estimator
+    mismatch_chi2_token         mean_t(e^2d) - 1: chi-square divergence, what drives IS variance
+    mismatch_chi2_seq           mean_i(e^(2 sum_t d)) - 1
+    mismatch_log_ppl_train      mean_i of -mean_t pi_old (per-token log-perplexity of each sequence)
+    mismatch_log_ppl_rollout    mean_i of -mean_t mu
+    mismatch_log_ppl_abs_diff   mean_i |log_ppl_train - log_ppl_rollout| (seed 001's indicator, per token)
+    mismatch_ppl_ratio          mean_i exp(log_ppl_train - log_ppl_rollout)
+    mismatch_prob_diff_max/mean |e^pi_old - e^mu| over tokens
     """
-    d = (pi_old - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = (pi_old - mu).clamp(-clamp, clamp) * mask
+    rows = (mask.sum(dim=1) > 0).float()
+    n_rows = rows.sum().clamp(min=1)
+    ppl_train, ppl_rollout = row_mean(-pi_old, mask), row_mean(-mu, mask)
+    ppl_diff = (ppl_train - ppl_rollout).clamp(-clamp, clamp)
+    prob_diff = (pi_old.exp() - mu.exp()).abs() * mask
+    seq_d = row_sum(d, mask).clamp(-clamp / 2, clamp / 2)
     return {
         "mismatch_kl": masked_mean(-d, mask).item(),
+        "mismatch_seq_kl": ((-row_sum(d, mask)) * rows).sum().item() / n_rows.item(),
         "mismatch_k3_kl": masked_mean(torch.exp(d) - d - 1, mask).item(),
+        "mismatch_chi2_token": masked_mean(torch.exp(2 * d), mask).item() - 1.0,
+        "mismatch_chi2_seq": ((torch.exp(2 * seq_d) * rows).sum() / n_rows).item() - 1.0,
+        "mismatch_log_ppl_train": ((ppl_train * rows).sum() / n_rows).item(),
+        "mismatch_log_ppl_rollout": ((ppl_rollout * rows).sum() / n_rows).item(),
+        "mismatch_log_ppl_abs_diff": ((ppl_diff.abs() * rows).sum() / n_rows).item(),
+        "mismatch_ppl_ratio": ((torch.exp(ppl_diff) * rows).sum() / n_rows).item(),
+        "mismatch_prob_diff_max": prob_diff.max().item() if mask.any() else 0.0,
+        "mismatch_prob_diff_mean": masked_mean(prob_diff, mask).item(),
     }
