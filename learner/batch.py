@@ -34,6 +34,9 @@ class Batch:
     def select(self, rows: torch.Tensor) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, pad_id: int = 0) -> Batch:
     """``advantages`` is (G, n): one row per record, one column per sample."""

@@ -1,4 +1,4 @@
-"""Entry point of the learner process (``rlpipe learner --config run.yaml``)."""
+"""Entry point of the learner process (``rlpipe learner --config run.yaml``, or under torchrun)."""
 
 from __future__ import annotations
 
@@ -15,19 +15,27 @@ def main(cfg: RunConfig) -> int:
     from learner.app import serve_in_thread
     from learner.train import Learner
 
+    learner = Learner(cfg)
+
     def on_term(signum, frame):
-        raise KeyboardInterrupt
+        # First SIGTERM: finish the step in hand, checkpoint, acknowledge, exit. A second one: now.
+        if learner.stop_requested:
+            raise KeyboardInterrupt
+        log.info("stop requested: finishing step %d", learner.step + 1)
+        learner.request_stop()
 
     signal.signal(signal.SIGTERM, on_term)
-    learner = Learner(cfg)
-    address = serve_in_thread(learner, cfg.learner.host, cfg.learner.port)
-    registry.set_learner_state(learner.r, learner.keys, address=address)
-    log.info("learner serving /status at http://%s", address)
+    if learner.ranks.is_main:
+        address = serve_in_thread(learner, cfg.learner.host, cfg.learner.port)
+        registry.set_learner_state(learner.r, learner.keys, address=address)
+        log.info("learner serving /status at http://%s", address)
     try:
         learner.run()
     except KeyboardInterrupt:
         log.info("learner stopped at step %d", learner.step)
-        learner.sender.drop()
+        if learner.ranks.is_main:
+            learner.sender.drop()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        learner.ranks.close()
     return 0

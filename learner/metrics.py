@@ -1,7 +1,10 @@
-"""Where the learner's per-step numbers go: Prometheus gauges and ``metrics.jsonl``.
+"""Where the learner's per-step numbers go: Prometheus and ``metrics.jsonl``.
 
-Every metric of a step is one key of a flat dict; the dict becomes one JSON line and
-every key whose name DESIGN.md lists is also exported as ``rlpipe_<name>``.
+Every metric of a step is one key of a flat dict (a few values are small dicts). The
+dict becomes one JSON line, and every numeric key is exported as the gauge
+``rlpipe_<key>`` (names from DESIGN.md). The mismatch metrics of each rollout precision
+are gauges with a ``precision`` label (``rlpipe_mismatch_kl_by_precision{precision="fp8"}``),
+and the LR schedule's state is exported as ``rlpipe_lr_schedule_*``.
 """
 
 from __future__ import annotations
@@ -11,12 +14,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-EXPORTED = (
-    "learner_step", "learner_version", "learner_step_seconds", "learner_tokens_per_second", "learner_loss",
-    "learner_grad_norm", "learner_lr", "reward_mean", "response_length_mean", "entropy",
-    "mismatch_kl", "mismatch_k3_kl", "is_weight_mean", "is_weight_max", "is_truncated_fraction",
-    "queue_depth", "queue_pending",
-)
+# Keys that are not gauges: counters exported by their own collectors, and bookkeeping.
+NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total"}
 
 
 class LearnerMetrics:
@@ -25,7 +24,8 @@ class LearnerMetrics:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.registry = CollectorRegistry()
-        self.gauges = {name: Gauge(f"rlpipe_{name}", name.replace("_", " "), registry=self.registry) for name in EXPORTED}
+        self.gauges: dict[str, Gauge] = {}
+        self.by_precision: dict[str, Gauge] = {}
         self.staleness = Histogram("rlpipe_staleness_versions", "versions between sampling and training, per group",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=self.registry)
         self.dropped_stale = Counter("rlpipe_dropped_stale", "groups dropped as too stale", registry=self.registry)
@@ -38,10 +38,24 @@ class LearnerMetrics:
         self.sync_failures = Counter("rlpipe_weight_sync_failures", "syncs that failed (generation re-formed)",
                                      registry=self.registry)
 
+    def _gauge(self, name: str, labels: tuple[str, ...] = ()) -> Gauge:
+        table = self.by_precision if labels else self.gauges
+        if name not in table:
+            table[name] = Gauge(f"rlpipe_{name}", name.replace("_", " "), labels, registry=self.registry)
+        return table[name]
+
     def record(self, step_metrics: dict) -> None:
-        for name, gauge in self.gauges.items():
-            if name in step_metrics:
-                gauge.set(step_metrics[name])
+        for name, value in step_metrics.items():
+            if isinstance(value, bool) or name in NOT_GAUGES:
+                continue
+            if isinstance(value, (int, float)):
+                self._gauge(name).set(value)
+        for precision, values in step_metrics.get("mismatch_by_precision", {}).items():
+            for name, value in values.items():
+                self._gauge(f"{name}_by_precision", ("precision",)).labels(precision=precision).set(value)
+        for name, value in step_metrics.get("lr_schedule", {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._gauge(f"lr_schedule_{name}").set(value)
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(step_metrics) + "\n")

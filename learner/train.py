@@ -1,29 +1,50 @@
-"""The learner: consume groups, take a PPO step with mismatch correction, sync weights.
+"""The learner: consume groups, take a PPO step with mismatch correction, sync, checkpoint.
 
 Read top to bottom, one learner step is:
 
-    collect   XREADGROUP until ``groups_per_step`` fresh groups (too-stale ones are dropped and counted)
-    score     GRPO advantages per group; groups with all-equal rewards carry no signal and are skipped
-    recompute pi_old with the training policy (no grad); mismatch metrics and IS weights vs mu
-    update    ppo_epochs x minibatches AdamW steps on the PPO-clip loss, token-mean
-    publish   version += 1, broadcast the weights to every live worker
-    ack       XACK + XDEL the consumed entries, counted as trained
+    collect     XREADGROUP until ``groups_per_step`` fresh groups (too-stale ones are dropped and counted)
+    score       advantages per group (GRPO, RLOO or REINFORCE++); all-equal groups carry no signal: skipped
+    recompute   pi_old with the training policy (no grad); mismatch metrics and IS weights vs mu
+    update      ppo_epochs x minibatches optimizer steps on the PPO-clip loss, in the training precision
+    publish     version += 1, LR schedule, broadcast the weights to every live worker
+    checkpoint  every ``checkpoint_every`` steps; then XACK + XDEL what it covers, counted as trained
 
-Run it with ``rlpipe learner --config run.yaml``.
+Exactly once: an entry is acknowledged only after a durable checkpoint holds the step
+that trained it, and the checkpoint lists the group ids it trained since the previous
+one. A restarted learner loads the newest complete checkpoint, takes over its pending
+entries (XAUTOCLAIM), acknowledges those the checkpoint already trained and trains the
+rest: every group is trained once in the lineage of the final weights, or dropped as stale.
+
+Run it with ``rlpipe learner --config run.yaml``, or ``torchrun --nproc-per-node N -m
+rlpipe.cli learner ...`` for data parallelism (learner/dist.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-from learner.batch import Batch, collate
-from learner.loss import group_advantages, importance_weights, masked_mean, mismatch_metrics, ppo_clip_loss
+from learner import checkpoint
+from learner.batch import collate
+from learner.dist import Ranks
+from learner.loss import (
+    RATIO_AGAINST_MU,
+    compute_advantages,
+    importance_weights,
+    loss_sum_and_denominator,
+    masked_mean,
+    mismatch_metrics,
+    ppo_clip_terms,
+)
 from learner.metrics import LearnerMetrics
-from learner.policy import load_policy, token_logprobs
+from learner.policy import LossScaler, load_policy, token_logprobs
+from learner.schedule import LRSchedule, apply_lr
 from quant.profiles import profile_for
 from rlpipe import registry
 from rlpipe.config import RunConfig
@@ -34,6 +55,11 @@ from weight_sync.transport import SyncError
 
 log = logging.getLogger(__name__)
 
+# Fault injection for the exactly-once tests: RLPIPE_CRASH_AT=<point>:<step> SIGKILLs the
+# learner at that point of that step (points: collected, trained, synced, checkpoint_written,
+# checkpointed). Unset in normal runs.
+CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
+
 
 class Learner:
     consumer = "learner-0"
@@ -41,58 +67,100 @@ class Learner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         lc = cfg.learner
+        self.ranks = Ranks()
         if lc.threads:
             torch.set_num_threads(lc.threads)
         torch.manual_seed(cfg.seed)
-        self.r = connect(cfg.redis_url)
-        self.queue = TrajectoryQueue(self.r, cfg.run_id)
-        self.keys = self.queue.keys
-        self.model = load_policy(cfg.model.path, lc.dtype)
+        self.device = self.ranks.device
+        self.ckpt_root = Path(lc.checkpoint_dir or Path(cfg.run_dir or ".") / "checkpoints")
+        resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
+        self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
+        self.train_model = self.ranks.wrap(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
-        self.sender = WeightSender(
-            self.r, self.keys, cfg.sync.host, cfg.sync.timeout_s, cfg.sync.join_timeout_s,
-            cfg.sync.bucket_mib << 20, DTYPES[profile_for(cfg.rollout.precision).wire_dtype])
-        run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+        self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
+        self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
+        self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
+        run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None)
+        if self.ranks.is_main:
+            self.r = connect(cfg.redis_url)
+            self.queue = TrajectoryQueue(self.r, cfg.run_id)
+            self.keys = self.queue.keys
+            self.sender = WeightSender(
+                self.r, self.keys, cfg.sync.host, cfg.sync.timeout_s, cfg.sync.join_timeout_s,
+                cfg.sync.bucket_mib << 20, DTYPES[profile_for(cfg.rollout.precision).wire_dtype])
         self.step = 0
         self.version = 0
         self.dropped_stale_total = 0
+        self.groups_skipped_total = 0
+        self.trained_groups = 0  # in the lineage of the current weights
+        self.trained_digest = 0  # checkpoint.group_digest of their ids
+        self.grad_norm_smoothed: float | None = None
         self.dead_seen = 0
         self.last_metrics: dict = {}
+        self.last_checkpoint: dict | None = None
         self.status = "starting"
+        self.stop_requested = False
         self.started_at = time.time()
         self._monotonic_start = time.monotonic()
         self._backlog: list[Entry] = []
+        self._unacked: list[Entry] = []  # trained, waiting for a checkpoint
+        self._trained_before_restart: set[str] = set()
         self._last_membership_check = 0.0
+        if resume:
+            self._restore(resume)
+        else:
+            apply_lr(self.opt, self.schedule.lr_at_start())
 
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> None:
-        self.queue.ensure_consumer_group()
-        # Entries a previous learner read but never acknowledged are trained again
-        # (at-least-once); the stream never loses them.
-        self._backlog = self.queue.claim_pending(self.consumer, min_idle_ms=0)
-        self._set_status("running")
+        if self.ranks.is_main:
+            self._take_over_pending()
+            self._set_status("running")
         while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
-            entries = self.collect()
+            entries = self.collect() if self.ranks.is_main else None
+            work = self.ranks.broadcast(None if entries is None else ([e.record for e in entries], self.version))
+            if work is None:  # asked to stop
+                break
+            records, self.version = work
+            self._crash_point("collected")
             t0 = time.perf_counter()
-            step_metrics = self.train_step([e.record for e in entries])
+            step_metrics = self.train_step(records)
             train_s = time.perf_counter() - t0
             self.step += 1
             self.version += 1
-            step_metrics.update(self.sync_weights())
-            self.queue.ack([e.entry_id for e in entries])
-            step_metrics["learner_wait_seconds"] = t0 - t_wait
-            step_metrics["learner_train_seconds"] = train_s
-            self._finish_step(step_metrics, train_s, time.perf_counter() - t0)
-        self._set_status("done")
-        self.sender.drop()
+            apply_lr(self.opt, self.schedule.update(self.step, step_metrics["response_length_mean"]))
+            self.trained_groups += len(records)
+            self.trained_digest = (self.trained_digest + checkpoint.group_digest(r.group_id for r in records)) % (1 << 64)
+            self._crash_point("trained")
+            if self.ranks.is_main:
+                step_metrics.update(self.sync_weights())
+                self._crash_point("synced")
+                self._unacked += entries
+                if self.step % self.cfg.learner.checkpoint_every == 0 or self.step == self.cfg.steps:
+                    self.checkpoint()
+                step_metrics["learner_wait_seconds"] = t0 - t_wait
+                step_metrics["learner_train_seconds"] = train_s
+                self._finish_step(step_metrics, train_s, time.perf_counter() - t0)
+        if self.ranks.is_main:
+            if self._unacked:  # stopped between checkpoints
+                self.checkpoint()
+            self._set_status("done" if self.step >= self.cfg.steps else "stopped")
+            self.sender.drop()
 
-    def collect(self) -> list[Entry]:
-        """Block until ``groups_per_step`` groups fresh enough to train on are in hand."""
+    def request_stop(self) -> None:
+        """Finish the step in hand, checkpoint, acknowledge, and return from ``run``."""
+        self.stop_requested = True
+
+    def collect(self) -> list[Entry] | None:
+        """Block until ``groups_per_step`` groups fresh enough to train on are in hand
+        (None if a stop was requested meanwhile; what was read stays pending)."""
         want = self.cfg.learner.groups_per_step
         batch: list[Entry] = []
         while len(batch) < want:
+            if self.stop_requested:
+                return None
             self.maybe_resync()
             if self._backlog:
                 entries, self._backlog = self._backlog[: want - len(batch)], self._backlog[want - len(batch):]
@@ -103,6 +171,7 @@ class Learner:
                 too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
                 (stale if too_old else fresh).append(e)
             if stale:
+                # A drop is final whatever happens to the weights later: acknowledged at once.
                 self.queue.ack([], [e.entry_id for e in stale])
                 self.dropped_stale_total += len(stale)
                 self.metrics.dropped_stale.inc(len(stale))
@@ -111,54 +180,174 @@ class Learner:
         return batch
 
     def train_step(self, records) -> dict:
-        lc = self.cfg.learner
+        """One optimizer step's worth of PPO on ``records``; returns the step's metrics.
+
+        Every rank holds every record; each computes and trains on its own rows (dist.py).
+        """
+        lc, ranks = self.cfg.learner, self.ranks
         rewards = torch.tensor([r.rewards for r in records], dtype=torch.float32)  # (G, n)
-        advantages = group_advantages(rewards, lc.adv_std_norm)
-        batch = collate(records, advantages, self.version)
-        for rec in records:
-            self.metrics.staleness.observe(self.version - rec.policy_version)
+        advantages, informative = compute_advantages(rewards, lc.advantage, lc.adv_std_norm)
+        batch = collate(records, advantages, self.version).to(self.device)
+        n_rows = len(batch.rewards)
+        everyone = torch.arange(n_rows, device=self.device)
+        mu, mask = batch.behavior_logprobs, batch.mask
+        bypass = lc.is_mode == "bypass"
 
         self.model.eval()  # no dropout: pi_old and pi must be the same function of the weights
-        with torch.no_grad():
-            pi_old, entropy = token_logprobs(self.model, batch)
-        mu, mask = batch.behavior_logprobs, batch.mask
-        weights, is_metrics = importance_weights(pi_old, mu, mask, lc.is_mode, lc.is_cap)
+        if bypass:  # pi_old is taken to be mu: no recompute pass; measured during the first epoch instead
+            pi_old, entropy = torch.zeros_like(mu), torch.zeros_like(mu)
+            seen = torch.zeros(n_rows, device=self.device)
+        else:
+            mine = ranks.mine(everyone)
+            with torch.no_grad():
+                lp, ent = token_logprobs(self.model, batch.select(mine), lc.dtype, lc.fp32_lm_head)
+            pi_old, entropy = ranks.share_rows(lp, mine, n_rows), ranks.share_rows(ent, mine, n_rows)
+        weights, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, lc.is_mode, lc.is_cap,
+                                                 lc.geo_low, lc.geo_high, lc.log_ratio_clamp)
+        ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
 
-        # Groups whose rewards are all equal have zero advantage: they are skipped.
-        informative = torch.nonzero(rewards.std(dim=1) > 0).squeeze(1)
-        losses, grad_norms, ppo = [], [], {}
-        if len(informative):
-            for _epoch in range(lc.ppo_epochs):
-                order = informative[torch.randperm(len(informative))]
-                for groups in order.chunk(lc.minibatches):
-                    rows = torch.nonzero(torch.isin(batch.group_index, groups)).squeeze(1)
-                    mb: Batch = batch.select(rows)
-                    pi, _ = token_logprobs(self.model, mb)
-                    loss, ppo = ppo_clip_loss(pi, pi_old[rows], mb.advantages, mb.mask, weights[rows],
-                                              lc.eps_low, lc.eps_high)
-                    self.opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    grad_norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip).item())
-                    self.opt.step()
-                    losses.append(loss.item())
-        lengths = mask.sum(1)
+        groups = torch.nonzero(informative).squeeze(1).to(self.device)
+        losses, grad_norms, ppo, skipped = [], [], {}, 0
+        for epoch in range(lc.ppo_epochs if len(groups) else 0):
+            order = groups[torch.randperm(len(groups)).to(self.device)]
+            for mb_groups in order.chunk(lc.minibatches):
+                rows = torch.nonzero(torch.isin(batch.group_index, mb_groups)).squeeze(1)
+                _, denom = loss_sum_and_denominator(mask[rows], mask[rows], lc.loss_agg, self.loss_norm_length)
+                local = ranks.mine(rows)
+                share = ranks.world if len(local) else 0.0  # a rank with no rows still joins the all-reduce
+                local = local if len(local) else rows[:1]
+                mb = batch.select(local)
+                pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
+                if bypass and epoch == 0:
+                    pi_old[local], entropy[local], seen[local] = pi.detach(), ent.detach(), float(share > 0)
+                per_token, ppo = ppo_clip_terms(pi, ref[local], mb.advantages, mb.mask, weights[local],
+                                                lc.eps_low, lc.eps_high, lc.log_ratio_clamp)
+                total, _ = loss_sum_and_denominator(per_token, mb.mask, lc.loss_agg, self.loss_norm_length)
+                self.opt.zero_grad(set_to_none=True)
+                # DDP averages gradients over ranks; scaling by the world size makes it the sum.
+                self.scaler.backward(total * share / denom)
+                grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
+                skipped += was_skipped
+                grad_norms.append(grad_norm)
+                losses.append(ranks.sum([total.item() * (share > 0)])[0] / denom)
+        if bypass:
+            pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
+            entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
+            mask = mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
+        return self._step_metrics(records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
+                                  losses, grad_norms, skipped, ppo)
+
+    def _step_metrics(self, records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
+                      losses, grad_norms, skipped, ppo) -> dict:
+        clamp = self.cfg.learner.log_ratio_clamp
+        finite = [g for g in grad_norms if g == g and g != float("inf")]
+        if finite:
+            step_norm = sum(finite) / len(finite)
+            a = self.cfg.learner.grad_norm_ema
+            self.grad_norm_smoothed = step_norm if self.grad_norm_smoothed is None else \
+                a * self.grad_norm_smoothed + (1 - a) * step_norm
+        self.groups_skipped_total += int((~informative).sum())
+        by_precision = {}
+        precisions = [r.precision for r in records for _ in r.samples]
+        for p in sorted(set(precisions)):
+            rows = torch.tensor([q == p for q in precisions], device=mask.device)
+            by_precision[p] = mismatch_metrics(pi_old[rows], mu[rows], mask[rows], clamp)
+        fresh = batch.staleness == 0  # the precision effect alone, without policy lag
+        staleness = Counter(int(self.version - r.policy_version) for r in records)
+        for s, count in staleness.items():
+            for _ in range(count):
+                self.metrics.staleness.observe(s)
         return {
             "reward_mean": rewards.mean().item(),
-            "response_length_mean": lengths.mean().item(),
+            "response_length_mean": batch.mask.sum(1).float().mean().item(),
             "entropy": masked_mean(entropy, mask).item(),
             "learner_loss": sum(losses) / len(losses) if losses else 0.0,
-            "learner_grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+            "learner_grad_norm": sum(finite) / len(finite) if finite else 0.0,
+            "learner_grad_norm_max": max(finite) if finite else 0.0,
+            "learner_grad_norm_smoothed": self.grad_norm_smoothed or 0.0,
             "learner_lr": self.opt.param_groups[0]["lr"],
+            "learner_loss_scale": self.scaler.scale,
+            "learner_skipped_steps": skipped,
+            "learner_skipped_steps_total": self.scaler.skipped_steps,
             "groups": len(records),
             "groups_by_precision": {p: sum(r.precision == p for r in records) for p in sorted({r.precision for r in records})},
-            "groups_skipped_equal_reward": len(records) - len(informative),
-            "tokens": batch.num_tokens,
+            "groups_skipped_equal_reward": int((~informative).sum()),
+            "groups_skipped_total": self.groups_skipped_total,
+            "tokens": int(batch.mask.sum().item()),
             "staleness_mean": batch.staleness.float().mean().item(),
             "staleness_max": int(batch.staleness.max().item()),
-            **mismatch_metrics(pi_old, mu, mask),
+            "staleness_hist": {str(s): c for s, c in sorted(staleness.items())},
+            **mismatch_metrics(pi_old, mu, mask, clamp),
+            "mismatch_kl_fresh": mismatch_metrics(pi_old[fresh], mu[fresh], mask[fresh], clamp)["mismatch_kl"]
+            if fresh.any() else None,
+            "mismatch_by_precision": by_precision,
             **is_metrics,
             **ppo,
         }
+
+    # -- exactly-once bookkeeping ----------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Save atomically, then acknowledge every entry the checkpoint covers."""
+        t0 = time.perf_counter()
+        state = {
+            "optimizer": self.opt.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "counters": {"step": self.step, "version": self.version, "dropped_stale_total": self.dropped_stale_total,
+                         "groups_skipped_total": self.groups_skipped_total, "trained_groups": self.trained_groups,
+                         "trained_digest": self.trained_digest, "grad_norm_smoothed": self.grad_norm_smoothed},
+            "unacked_group_ids": [e.record.group_id for e in self._unacked],
+        }
+        meta = {"version": self.version, "trained_groups": self.trained_groups,
+                "trained_digest": str(self.trained_digest), "time": time.time()}
+        path = checkpoint.save(self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
+                               self.cfg.learner.checkpoint_keep,
+                               before_publish=lambda: self._crash_point("checkpoint_written"))
+        self._crash_point("checkpointed")
+        self.queue.ack([e.entry_id for e in self._unacked])
+        self._unacked = []
+        self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version,
+                                "seconds": time.perf_counter() - t0, "time": time.time()}
+        log.info("checkpoint %s (%.2fs)", path.name, self.last_checkpoint["seconds"])
+
+    def _restore(self, path: Path) -> None:
+        state = checkpoint.load_state(path)
+        self.opt.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+        c = state["counters"]
+        self.step, self.version = c["step"], c["version"]
+        self.dropped_stale_total, self.groups_skipped_total = c["dropped_stale_total"], c["groups_skipped_total"]
+        self.trained_groups, self.trained_digest = c["trained_groups"], c["trained_digest"]
+        self.grad_norm_smoothed = c["grad_norm_smoothed"]
+        self._trained_before_restart = set(state["unacked_group_ids"])
+        self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
+        if self.ranks.is_main:
+            published = registry.learner_version(self.r, self.keys)
+            if published > self.version:
+                # Workers may hold weights of versions this checkpoint never saw: the restored
+                # weights get a new, higher version so versions only ever grow.
+                self.version = published + 1
+        log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
+
+    def _take_over_pending(self) -> None:
+        """Entries read by a previous learner and never acknowledged: the ones its last
+        checkpoint trained are acknowledged now; the rest are trained again."""
+        self.queue.ensure_consumer_group()
+        pending = self.queue.claim_pending(self.consumer, min_idle_ms=0)
+        done = [e for e in pending if e.record.group_id in self._trained_before_restart]
+        self._backlog = [e for e in pending if e.record.group_id not in self._trained_before_restart]
+        self.queue.ack([e.entry_id for e in done])
+        if pending:
+            log.info("took over %d pending groups: %d already trained, %d to train", len(pending), len(done),
+                     len(self._backlog))
+
+    def _crash_point(self, point: str) -> None:
+        if CRASH_AT == f"{point}:{self.step}":
+            log.warning("RLPIPE_CRASH_AT=%s: killing myself", CRASH_AT)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # -- weight sync ---------------------------------------------------------------------
     def live_workers(self) -> list[str]:
@@ -210,12 +399,16 @@ class Learner:
             "queue_pending": self.queue.pending(),
             "produced_total": counters["produced"],
             "queue_dead_total": counters["dead"],
+            "trained_groups_total": self.trained_groups,
+            "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
+            "lr_schedule": self.schedule.state(),
             "time": time.time() - self.started_at,
         })
         self.last_metrics = m
         self.metrics.record(m)
         self._publish_state()
-        log.info("step %d: reward %.3f, kl %.2e, %.2fs", self.step, m["reward_mean"], m["mismatch_kl"], step_s)
+        log.info("step %d: reward %.3f, kl %.2e, lr %.2e, %.2fs", self.step, m["reward_mean"], m["mismatch_kl"],
+                 m["learner_lr"], step_s)
 
     def _set_status(self, status: str) -> None:
         self.status = status
@@ -225,11 +418,20 @@ class Learner:
         registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version)
 
     def snapshot(self) -> dict:
+        """What ``GET /status`` returns."""
         return {
             "status": self.status,
             "step": self.step,
             "version": self.version,
             "lr": self.opt.param_groups[0]["lr"],
+            "lr_schedule": self.schedule.state(),
+            "training": {"dtype": self.cfg.learner.dtype, "is_mode": self.cfg.learner.is_mode,
+                         "advantage": self.cfg.learner.advantage, "loss_agg": self.cfg.learner.loss_agg,
+                         "loss_scale": self.scaler.scale, "skipped_steps_total": self.scaler.skipped_steps,
+                         "ranks": self.ranks.world},
+            "checkpoint": {"dir": str(self.ckpt_root), "last": self.last_checkpoint,
+                           "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self._unacked)},
+            "trained_groups_total": self.trained_groups,
             "sync_generation": self.sender.state.generation if self.sender.group else None,
             "sync_members": list(self.sender.members),
             "dropped_stale_total": self.dropped_stale_total,

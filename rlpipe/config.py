@@ -19,7 +19,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
-IsMode = Literal["none", "token_tis"]
+# DESIGN.md 'Loss'; learner/loss.py says what each one does.
+IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass"]
+TrainDtype = Literal["fp32", "bf16", "fp16"]
 
 
 class Section(BaseModel):
@@ -73,19 +75,55 @@ class RolloutConfig(Section):
     max_body_bytes: int = Field(1 << 20, ge=1024)
 
 
+class ScheduleConfig(Section):
+    """The learning-rate schedule (learner/schedule.py).
+
+    ``constant``, ``warmup_cosine`` (linear warmup, cosine down to ``min_lr_ratio`` at the
+    last step), or ``length_surge`` (seed 001, Algorithm 1): hold the LR until the mean
+    response length surges (its ``smooth``-step moving average reaches ``surge_factor`` x
+    its minimum over the previous ``surge_window`` steps), then halve it every
+    ``decay_period`` steps (default 1.8 x the surge step) down to ``min_lr_ratio`` x lr.
+    ``warmup_steps`` applies to every kind.
+    """
+
+    kind: Literal["constant", "warmup_cosine", "length_surge"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    surge_factor: float = Field(2.0, gt=1)
+    surge_window: int = Field(10, ge=1)
+    surge_smooth: int = Field(3, ge=1)
+    decay_period: int | None = Field(None, ge=1)
+    decay_period_factor: float = Field(1.8, gt=0)
+
+
 class LearnerConfig(Section):
-    dtype: Literal["fp32"] = "fp32"
+    """The learner (learner/train.py). Loss formulas: DESIGN.md 'Loss' and learner/loss.py."""
+
+    dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32")
+    fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
+    loss_scale_init: float = Field(2.0**16, gt=0, description="fp16 only: initial dynamic loss scale")
     lr: float = Field(3e-4, gt=0)
+    schedule: ScheduleConfig = ScheduleConfig()
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    grad_norm_ema: float = Field(0.9, ge=0, lt=1, description="smoothing of the exported smoothed grad norm")
     groups_per_step: int = Field(64, ge=1)
     ppo_epochs: int = Field(2, ge=1)
     minibatches: int = Field(1, ge=1)
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
     is_mode: IsMode = "token_tis"
-    is_cap: float = Field(2.0, gt=0)
-    adv_std_norm: bool = True
+    is_cap: float = Field(2.0, gt=0, description="C: the truncation (tis) or rejection (mis) threshold")
+    geo_low: float = Field(0.5, gt=0, description="geo_mask: lowest geometric-mean ratio kept")
+    geo_high: float = Field(2.0, gt=0, description="geo_mask: highest geometric-mean ratio kept")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="|log w| is clamped to this before exp")
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = "token_mean"
+    loss_norm_length: int | None = Field(None, ge=1, description="seq_sum_norm's fixed length; default sampling.max_tokens")
+    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
+    checkpoint_keep: int = Field(2, ge=1)
+    checkpoint_dir: str = Field("", description="default: <run_dir>/checkpoints")
     threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
@@ -192,6 +230,8 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
     if cfg.learner.minibatches > cfg.learner.groups_per_step:
         problems.append("learner.minibatches: more minibatches than groups per step")
+    if cfg.learner.geo_low >= cfg.learner.geo_high:
+        problems.append("learner.geo_low: must be below learner.geo_high")
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if problems:

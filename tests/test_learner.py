@@ -60,3 +60,135 @@ def test_a_step_widens_the_margin_of_rewarded_over_unrewarded_responses(learner)
     assert metrics["reward_mean"] == pytest.approx(0.75)
     assert metrics["groups_by_precision"] == {"bf16": 2}
     assert torch.isfinite(torch.tensor([metrics["learner_loss"], metrics["learner_grad_norm"]])).all()
+
+
+# -- every correction mode, precision and estimator runs a real step ------------------------------
+def synthetic_groups(model, n_groups: int, seed: int = 0, noise: float = 0.05, precisions=("bf16",),
+                     version: int = 0) -> list:
+    """Groups of 4 random answers to random sums, their mu the learner's own log-probs plus
+    Gaussian noise (a mismatch of known size), rewards 0/1 with at least one of each."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for g in range(n_groups):
+        prompt = np.array([1, *rng.integers(5, 15, 2), 14, *rng.integers(5, 15, 2), 17], dtype=np.int32)
+        samples = []
+        for i in range(4):
+            tokens = np.array([*rng.integers(5, 15, int(rng.integers(1, 4))), 2], dtype=np.int32)
+            exact = learner_logprobs(model, prompt, tokens).numpy()
+            mu = (exact + rng.normal(0, noise, len(tokens))).astype(np.float32)
+            samples.append(Sample(tokens, mu, "stop", float(i % 2)))
+        records.append(make_record(prompt_tokens=prompt, samples=samples, group_id=f"syn-{seed}-{g}",
+                                   policy_version=version, policy_version_end=version,
+                                   precision=precisions[g % len(precisions)]))
+    return records
+
+
+def params_vector(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def base_model(toy_model_path):
+    from learner.policy import load_policy
+
+    return load_policy(toy_model_path)
+
+
+def make_learner(redis_server, toy_model_path, tmp_path, **overrides) -> Learner:
+    cfg = build_config({}, environ={}, run_id=free_run_id("l"), run_dir=str(tmp_path), redis_url=redis_server.url,
+                       **{"model.path": toy_model_path, "learner.groups_per_step": 4, "learner.lr": 1e-4,
+                          **overrides})
+    return Learner(cfg)
+
+
+@pytest.mark.parametrize("mode", ["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is",
+                                  "vanilla_is", "bypass"])
+def test_every_is_mode_takes_a_finite_step_that_changes_the_weights(mode, redis_server, toy_model_path, tmp_path,
+                                                                     base_model):
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": mode})
+    records = synthetic_groups(base_model, 4, precisions=("bf16", "fp8"))
+    before = params_vector(learner.model)
+    m = learner.train_step(records)
+    assert (params_vector(learner.model) - before).abs().max() > 1e-6
+    assert np.isfinite([m["learner_loss"], m["learner_grad_norm"], m["mismatch_kl"], m["is_ess"]]).all()
+    # noise of std 0.05 on mu: E[mu - pi_old] = 0 and k3 ~ 0.05^2 / 2
+    assert 1e-4 < m["mismatch_k3_kl"] < 5e-3 and m["mismatch_log_ppl_abs_diff"] > 0
+    assert set(m["mismatch_by_precision"]) == {"bf16", "fp8"}
+
+
+def test_bypass_measures_the_same_mismatch_without_a_recompute_pass(redis_server, toy_model_path, tmp_path,
+                                                                      base_model):
+    records = synthetic_groups(base_model, 4, seed=3)
+    full = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "ppo_is"}).train_step(records)
+    bypass = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "bypass"}).train_step(records)
+    # With one minibatch, the first epoch's forward pass is pi_old exactly; same loss, same update.
+    for key in ("mismatch_kl", "mismatch_k3_kl", "mismatch_log_ppl_abs_diff", "entropy", "learner_loss"):
+        assert bypass[key] == pytest.approx(full[key], rel=1e-5, abs=1e-8), key
+
+
+def test_mismatch_is_split_by_the_precision_label(redis_server, toy_model_path, tmp_path, base_model):
+    from learner.loss import mismatch_metrics
+
+    learner = make_learner(redis_server, toy_model_path, tmp_path)
+    # fp8 groups get 5x the noise of bf16 groups: their split metrics must show it
+    records = [*synthetic_groups(base_model, 2, seed=1, noise=0.02, precisions=("bf16",)),
+               *synthetic_groups(base_model, 2, seed=2, noise=0.3, precisions=("fp8",))]
+    m = learner.train_step(records)
+    split = m["mismatch_by_precision"]
+    assert split["fp8"]["mismatch_k3_kl"] > 10 * split["bf16"]["mismatch_k3_kl"]
+    # and each split equals the metric computed on that precision's rows alone
+    from learner.batch import collate
+    batch = collate(records[:2], torch.zeros(2, 4), 0)
+    only_bf16 = mismatch_metrics(torch.zeros_like(batch.behavior_logprobs), batch.behavior_logprobs, batch.mask)
+    assert split["bf16"]["mismatch_log_ppl_rollout"] == pytest.approx(only_bf16["mismatch_log_ppl_rollout"], rel=1e-6)
+    assert m["mismatch_kl_fresh"] == pytest.approx(m["mismatch_kl"])  # every group is staleness 0 here
+
+
+@pytest.mark.parametrize("overrides", [
+    {"learner.advantage": "rloo"}, {"learner.advantage": "reinforce_pp"},
+    {"learner.loss_agg": "seq_mean_token_mean"}, {"learner.loss_agg": "seq_sum_norm"},
+    {"learner.dtype": "bf16"}, {"learner.dtype": "bf16", "learner.fp32_lm_head": True},
+    {"learner.dtype": "fp16"}, {"learner.minibatches": 2, "learner.ppo_epochs": 1},
+])
+def test_estimators_aggregations_and_precisions_train(overrides, redis_server, toy_model_path, tmp_path, base_model):
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **overrides)
+    reference = make_learner(redis_server, toy_model_path, tmp_path)
+    records = synthetic_groups(base_model, 4, seed=5)
+    before = params_vector(learner.model)
+    m, ref = learner.train_step(records), reference.train_step(records)
+    moved = params_vector(learner.model) - before
+    assert moved.abs().max() > 1e-6 and np.isfinite(m["learner_loss"]) and m["learner_skipped_steps"] == 0
+    # a different setting is a different update (the option is not ignored)
+    assert (params_vector(learner.model) - params_vector(reference.model)).abs().max() > 1e-7
+    if "learner.dtype" in overrides:  # low-precision pi_old is close to, not equal to, fp32's
+        assert 0 < abs(m["mismatch_kl"] - ref["mismatch_kl"]) < 1e-2
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps_and_backs_off(redis_server, toy_model_path, tmp_path, base_model):
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{
+        "learner.dtype": "fp16", "learner.loss_scale_init": 1e38, "learner.ppo_epochs": 1})
+    before = params_vector(learner.model)
+    m = learner.train_step(synthetic_groups(base_model, 4, seed=7))
+    assert m["learner_skipped_steps"] == 1 and learner.scaler.skipped_steps == 1
+    assert m["learner_loss_scale"] == pytest.approx(0.5e38)  # halved
+    assert torch.equal(params_vector(learner.model), before)  # an overflowing step leaves the weights alone
+    sane = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.dtype": "fp16", "learner.ppo_epochs": 1})
+    assert sane.train_step(synthetic_groups(base_model, 4, seed=7))["learner_skipped_steps"] == 0
+
+
+def test_every_step_metric_is_exported_to_prometheus(redis_server, toy_model_path, tmp_path, base_model):
+    from prometheus_client import generate_latest
+
+    learner = make_learner(redis_server, toy_model_path, tmp_path)
+    m = learner.train_step(synthetic_groups(base_model, 4, precisions=("bf16", "fp8")))
+    m["lr_schedule"] = learner.schedule.state()
+    learner.metrics.record(m)
+    text = generate_latest(learner.metrics.registry).decode()
+    for name in ("mismatch_kl", "mismatch_seq_kl", "mismatch_k3_kl", "mismatch_chi2_token", "mismatch_chi2_seq",
+                 "mismatch_log_ppl_abs_diff", "mismatch_ppl_ratio", "mismatch_prob_diff_max", "is_weight_mean",
+                 "is_weight_max", "is_ess", "is_truncated_fraction", "is_truncated_seq_fraction",
+                 "is_masked_fraction", "is_masked_seq_fraction", "learner_grad_norm", "learner_grad_norm_smoothed",
+                 "entropy", "reward_mean", "response_length_mean", "learner_loss_scale", "learner_lr"):
+        assert f"\nrlpipe_{name} " in text, name
+    assert 'rlpipe_mismatch_kl_by_precision{precision="fp8"}' in text
+    assert "rlpipe_lr_schedule_lr " in text and "rlpipe_staleness_versions_bucket" in text
