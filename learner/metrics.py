@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Keys that are not gauges: counters exported by their own collectors, and bookkeeping.
-NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total"}
+NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total", "weight_sync_seconds"}
 
 
 class LearnerMetrics:

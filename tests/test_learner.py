@@ -75,7 +75,7 @@ def synthetic_groups(model, n_groups: int, seed: int = 0, noise: float = 0.05, p
         for i in range(4):
             tokens = np.array([*rng.integers(5, 15, int(rng.integers(1, 4))), 2], dtype=np.int32)
             exact = learner_logprobs(model, prompt, tokens).numpy()
-            mu = (exact + rng.normal(0, noise, len(tokens))).astype(np.float32)
+            mu = np.minimum(exact + rng.normal(0, noise, len(tokens)), 0).astype(np.float32)  # still a log-prob
             samples.append(Sample(tokens, mu, "stop", float(i % 2)))
         records.append(make_record(prompt_tokens=prompt, samples=samples, group_id=f"syn-{seed}-{g}",
                                    policy_version=version, policy_version_end=version,

@@ -1,0 +1,133 @@
+"""Exactly-once training across learner crashes: real learner processes, SIGKILLed.
+
+The stream is filled with groups up front (no workers: the learner's weight sync has no
+one to wait for), then the learner is killed at each point of a step where a crash could
+lose or duplicate a group, restarted every time, and finally run to the end. The final
+checkpoint's lineage must hold every group exactly once: its count and its
+order-independent digest of group ids match the produced set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from learner import checkpoint
+from learner.policy import load_policy
+from rlpipe import registry
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import TrajectoryQueue, connect
+from tests.conftest import free_run_id, wait_for
+from tests.test_learner import synthetic_groups
+
+STEPS, GROUPS_PER_STEP = 8, 3
+
+
+@pytest.fixture
+def run(redis_server, toy_model_path, tmp_path):
+    """A config, a stream holding exactly the run's groups, and a way to start the learner."""
+    cfg = build_config({}, environ={}, run_id=free_run_id("resume"), run_dir=str(tmp_path), redis_url=redis_server.url,
+                       steps=STEPS, workers=1, **{
+                           "model.path": toy_model_path, "learner.groups_per_step": GROUPS_PER_STEP,
+                           "learner.checkpoint_every": 2, "learner.ppo_epochs": 1, "learner.lr": 1e-4,
+                           "learner.threads": 1, "queue.max_staleness": 1000, "sync.join_timeout_s": 0.1})
+    dump_config(cfg, tmp_path / "config.yaml")
+    queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
+    groups = synthetic_groups(load_policy(toy_model_path), STEPS * GROUPS_PER_STEP, seed=11)
+    for rec in groups:
+        queue.push(rec)
+
+    def start(crash_at: str = "") -> subprocess.Popen:
+        env = {**os.environ, "RLPIPE_CRASH_AT": crash_at}
+        log = open(tmp_path / "learner.log", "a")
+        log.write(f"\n=== start (crash at {crash_at or 'nothing'}) ===\n")
+        log.flush()
+        return subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config",
+                                 str(tmp_path / "config.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def no_loss():
+        c = queue.counters()
+        assert c["produced"] == c["trained"] + c["dropped_stale"] + queue.length(), c
+
+    return cfg, queue, [g.group_id for g in groups], start, no_loss
+
+
+def final_lineage(cfg) -> dict:
+    meta = checkpoint.read_meta(checkpoint.latest(f"{cfg.run_dir}/checkpoints"))
+    return {"step": meta["step"], "trained_groups": meta["trained_groups"], "digest": int(meta["trained_digest"])}
+
+
+def check_exactly_once(cfg, queue, ids) -> None:
+    assert final_lineage(cfg) == {"step": STEPS, "trained_groups": len(ids), "digest": checkpoint.group_digest(ids)}
+    c = queue.counters()
+    assert c["trained"] == len(ids) and c["dropped_stale"] == 0
+    assert queue.length() == 0 and queue.pending() == 0
+
+
+# Every place a crash can fall: after reading a batch, after the optimizer step, after the
+# weight sync, with a checkpoint written but not yet renamed into place, and with the
+# checkpoint in place but its entries not yet acknowledged (steps 2, 4, 6, 8 checkpoint).
+CRASHES = ["collected:1", "trained:2", "checkpoint_written:2", "checkpointed:2", "synced:3", "collected:3",
+           "checkpointed:4", "trained:5", "checkpoint_written:6", "checkpointed:8"]
+
+
+def test_sigkill_at_every_point_of_a_step_trains_each_group_exactly_once(run):
+    cfg, queue, ids, start, no_loss = run
+    for crash_at in CRASHES:
+        proc = start(crash_at)
+        assert proc.wait(timeout=180) == -signal.SIGKILL, f"the learner did not crash at {crash_at}"
+        no_loss()
+    assert start().wait(timeout=180) == 0
+    check_exactly_once(cfg, queue, ids)
+    # a checkpoint is a loadable model directory, and old ones are pruned
+    assert len(checkpoint.complete(f"{cfg.run_dir}/checkpoints")) == cfg.learner.checkpoint_keep
+    load_policy(str(checkpoint.latest(f"{cfg.run_dir}/checkpoints")))
+
+
+def test_sigkill_at_random_moments_trains_each_group_exactly_once(run):
+    cfg, queue, ids, start, no_loss = run
+    r, rng = connect(cfg.redis_url), random.Random(7)
+    for _ in range(5):
+        proc = start()
+        seen = int(registry.learner_state(r, queue.keys).get("step", 0))
+        if seen >= STEPS - 1:
+            break
+        # wait for the next step to finish, then kill somewhere inside the one after it
+        wait_for(lambda: int(registry.learner_state(r, queue.keys).get("step", 0)) > seen or proc.poll() is not None,
+                 timeout=120, what="a learner step")
+        try:
+            proc.wait(timeout=rng.uniform(0.0, 0.6))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        no_loss()
+    assert start().wait(timeout=180) == 0
+    check_exactly_once(cfg, queue, ids)
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_acknowledges(run):
+    """/status over HTTP while the learner waits for data; SIGTERM then saves what it trained."""
+    cfg, queue, ids, start, no_loss = run
+    r = connect(cfg.redis_url)
+    # Leave only 2 steps' worth of groups in the stream: the learner trains them and waits.
+    for e in queue.r.xrange(queue.keys.traj)[2 * GROUPS_PER_STEP:]:
+        queue.ack([], [e[0].decode()])
+    proc = start()
+    wait_for(lambda: registry.learner_state(r, queue.keys).get("step") == "2", timeout=120, what="two steps")
+    address = registry.learner_state(r, queue.keys)["address"]
+    status = json.load(urllib.request.urlopen(f"http://{address}/status", timeout=10))
+    assert status["step"] == 2 and status["checkpoint"]["last"]["step"] == 2 and status["checkpoint"]["unacked_groups"] == 0
+    assert status["lr_schedule"]["kind"] == "constant" and status["lr"] == pytest.approx(1e-4)
+    assert status["last_metrics"]["step"] == 2 and "mismatch_log_ppl_abs_diff" in status["last_metrics"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP and queue.pending() == 0
+    assert registry.learner_state(r, queue.keys)["status"] == "stopped"
+    no_loss()
