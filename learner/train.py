@@ -400,6 +400,7 @@ class Learner:
             "produced_total": counters["produced"],
             "queue_dead_total": counters["dead"],
             "trained_groups_total": self.trained_groups,
+            "learner_ranks": self.ranks.world,
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
             "lr_schedule": self.schedule.state(),
             "time": time.time() - self.started_at,

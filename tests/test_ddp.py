@@ -1,0 +1,69 @@
+"""The learner under torchrun: 2 CPU ranks (DDP over gloo) take the same steps as 1 process.
+
+Both runs read the same groups from their own stream and train 2 steps; the weights in
+their final checkpoints and the step metrics must agree to float tolerance (the gradient
+all-reduce only changes the order of float additions).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner import checkpoint
+from learner.metrics import read_jsonl
+from learner.policy import load_policy
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import TrajectoryQueue, connect
+from tests.conftest import free_run_id
+from tests.test_learner import synthetic_groups
+
+
+def prepared_run(tmp_path, name, redis_server, toy_model_path, groups):
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    cfg = build_config({}, environ={}, run_id=free_run_id(name), run_dir=str(run_dir), redis_url=redis_server.url,
+                       steps=2, workers=1, seed=3, **{
+                           "model.path": toy_model_path, "learner.groups_per_step": 4, "learner.minibatches": 2,
+                           "learner.lr": 1e-3, "learner.threads": 1, "learner.checkpoint_every": 2,
+                           "learner.loss_agg": "seq_mean_token_mean", "sync.join_timeout_s": 0.1})
+    dump_config(cfg, run_dir / "config.yaml")
+    queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
+    for rec in groups:
+        queue.push(rec)
+    return cfg, run_dir
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path):
+    groups = synthetic_groups(load_policy(toy_model_path), 8, seed=21, noise=0.1)
+    single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups)
+    ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups)
+    learner = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*learner, str(single_dir / "config.yaml")], check=True, env=env, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *learner[1:], str(ddp_dir / "config.yaml")], env=env, timeout=300, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    a = load_file(checkpoint.latest(single_dir / "checkpoints") / "model.safetensors")
+    b = load_file(checkpoint.latest(ddp_dir / "checkpoints") / "model.safetensors")
+    base = load_policy(toy_model_path).state_dict()
+    moved = max((a[k] - base[k]).abs().max().item() for k in a)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert moved > 1e-3, "the steps did not train"
+    print(f"max weight change {moved:.3e}, max difference between runs {diff:.3e}")
+    assert diff < 1e-2 * moved, f"ranks disagree with the single process by {diff} (moved {moved})"
+    ma, mb = read_jsonl(single_dir / "metrics.jsonl"), read_jsonl(ddp_dir / "metrics.jsonl")
+    assert len(ma) == len(mb) == 2 and [m["learner_ranks"] for m in ma + mb] == [1, 1, 2, 2]
+    for key in ("mismatch_kl", "mismatch_log_ppl_abs_diff", "learner_loss", "learner_grad_norm", "entropy"):
+        for x, y in zip(ma, mb):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    assert torch.isfinite(torch.tensor([m["learner_loss"] for m in mb])).all()
