@@ -143,11 +143,14 @@ def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: b
         "reward_start": sum(x["reward_mean"] for x in rows[:k]) / k if k else None,
         "reward_end": sum(x["reward_mean"] for x in rows[-k:]) / k if k else None,
         "mismatch_kl_mean": sum(x["mismatch_kl"] for x in rows) / len(rows) if rows else None,
+        "mismatch_log_ppl_abs_diff_mean": sum(x["mismatch_log_ppl_abs_diff"] for x in rows) / len(rows) if rows else None,
+        "lr_end": rows[-1]["learner_lr"] if rows else None,
         "staleness_mean": sum(x["staleness_mean"] for x in rows) / len(rows) if rows else None,
         "groups_produced": counters["produced"],
         "groups_trained": counters["trained"],
         "groups_dropped_stale": counters["dropped_stale"],
         "groups_pending": queue.length(),
+        "groups_unacknowledged": queue.pending(),  # read by the learner, not yet covered by a checkpoint
         "groups_dead": counters["dead"],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,4 +1,4 @@
-"""Plots of a run: reward and rollout-training mismatch over learner steps."""
+"""Plots of a run: reward, rollout-training mismatch, and what the learner did about it, over learner steps."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "") -> Path:
 
     out = Path(out)
     steps = [r["step"] for r in rows]
-    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_r, ax_k, ax_c) = plt.subplots(1, 3, figsize=(16, 4))
     ax_r.plot(steps, [r["reward_mean"] for r in rows], marker=".", label="reward (sampled)")
     window = max(1, len(rows) // 10)
     if window > 1:
@@ -31,6 +31,17 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "") -> Path:
     ax_k.set_ylabel("mismatch KL per token")
     ax_k.grid(alpha=0.3)
     ax_k.legend()
+    # seed 001's indicator, and the corrections' effect, next to the LR that reacts to it
+    ax_c.plot(steps, [r.get("mismatch_log_ppl_abs_diff", 0) for r in rows], marker=".", label="|log ppl diff|")
+    ax_c.plot(steps, [r.get("is_truncated_fraction", 0) + r.get("is_masked_fraction", 0) for r in rows],
+              marker=".", label="IS truncated + masked fraction")
+    ax_c.set_xlabel("learner step")
+    ax_c.grid(alpha=0.3)
+    ax_lr = ax_c.twinx()
+    ax_lr.plot(steps, [r["learner_lr"] for r in rows], color="k", linestyle="--", label="LR (right)")
+    ax_lr.set_ylabel("learning rate")
+    lines = ax_c.get_legend_handles_labels(), ax_lr.get_legend_handles_labels()
+    ax_c.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -56,6 +56,8 @@ def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
     assert produced == trained + summary["groups_dropped_stale"] + summary["groups_pending"]
     assert trained == steps * cfg.learner.groups_per_step
     assert summary["groups_dead"] == 0
+    # The final checkpoint holds every step, so nothing is left unacknowledged.
+    assert summary["groups_unacknowledged"] == 0 and rows[-1]["checkpoint_step"] == steps
 
     # It learns: the last steps' reward is clearly above the first steps'.
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
@@ -76,10 +78,13 @@ def check_http_interfaces(run_dir: Path) -> None:
     status = learner.get("/status").json()
     assert status["status"] == "running" and status["version"] >= 1 and status["last_metrics"]["reward_mean"] >= 0
     assert sorted(status["sync_members"]) == ["w0", "w1"]
+    assert status["lr_schedule"]["kind"] == cfg.learner.schedule.kind and status["checkpoint"]["every"] >= 1
     metrics = learner.get("/metrics").text
     for name in ("rlpipe_learner_step", "rlpipe_reward_mean", "rlpipe_mismatch_kl", "rlpipe_is_weight_mean",
                  "rlpipe_staleness_versions_bucket", "rlpipe_dropped_stale_total", "rlpipe_queue_dead_total",
-                 "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total"):
+                 "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total",
+                 "rlpipe_mismatch_log_ppl_abs_diff", 'rlpipe_mismatch_kl_by_precision{precision="bf16"}',
+                 "rlpipe_is_ess", "rlpipe_learner_grad_norm_smoothed", "rlpipe_lr_schedule_lr"):
         assert name in metrics, name
     workers = live_workers(r, keys)
     assert sorted(workers) == ["w0", "w1"]
@@ -92,15 +97,18 @@ def check_http_interfaces(run_dir: Path) -> None:
         assert httpx.get(f"http://{w['address']}/readyz", timeout=30).status_code == 200
 
 
-def test_fp8_demo_runs_and_stamps_its_records(tmp_path):
-    cfg = build_config({}, environ={}, steps=3, run_id="fp8", **{"rollout.precision": "fp8",
-                                                                "learner.groups_per_step": 16})
+@pytest.mark.parametrize("precision,is_mode,dtype", [("fp8", "seq_mis", "fp32"), ("bf16", "bypass", "bf16")])
+def test_short_demo_runs_and_stamps_its_records(tmp_path, precision, is_mode, dtype):
+    cfg = build_config({}, environ={}, steps=3, run_id=precision, **{
+        "rollout.precision": precision, "learner.groups_per_step": 16, "learner.is_mode": is_mode,
+        "learner.dtype": dtype})
     summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False)
-    rows = read_jsonl(tmp_path / "fp8" / "metrics.jsonl")
+    rows = read_jsonl(tmp_path / precision / "metrics.jsonl")
     assert summary["completed"] and [r["learner_version"] for r in rows] == [1, 2, 3]
-    assert all(r["groups_by_precision"] == {"fp8": 16} for r in rows)
+    assert all(r["groups_by_precision"] == {precision: 16} for r in rows)
+    assert set(rows[0]["mismatch_by_precision"]) == {precision} and summary["groups_unacknowledged"] == 0
     assert all(r["weight_sync_members"] == 2 for r in rows)
-    # Online FP8 is a different function from the bf16 the learner compares against, but a close one.
+    # The rollout precision is a different function from the learner's, but a close one.
     assert 0 < rows[0]["mismatch_k3_kl"] < 0.05
 
 
