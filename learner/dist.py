@@ -10,6 +10,9 @@ rank fills only its own rows.
 FSDP2 (``fully_shard``) shards parameters, which the tiny models that fit a CPU do not
 need; DDP keeps the loop identical on both. Without ``WORLD_SIZE`` in the environment
 (a plain ``rlpipe learner``) every method here is a no-op.
+
+Tested on CPU only (2 gloo ranks, tests/test_ddp.py); the NCCL branch is the same calls
+with CUDA devices and has not been run.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Weights and optimizer state are always fp32 (the master copy); ``bf16`` and ``fp16``
 training run the forward and backward passes under ``torch.autocast``, as mixed-precision
-training does on GPUs, so the same code serves both. fp16 needs dynamic loss scaling
+training does on GPUs, so the same code serves both (run here on CPU only; the CUDA
+autocast path is the same calls and has not been run). fp16 needs dynamic loss scaling
 (seed 000): :class:`LossScaler`. With ``fp32_lm_head`` the LM head and the softmax run in
 fp32 even under autocast: the logits are where low precision costs the most.
 

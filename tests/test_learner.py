@@ -192,3 +192,19 @@ def test_every_step_metric_is_exported_to_prometheus(redis_server, toy_model_pat
         assert f"\nrlpipe_{name} " in text, name
     assert 'rlpipe_mismatch_kl_by_precision{precision="fp8"}' in text
     assert "rlpipe_lr_schedule_lr " in text and "rlpipe_staleness_versions_bucket" in text
+
+
+def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_model_path, tmp_path, base_model):
+    from learner.metrics import read_jsonl
+
+    learner = make_learner(redis_server, toy_model_path, tmp_path, steps=4, workers=1, **{
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1,
+        "learner.schedule.kind": "warmup_cosine", "learner.schedule.warmup_steps": 2})
+    for rec in synthetic_groups(base_model, 8, seed=9):
+        learner.queue.push(rec)
+    learner.run()
+    # lr 1e-4, warmup 2 of 4 steps, floor 10%: 1/2 warmup, full, cosine midpoint (0.1 + 0.9/2), floor
+    lrs = [row["learner_lr"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert lrs == pytest.approx([0.5e-4, 1e-4, 0.55e-4, 0.1e-4], rel=1e-6)
+    assert learner.snapshot()["lr_schedule"]["kind"] == "warmup_cosine"
+    assert learner.queue.counters()["trained"] == 8 and learner.last_checkpoint["step"] == 4
