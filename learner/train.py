@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -115,6 +116,7 @@ class Learner:
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> None:
         if self.ranks.is_main:
+            self._acquire_lease()
             self._take_over_pending()
             self._set_status("running")
         while self.step < self.cfg.steps:
@@ -148,6 +150,7 @@ class Learner:
                 self.checkpoint()
             self._set_status("done" if self.step >= self.cfg.steps else "stopped")
             self.sender.drop()
+            self.lease.release()
 
     def request_stop(self) -> None:
         """Finish the step in hand, checkpoint, acknowledge, and return from ``run``."""
@@ -331,6 +334,33 @@ class Learner:
                 # weights get a new, higher version so versions only ever grow.
                 self.version = published + 1
         log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
+
+    def _acquire_lease(self) -> None:
+        """Wait until no other learner holds the run's lease (registry.LearnerLease), then
+        keep it renewed from a daemon thread; losing it stops this process at once."""
+        ttl = self.cfg.learner.lease_ttl_s
+        self.lease = registry.LearnerLease(self.r, self.keys, ttl)
+        waited = 0.0
+        while not self.lease.try_acquire():
+            if time.monotonic() - waited > 2:
+                log.warning("another learner holds the lease of run %s; waiting for it", self.cfg.run_id)
+                waited = time.monotonic()
+            # (the run's state hash belongs to the lease holder: nothing is published while waiting)
+            time.sleep(min(0.2, ttl / 4))
+
+        def renew():
+            while True:
+                time.sleep(ttl / 3)
+                try:
+                    held = self.lease.renew()
+                except Exception as e:  # Redis briefly unreachable: try again
+                    log.warning("lease renewal failed: %s", e)
+                    continue
+                if not held:
+                    log.critical("lost the learner lease to another learner: stopping")
+                    os._exit(3)
+
+        threading.Thread(target=renew, name="learner-lease", daemon=True).start()
 
     def _take_over_pending(self) -> None:
         """Entries read by a previous learner and never acknowledged: the ones its last

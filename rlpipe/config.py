@@ -124,6 +124,8 @@ class LearnerConfig(Section):
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
     checkpoint_keep: int = Field(2, ge=1)
     checkpoint_dir: str = Field("", description="default: <run_dir>/checkpoints")
+    lease_ttl_s: float = Field(10.0, gt=0, description="one learner per run: a restart waits up to this long "
+                               "for a killed learner's lease to expire")
     threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +38,7 @@ def run(redis_server, toy_model_path, tmp_path):
                        steps=STEPS, workers=1, **{
                            "model.path": toy_model_path, "learner.groups_per_step": GROUPS_PER_STEP,
                            "learner.checkpoint_every": 2, "learner.ppo_epochs": 1, "learner.lr": 1e-4,
-                           "learner.threads": 1, "queue.max_staleness": 1000, "sync.join_timeout_s": 0.1})
+                           "learner.threads": 1, "learner.lease_ttl_s": 1.0, "queue.max_staleness": 1000, "sync.join_timeout_s": 0.1})
     dump_config(cfg, tmp_path / "config.yaml")
     queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
     groups = synthetic_groups(load_policy(toy_model_path), STEPS * GROUPS_PER_STEP, seed=11)
@@ -98,7 +99,7 @@ def test_sigkill_at_random_moments_trains_each_group_exactly_once(run):
         proc = start()
         seen = int(registry.learner_state(r, queue.keys).get("step", 0))
         if seen >= STEPS - 1:
-            break
+            break  # the learner just started finishes the run
         # wait for the next step to finish, then kill somewhere inside the one after it
         wait_for(lambda: int(registry.learner_state(r, queue.keys).get("step", 0)) > seen or proc.poll() is not None,
                  timeout=120, what="a learner step")
@@ -108,8 +109,34 @@ def test_sigkill_at_random_moments_trains_each_group_exactly_once(run):
             proc.send_signal(signal.SIGKILL)
         proc.wait()
         no_loss()
-    assert start().wait(timeout=180) == 0
+    else:
+        proc = start()
+    assert proc.wait(timeout=180) == 0
     check_exactly_once(cfg, queue, ids)
+
+
+def test_a_second_learner_waits_for_the_first_to_let_go(run):
+    """Two learners on one stream would train groups twice: the second waits for the lease."""
+    cfg, queue, ids, start, no_loss = run
+    r = connect(cfg.redis_url)
+    for e in queue.r.xrange(queue.keys.traj)[2 * GROUPS_PER_STEP:]:  # 2 steps' worth, then the first waits
+        queue.ack([], [e[0].decode()])
+    first = start()
+    wait_for(lambda: registry.learner_state(r, queue.keys).get("step") == "2", timeout=120, what="two steps")
+    second = start()
+    log = Path(cfg.run_dir) / "learner.log"
+    wait_for(lambda: "another learner holds the lease" in log.read_text(), timeout=60, what="the second to wait")
+    assert registry.learner_state(r, queue.keys)["step"] == "2"  # the waiting learner publishes nothing
+    assert first.poll() is None and second.poll() is None
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    # the second takes over (released lease: at once), finds nothing pending and waits for data
+    wait_for(lambda: registry.learner_state(r, queue.keys).get("status") == "running", timeout=60,
+             what="the second learner to run")
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=60) == 0
+    assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP
+    no_loss()
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_acknowledges(run):
