@@ -150,6 +150,7 @@ class Learner:
                 self.checkpoint()
             self._set_status("done" if self.step >= self.cfg.steps else "stopped")
             self.sender.drop()
+            self._lease_released.set()
             self.lease.release()
 
     def request_stop(self) -> None:
@@ -348,15 +349,16 @@ class Learner:
             # (the run's state hash belongs to the lease holder: nothing is published while waiting)
             time.sleep(min(0.2, ttl / 4))
 
+        released = self._lease_released = threading.Event()
+
         def renew():
-            while True:
-                time.sleep(ttl / 3)
+            while not released.wait(ttl / 3):
                 try:
                     held = self.lease.renew()
                 except Exception as e:  # Redis briefly unreachable: try again
                     log.warning("lease renewal failed: %s", e)
                     continue
-                if not held:
+                if not held and not released.is_set():
                     log.critical("lost the learner lease to another learner: stopping")
                     os._exit(3)
 

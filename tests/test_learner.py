@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 from learner.train import Learner
 from rlpipe.config import build_config
 from rlpipe.schema import Sample
-from tests.conftest import free_run_id, learner_logprobs
+from tests.conftest import free_run_id, learner_logprobs, wait_for
 from tests.test_schema import make_record
 
 
@@ -208,3 +210,7 @@ def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_mode
     assert lrs == pytest.approx([0.5e-4, 1e-4, 0.55e-4, 0.1e-4], rel=1e-6)
     assert learner.snapshot()["lr_schedule"]["kind"] == "warmup_cosine"
     assert learner.queue.counters()["trained"] == 8 and learner.last_checkpoint["step"] == 4
+    # the lease is released and its renewal thread ends with the run (it would stop the process otherwise)
+    assert not learner.r.exists(learner.keys.learner + ":lease")
+    wait_for(lambda: not any(t.name == "learner-lease" for t in threading.enumerate()), timeout=5,
+             what="the lease thread to end")
