@@ -211,7 +211,7 @@ class Learner:
         ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
 
         groups = torch.nonzero(informative).squeeze(1).to(self.device)
-        losses, grad_norms, ppo, skipped = [], [], {}, 0
+        losses, grad_norms, ppo_rows, skipped = [], [], [], 0
         for epoch in range(lc.ppo_epochs if len(groups) else 0):
             order = groups[torch.randperm(len(groups)).to(self.device)]
             for mb_groups in order.chunk(lc.minibatches):
@@ -224,8 +224,9 @@ class Learner:
                 pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
                 if bypass and epoch == 0:
                     pi_old[local], entropy[local], seen[local] = pi.detach(), ent.detach(), float(share > 0)
-                per_token, ppo = ppo_clip_terms(pi, ref[local], mb.advantages, mb.mask, weights[local],
-                                                lc.eps_low, lc.eps_high, lc.log_ratio_clamp)
+                per_token, ppo_m = ppo_clip_terms(pi, ref[local], mb.advantages, mb.mask, weights[local],
+                                                  lc.eps_low, lc.eps_high, lc.log_ratio_clamp)
+                ppo_rows.append(ppo_m)
                 total, _ = loss_sum_and_denominator(per_token, mb.mask, lc.loss_agg, self.loss_norm_length)
                 self.opt.zero_grad(set_to_none=True)
                 # DDP averages gradients over ranks; scaling by the world size makes it the sum.
@@ -239,10 +240,10 @@ class Learner:
             entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
             mask = mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
         return self._step_metrics(records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
-                                  losses, grad_norms, skipped, ppo)
+                                  losses, grad_norms, skipped, ppo_rows)
 
     def _step_metrics(self, records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
-                      losses, grad_norms, skipped, ppo) -> dict:
+                      losses, grad_norms, skipped, ppo_rows) -> dict:
         clamp = self.cfg.learner.log_ratio_clamp
         finite = [g for g in grad_norms if g == g and g != float("inf")]
         if finite:
@@ -286,7 +287,8 @@ class Learner:
             if fresh.any() else None,
             "mismatch_by_precision": by_precision,
             **is_metrics,
-            **ppo,
+            # PPO statistics averaged over the step's minibatches (on rank 0's rows under DDP)
+            **{k: sum(m[k] for m in ppo_rows) / len(ppo_rows) for k in (ppo_rows[0] if ppo_rows else {})},
         }
 
     # -- exactly-once bookkeeping ----------------------------------------------------------
