@@ -163,22 +163,36 @@ def ppo_clip_terms(pi: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor
     return per_token, metrics
 
 
-def loss_sum_and_denominator(per_token: torch.Tensor, mask: torch.Tensor, agg: str,
-                             norm_length: int) -> tuple[torch.Tensor, float]:
-    """Loss aggregation as ``sum / denominator``, so data-parallel ranks can share one denominator.
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
+
+
+def loss_sum(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """The numerator of the aggregated loss; the loss is ``loss_sum / loss_denominator``.
+
+    The two halves are separate so data-parallel ranks can sum their own rows and divide
+    by the denominator of the whole minibatch:
 
     token_mean             sum over all tokens / number of tokens (long answers weigh more)
     seq_mean_token_mean    mean over sequences of each sequence's token mean (each answer weighs the same)
     seq_sum_norm           sum over all tokens / (sequences x norm_length): Dr. GRPO's constant
                            normaliser, with no length bias in either direction
     """
-    if agg == "token_mean":
-        return (per_token * mask).sum(), float(mask.sum().item())
+    if agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg: unknown aggregation {agg!r}")
     if agg == "seq_mean_token_mean":
-        return row_mean(per_token, mask).sum(), float(mask.shape[0])
-    if agg == "seq_sum_norm":
-        return (per_token * mask).sum(), float(mask.shape[0] * norm_length)
-    raise ValueError(f"loss_agg: unknown aggregation {agg!r}")
+        return row_mean(per_token, mask).sum()
+    return (per_token * mask).sum()
+
+
+def loss_denominator(mask: torch.Tensor, agg: str, norm_length: int) -> float:
+    """What :func:`loss_sum` is divided by, from the mask alone."""
+    if agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg: unknown aggregation {agg!r}")
+    if agg == "token_mean":
+        return float(mask.sum().item())
+    if agg == "seq_mean_token_mean":
+        return float(mask.shape[0])
+    return float(mask.shape[0] * norm_length)
 
 
 # -- mismatch ----------------------------------------------------------------------------------
@@ -203,13 +217,13 @@ def mismatch_metrics(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
     ppl_train, ppl_rollout = row_mean(-pi_old, mask), row_mean(-mu, mask)
     ppl_diff = (ppl_train - ppl_rollout).clamp(-clamp, clamp)
     prob_diff = (pi_old.exp() - mu.exp()).abs() * mask
-    seq_d = row_sum(d, mask).clamp(-clamp / 2, clamp / 2)
+    seq_log_w = row_sum(d, mask)
     return {
         "mismatch_kl": masked_mean(-d, mask).item(),
-        "mismatch_seq_kl": ((-row_sum(d, mask)) * rows).sum().item() / n_rows.item(),
+        "mismatch_seq_kl": ((-seq_log_w) * rows).sum().item() / n_rows.item(),
         "mismatch_k3_kl": masked_mean(torch.exp(d) - d - 1, mask).item(),
         "mismatch_chi2_token": masked_mean(torch.exp(2 * d), mask).item() - 1.0,
-        "mismatch_chi2_seq": ((torch.exp(2 * seq_d) * rows).sum() / n_rows).item() - 1.0,
+        "mismatch_chi2_seq": ((torch.exp(2 * seq_log_w.clamp(-clamp / 2, clamp / 2)) * rows).sum() / n_rows).item() - 1.0,
         "mismatch_log_ppl_train": ((ppl_train * rows).sum() / n_rows).item(),
         "mismatch_log_ppl_rollout": ((ppl_rollout * rows).sum() / n_rows).item(),
         "mismatch_log_ppl_abs_diff": ((ppl_diff.abs() * rows).sum() / n_rows).item(),

@@ -38,7 +38,8 @@ from learner.loss import (
     RATIO_AGAINST_MU,
     compute_advantages,
     importance_weights,
-    loss_sum_and_denominator,
+    loss_denominator,
+    loss_sum,
     masked_mean,
     mismatch_metrics,
     ppo_clip_terms,
@@ -216,7 +217,7 @@ class Learner:
             order = groups[torch.randperm(len(groups)).to(self.device)]
             for mb_groups in order.chunk(lc.minibatches):
                 rows = torch.nonzero(torch.isin(batch.group_index, mb_groups)).squeeze(1)
-                _, denom = loss_sum_and_denominator(mask[rows], mask[rows], lc.loss_agg, self.loss_norm_length)
+                denom = loss_denominator(mask[rows], lc.loss_agg, self.loss_norm_length)  # the whole minibatch's
                 local = ranks.mine(rows)
                 share = ranks.world if len(local) else 0.0  # a rank with no rows still joins the all-reduce
                 local = local if len(local) else rows[:1]
@@ -227,7 +228,7 @@ class Learner:
                 per_token, ppo_m = ppo_clip_terms(pi, ref[local], mb.advantages, mb.mask, weights[local],
                                                   lc.eps_low, lc.eps_high, lc.log_ratio_clamp)
                 ppo_rows.append(ppo_m)
-                total, _ = loss_sum_and_denominator(per_token, mb.mask, lc.loss_agg, self.loss_norm_length)
+                total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
                 self.opt.zero_grad(set_to_none=True)
                 # DDP averages gradients over ranks; scaling by the world size makes it the sum.
                 self.scaler.backward(total * share / denom)

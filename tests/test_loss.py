@@ -11,7 +11,8 @@ from learner.loss import (
     IS_MODES,
     compute_advantages,
     importance_weights,
-    loss_sum_and_denominator,
+    loss_denominator,
+    loss_sum,
     mismatch_metrics,
     ppo_clip_terms,
 )
@@ -118,7 +119,7 @@ def test_ppo_clip_loss_with_tis_by_hand():
     w, _ = importance_weights(PI_OLD, MU, MASK, "token_tis", cap=1.5)
     pi = (PI_OLD + DELTA).requires_grad_(True)
     per_token, m = ppo_clip_terms(pi, PI_OLD, ADV, MASK, w, eps_low=0.2, eps_high=0.28)
-    total, denom = loss_sum_and_denominator(per_token, MASK, "token_mean", 8)
+    total, denom = loss_sum(per_token, MASK, "token_mean"), loss_denominator(MASK, "token_mean", 8)
     loss = total / denom
     w1, w2, w3 = 1.5, E(-1.0), 1.0
     r1, r2, r3 = E(0.3), E(-0.4), E(0.1)
@@ -149,10 +150,12 @@ def test_loss_aggregations_by_hand():
     per_token = torch.tensor([[1.0, 2.0, 7.0], [3.0, 7.0, 7.0]])  # 7s sit in the padding
     cases = {"token_mean": 6 / 3, "seq_mean_token_mean": (1.5 + 3.0) / 2, "seq_sum_norm": 6 / (2 * 4)}
     for agg, expected in cases.items():
-        total, denom = loss_sum_and_denominator(per_token, MASK, agg, norm_length=4)
+        total, denom = loss_sum(per_token, MASK, agg), loss_denominator(MASK, agg, norm_length=4)
         assert total.item() / denom == pytest.approx(expected), agg
     with pytest.raises(ValueError, match="loss_agg"):
-        loss_sum_and_denominator(per_token, MASK, "median", 4)
+        loss_sum(per_token, MASK, "median")
+    with pytest.raises(ValueError, match="loss_agg"):
+        loss_denominator(MASK, "median", 4)
 
 
 # -- mismatch metrics ------------------------------------------------------------------------------
