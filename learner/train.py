@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -151,7 +150,6 @@ class Learner:
                 self.checkpoint()
             self._set_status("done" if self.step >= self.cfg.steps else "stopped")
             self.sender.drop()
-            self._lease_released.set()
             self.lease.release()
 
     def request_stop(self) -> None:
@@ -340,32 +338,19 @@ class Learner:
         log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
 
     def _acquire_lease(self) -> None:
-        """Wait until no other learner holds the run's lease (registry.LearnerLease), then
-        keep it renewed from a daemon thread; losing it stops this process at once."""
-        ttl = self.cfg.learner.lease_ttl_s
-        self.lease = registry.LearnerLease(self.r, self.keys, ttl)
-        waited = 0.0
-        while not self.lease.try_acquire():
-            if time.monotonic() - waited > 2:
-                log.warning("another learner holds the lease of run %s; waiting for it", self.cfg.run_id)
-                waited = time.monotonic()
-            # (the run's state hash belongs to the lease holder: nothing is published while waiting)
-            time.sleep(min(0.2, ttl / 4))
+        """Wait until no other learner holds the run's lease (registry.LearnerLease); losing
+        it later stops this process at once. (The run's state hash belongs to the holder:
+        nothing is published while waiting.)"""
+        self.lease = registry.LearnerLease(self.r, self.keys, self.cfg.learner.lease_ttl_s)
 
-        released = self._lease_released = threading.Event()
+        def waiting():
+            log.warning("another learner holds the lease of run %s; waiting for it", self.cfg.run_id)
 
-        def renew():
-            while not released.wait(ttl / 3):
-                try:
-                    held = self.lease.renew()
-                except Exception as e:  # Redis briefly unreachable: try again
-                    log.warning("lease renewal failed: %s", e)
-                    continue
-                if not held and not released.is_set():
-                    log.critical("lost the learner lease to another learner: stopping")
-                    os._exit(3)
+        def lost():
+            log.critical("lost the learner lease to another learner: stopping")
+            os._exit(3)
 
-        threading.Thread(target=renew, name="learner-lease", daemon=True).start()
+        self.lease.acquire(on_wait=waiting, on_lost=lost)
 
     def _take_over_pending(self) -> None:
         """Entries read by a previous learner and never acknowledged: the ones its last

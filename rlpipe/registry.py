@@ -12,12 +12,17 @@ groups twice; a learner that finds its lease taken stops.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
+from typing import Callable
 
 import redis
 
 from rlpipe.queue import Keys
+
+log = logging.getLogger(__name__)
 
 
 def _decode(raw: dict) -> dict[str, str]:
@@ -64,16 +69,44 @@ _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('d
 
 
 class LearnerLease:
+    """The run's single-learner lease: acquire (waiting for another holder to let go),
+    renew in a daemon thread, release. Releasing also ends the renewal, so a lease that
+    was let go on purpose is never mistaken for a lost one."""
+
     def __init__(self, r: redis.Redis, keys: Keys, ttl_s: float):
-        self.r, self.key, self.ttl_ms = r, keys.learner + ":lease", int(ttl_s * 1000)
+        self.r, self.key, self.ttl_s = r, keys.learner + ":lease", ttl_s
         self.token = uuid.uuid4().hex
+        self._released = threading.Event()
 
     def try_acquire(self) -> bool:
-        return bool(self.r.set(self.key, self.token, nx=True, px=self.ttl_ms))
+        return bool(self.r.set(self.key, self.token, nx=True, px=int(self.ttl_s * 1000)))
+
+    def acquire(self, on_wait: Callable[[], None], on_lost: Callable[[], None]) -> None:
+        """Block until the lease is ours (``on_wait`` every 2 s meanwhile), then keep it
+        renewed; ``on_lost`` runs if another learner takes it while we still want it."""
+        waited = 0.0  # says so at once, then every 2 s
+        while not self.try_acquire():
+            if time.monotonic() - waited > 2:
+                on_wait()
+                waited = time.monotonic()
+            time.sleep(min(0.2, self.ttl_s / 4))
+        threading.Thread(target=self._renew, args=(on_lost,), name="learner-lease", daemon=True).start()
 
     def renew(self) -> bool:
         """False if the lease was lost (expired and taken by another learner)."""
-        return bool(self.r.eval(_RENEW, 1, self.key, self.token, self.ttl_ms))
+        return bool(self.r.eval(_RENEW, 1, self.key, self.token, int(self.ttl_s * 1000)))
+
+    def _renew(self, on_lost: Callable[[], None]) -> None:
+        while not self._released.wait(self.ttl_s / 3):
+            try:
+                held = self.renew()
+            except redis.RedisError as e:  # Redis briefly unreachable: try again
+                log.warning("lease renewal failed: %s", e)
+                continue
+            if not held and not self._released.is_set():
+                on_lost()
+                return
 
     def release(self) -> None:
+        self._released.set()
         self.r.eval(_RELEASE, 1, self.key, self.token)
