@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 PREFIX = "step_"
-MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def group_digest(group_ids) -> int:
@@ -55,8 +55,10 @@ def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer_dir:
+        # The tokenizer and the like; never the base model's weights (a shard named like one
+        # save_pretrained just wrote would overwrite the trained weights) nor its config.
         for f in Path(tokenizer_dir).iterdir():
-            if f.is_file() and f.name not in MODEL_FILES:
+            if f.is_file() and not (tmp / f.name).exists() and not f.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(f, tmp / f.name)
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from learner import checkpoint
 from learner.policy import load_policy
@@ -158,3 +159,24 @@ def test_sigterm_finishes_the_step_checkpoints_and_acknowledges(run):
     assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP and queue.pending() == 0
     assert registry.learner_state(r, queue.keys)["status"] == "stopped"
     no_loss()
+
+
+def test_a_checkpoint_takes_the_tokenizer_but_never_the_base_weights(toy_model_path, tmp_path):
+    """A sharded base model's files must not overwrite or sit beside the trained weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    shutil.copytree(toy_model_path, base)
+    (base / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    model = load_policy(str(base))
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # "trained"
+    path = checkpoint.save(tmp_path / "ckpt", 1, model, {"x": 1}, {"version": 1}, base)
+    names = {p.name for p in path.iterdir()}
+    assert "model-00001-of-00002.safetensors" not in names and "tokenizer.json" in names
+    saved = load_file(path / "model.safetensors")
+    name, param = next(iter(model.named_parameters()))
+    assert torch.equal(saved[name], param.detach())
+    assert checkpoint.latest(tmp_path / "ckpt") == path and checkpoint.load_state(path) == {"x": 1}
