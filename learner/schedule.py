@@ -1,7 +1,8 @@
 """Learning-rate schedules for the learner, configured by ``learner.schedule`` (ScheduleConfig).
 
-The learner asks for the LR of step 1 with ``lr_at_start()``, and after each step ``t``
-calls ``update(t, response_length_mean)`` for the LR of step ``t + 1``. Steps are 1-based.
+The learner asks for the LR of the next step with ``next_lr()`` (step 1 on a fresh
+schedule, or the step after a restored one), and after each step ``t`` calls
+``update(t, response_length_mean)`` for the LR of step ``t + 1``. Steps are 1-based.
 
 ``length_surge`` is the seed paper's length-decay scheduler (Algorithm 1): it ties the decay
 to when training changes phase, seen as a surge of the mean response length, instead of to a
@@ -53,13 +54,16 @@ class LRSchedule:
             progress = min(1.0, max(0.0, (s - cfg.warmup_steps) / span)) if span > 0 else float(s > cfg.warmup_steps)
             lr = self.floor + (self.base_lr - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
         elif cfg.kind == "length_surge":
-            lr = max(self.base_lr * 0.5 ** self.halvings, self.floor)
+            lr = self._halved_lr()
         else:
             lr = self.base_lr
         return lr * self._warmup(s)
 
-    def lr_at_start(self) -> float:
-        return self._lr(1)
+    def _halved_lr(self) -> float:
+        return max(self.base_lr * 0.5 ** self.halvings, self.floor)
+
+    def next_lr(self) -> float:
+        return self._lr(self.step + 1)
 
     def update(self, step: int, response_length_mean: float) -> float:
         """Record step ``step``'s mean response length; return the LR for step ``step + 1``."""
@@ -89,13 +93,13 @@ class LRSchedule:
                              "every %d steps", t, smooth, cfg.surge_factor, low, self.decay_period)
                 self.smoothed.append(smooth)
         if self.surge_step is not None and t > self.surge_step and t % self.decay_period == 0:
-            before = max(self.base_lr * 0.5 ** self.halvings, self.floor)
+            before = self._halved_lr()
             if before > self.floor:  # already at the floor: nothing to halve
                 self.halvings += 1
                 log.info("step %d: LR halved %.3g -> %.3g", t, before, max(before / 2, self.floor))
 
     def state(self) -> dict:
-        return {"kind": self.cfg.kind, "lr": self._lr(self.step + 1), "surge_step": self.surge_step,
+        return {"kind": self.cfg.kind, "lr": self.next_lr(), "surge_step": self.surge_step,
                 "decay_period": self.decay_period, "halvings": self.halvings}
 
     def state_dict(self) -> dict:

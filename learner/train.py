@@ -22,6 +22,7 @@ rlpipe.cli learner ...`` for data parallelism (learner/dist.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -110,8 +111,9 @@ class Learner:
         self._last_membership_check = 0.0
         if resume:
             self._restore(resume)
-        else:
-            apply_lr(self.opt, self.schedule.lr_at_start())
+        # The LR of the next step comes from the schedule's state, not from the optimizer's
+        # saved param groups, so a changed learner.lr takes effect on resume.
+        apply_lr(self.opt, self.schedule.next_lr())
 
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -244,7 +246,7 @@ class Learner:
     def _step_metrics(self, records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
                       losses, grad_norms, skipped, ppo_rows) -> dict:
         clamp = self.cfg.learner.log_ratio_clamp
-        finite = [g for g in grad_norms if g == g and g != float("inf")]
+        finite = [g for g in grad_norms if math.isfinite(g)]
         if finite:
             step_norm = sum(finite) / len(finite)
             a = self.cfg.learner.grad_norm_ema

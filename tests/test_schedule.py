@@ -35,15 +35,15 @@ def changes(seq: dict[int, float]) -> list[tuple[int, float]]:
 
 def test_constant_with_warmup():
     s = LRSchedule(ScheduleConfig(kind="constant", warmup_steps=4), base_lr=1.0, total_steps=100)
-    assert s.lr_at_start() == pytest.approx(0.25)
+    assert s.next_lr() == pytest.approx(0.25)
     assert [s.update(t, 10.0) for t in range(1, 6)] == pytest.approx([0.5, 0.75, 1.0, 1.0, 1.0])
-    assert LRSchedule(ScheduleConfig(), base_lr=3e-4, total_steps=10).lr_at_start() == 3e-4
+    assert LRSchedule(ScheduleConfig(), base_lr=3e-4, total_steps=10).next_lr() == 3e-4
 
 
 def test_warmup_cosine_endpoints_and_midpoint():
     cfg = ScheduleConfig(kind="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1)
     s = LRSchedule(cfg, base_lr=1.0, total_steps=110)
-    seq = {1: s.lr_at_start(), **lrs(s, lambda t: 0.0, 199)}
+    seq = {1: s.next_lr(), **lrs(s, lambda t: 0.0, 199)}
     assert seq[1] == pytest.approx(0.1)
     assert seq[5] == pytest.approx(0.5)
     assert seq[10] == pytest.approx(1.0)
@@ -59,7 +59,7 @@ def test_length_surge_detects_and_halves_on_period():
     # decay_period = round(1.8*21) = 38: halvings after steps 38, 76, 114, 152 (the last one floored at 0.1).
     cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=3, surge_window=10, min_lr_ratio=0.1)
     s = LRSchedule(cfg, base_lr=1.0, total_steps=400)
-    assert s.lr_at_start() == 1.0
+    assert s.next_lr() == 1.0
     seq = lrs(s, surge_trace, 20)
     assert s.state()["surge_step"] is None and s.state()["decay_period"] is None
     seq.update(lrs(s, surge_trace, 400, start=21))
