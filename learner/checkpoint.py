@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-PREFIX = "step_"
+from rlpipe.checkpoints import PREFIX, complete, latest, read_meta  # noqa: F401 (the learner's API too)
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -81,24 +82,6 @@ def _prune(root: Path, keep: int) -> None:
     for tmp in root.glob(f".tmp-{PREFIX}*"):
         if not tmp.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def complete(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").is_file() and (p / "trainer_state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest(root: str | Path) -> Path | None:
-    found = complete(root)
-    return found[-1] if found else None
-
-
-def read_meta(path: str | Path) -> dict:
-    return json.loads((Path(path) / "meta.json").read_text())
 
 
 def load_state(path: str | Path) -> dict:

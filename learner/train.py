@@ -21,6 +21,7 @@ rlpipe.cli learner ...`` for data parallelism (learner/dist.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -49,6 +50,7 @@ from learner.policy import LossScaler, load_policy, token_logprobs
 from learner.schedule import LRSchedule, apply_lr
 from quant.profiles import profile_for
 from rlpipe import registry
+from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig
 from rlpipe.queue import Entry, TrajectoryQueue, connect
 from weight_sync.manifest import DTYPES
@@ -74,7 +76,7 @@ class Learner:
             torch.set_num_threads(lc.threads)
         torch.manual_seed(cfg.seed)
         self.device = self.ranks.device
-        self.ckpt_root = Path(lc.checkpoint_dir or Path(cfg.run_dir or ".") / "checkpoints")
+        self.ckpt_root = checkpoint_root(cfg)
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
         self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
         self.train_model = self.ranks.wrap(self.model)
@@ -89,8 +91,8 @@ class Learner:
             self.queue = TrajectoryQueue(self.r, cfg.run_id)
             self.keys = self.queue.keys
             self.sender = WeightSender(
-                self.r, self.keys, cfg.sync.host, cfg.sync.timeout_s, cfg.sync.join_timeout_s,
-                cfg.sync.bucket_mib << 20, DTYPES[profile_for(cfg.rollout.precision).wire_dtype])
+                self.r, self.keys, cfg.sync.host, cfg.sync.timeout_s, int(cfg.sync.bucket_mib * 2**20),
+                DTYPES[profile_for(cfg.rollout.precision).wire_dtype])
         self.step = 0
         self.version = 0
         self.dropped_stale_total = 0
@@ -372,8 +374,8 @@ class Learner:
             os.kill(os.getpid(), signal.SIGKILL)
 
     # -- weight sync ---------------------------------------------------------------------
-    def live_workers(self) -> list[str]:
-        return sorted(registry.live_workers(self.r, self.keys))
+    def live_workers(self) -> dict[str, str]:
+        return registry.worker_incarnations(self.r, self.keys)
 
     def maybe_resync(self) -> None:
         """Bring newly joined (or departed) workers into a new generation while waiting."""
@@ -388,22 +390,43 @@ class Learner:
             # The first generation waits (up to join_timeout_s) for the fleet the run was
             # configured with, so no worker fills the first batches alone while the others start.
             return
-        if set(live) != set(self.sender.members):
+        if self.sender.needs_forming(live):
             self.sync_weights()
 
     def sync_weights(self) -> dict:
+        """Bring every live worker to this version; never blocks longer than sync.timeout_s
+        on workers (a dead one is left out, see weight_sync.sender)."""
         try:
             stats = self.sender.sync(self.version, self.model.named_parameters, self.live_workers())
         except SyncError as e:
             log.warning("weight sync of version %d failed, re-forming next time: %s", self.version, e)
             self.metrics.sync_failures.inc()
-            return {"weight_sync_failed": 1}
+            return {"weight_sync_failed": 1, "weight_sync_generation": self.sender.state.generation,
+                    "weight_sync_left_out_total": self.sender.left_out_total}
         for phase in ("pack", "transfer"):
             if f"{phase}_s" in stats:
                 self.metrics.sync_seconds.labels(phase=phase).observe(stats[f"{phase}_s"])
-        self.metrics.sync_bytes.inc(stats.get("bytes", 0) * stats.get("members", 0))
-        return {"weight_sync_seconds": stats.get("pack_s", 0) + stats.get("transfer_s", 0),
-                "weight_sync_members": stats.get("members", 0)}
+        self.metrics.sync_bytes.inc(stats.get("bytes", 0) * stats["members"])
+        return {"weight_sync_seconds": stats.get("form_s", 0) + stats.get("sync_s", 0),
+                "weight_sync_pack_seconds": stats.get("pack_s", 0),
+                "weight_sync_transfer_seconds": stats.get("transfer_s", 0),
+                "weight_sync_form_seconds": stats.get("form_s", 0),
+                "weight_sync_members": stats["members"],
+                "weight_sync_generation": stats["generation"],
+                "weight_sync_left_out_total": self.sender.left_out_total}
+
+    def workers_status(self) -> dict[str, dict]:
+        """Every live worker as the registry has it, and how it stands with weight sync."""
+        out = {}
+        for w, f in sorted(registry.live_workers(self.r, self.keys).items()):
+            out[w] = {"version": int(f.get("version", -1)), "behind": self.version - int(f.get("version", -1)),
+                      "generation": int(f.get("generation", 0)), "weights": f.get("weights", ""),
+                      "member": w in self.sender.members,
+                      "left_out": self.sender.excluded.get(w) == f.get("incarnation", ""),
+                      "precision": f.get("precision", ""), "address": f.get("address", ""),
+                      "inflight_groups": int(f.get("inflight", 0)),
+                      "last_sync": json.loads(f.get("last_sync") or "{}"), "last_error": f.get("last_error", "")}
+        return out
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _finish_step(self, m: dict, train_s: float, step_s: float) -> None:
@@ -457,6 +480,8 @@ class Learner:
             "trained_groups_total": self.trained_groups,
             "sync_generation": self.sender.state.generation if self.sender.group else None,
             "sync_members": list(self.sender.members),
+            "sync_left_out_total": self.sender.left_out_total,
+            "workers": self.workers_status(),
             "dropped_stale_total": self.dropped_stale_total,
             "last_metrics": self.last_metrics,
         }

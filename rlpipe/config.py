@@ -140,10 +140,10 @@ class QueueConfig(Section):
 
 
 class SyncConfig(Section):
-    host: str = "127.0.0.1"
-    timeout_s: float = Field(60.0, gt=0)
-    bucket_mib: int = Field(256, ge=1)
-    join_timeout_s: float = Field(120.0, gt=0)
+    host: str = Field("127.0.0.1", description="address the learner's sync store listens on (reachable by workers)")
+    timeout_s: float = Field(60.0, gt=0, description="longest a sync waits on workers: check-in, and every collective")
+    bucket_mib: float = Field(256, gt=0, description="size of the packed broadcast buffers")
+    join_timeout_s: float = Field(120.0, gt=0, description="how long the first generation waits for the whole fleet")
 
 
 class RunConfig(Section):

@@ -51,6 +51,12 @@ def live_workers(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
     return out
 
 
+def worker_incarnations(r: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Live workers, id -> incarnation: how weight sync tells a returning worker from the
+    one it left out (see weight_sync.sender)."""
+    return {w: f.get("incarnation", "") for w, f in live_workers(r, keys).items()}
+
+
 def set_learner_state(r: redis.Redis, keys: Keys, **fields) -> None:
     r.hset(keys.learner, mapping={**fields, "heartbeat": time.time()})
 

@@ -4,9 +4,10 @@ weight updates in flight.
 - Log-probs are vLLM's ``processed_logprobs`` (after temperature), the distribution the
   tokens were actually sampled from: exactly what importance sampling needs.
 - Token ids flow unchanged from the engine into the result; nothing is re-tokenized.
-- An update pauses the scheduler with ``mode="keep"`` (running requests are frozen, not
-  aborted), loads the new weights, resets the prefix cache and resumes. Every request
-  in flight records at which of its tokens the version changed.
+- An update is received in the background while generation goes on; then the scheduler
+  pauses with ``mode="keep"`` (running requests are frozen, not aborted), the new weights
+  are loaded, the prefix cache is reset and generation resumes. Every request in flight
+  records at which of its tokens the version changed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from rollout_service.worker_ext import EXTENSION_CLS
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+class WeightsCorrupted(RuntimeError):
+    """Loading new weights failed after it started: the engine must not serve again."""
 
 
 class InvalidRequest(ValueError):
@@ -71,7 +76,8 @@ class RolloutEngine:
         self.seed = seed
         self.llm = None
         self.version = 0
-        self.synced = False  # True once weights came from the learner (not just from disk)
+        self.synced = False  # True once weights came from the learner or a checkpoint (not the base model)
+        self.weights_source = "base"  # where the weights in the engine came from: base, learner, checkpoint
         self._active: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -97,7 +103,7 @@ class RolloutEngine:
             **self.profile.engine_kwargs(),
         )
         self.llm = AsyncLLM.from_engine_args(args)
-        info = (await self.llm.collective_rpc("rlpipe_init"))[0]
+        info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_path,)))[0]
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
@@ -150,35 +156,60 @@ class RolloutEngine:
         return results, tracked.start_version, end_version
 
     # -- weight sync -----------------------------------------------------------------
-    async def join(self, host: str, port: int, rank: int, world_size: int, generation: int,
-                   timeout_s: float, join_timeout_s: float) -> dict:
-        return (await self.llm.collective_rpc(
-            "rlpipe_join", args=(host, port, rank, world_size, generation, timeout_s, join_timeout_s)))[0]
+    async def _in_worker(self, op: str, *args) -> dict:
+        """Run a slow weight operation in the engine process's background thread while
+        generation goes on, polling for its result."""
+        started = (await self.llm.collective_rpc("rlpipe_start", args=(op, *args)))[0]
+        if not started["ok"]:
+            return started
+        while True:
+            await asyncio.sleep(0.01)
+            result = (await self.llm.collective_rpc("rlpipe_poll"))[0]
+            if result is not None:
+                return result
+
+    async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
+                   timeout_s: float) -> dict:
+        return await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s)
 
     async def update(self, version: int, manifest_json: str) -> dict:
-        """Receive and load ``version`` with generation paused (requests kept, not aborted)."""
+        """Receive ``version`` while generating, then load it with generation paused."""
         async with self._update_lock:
-            t0 = time.perf_counter()
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                for _ in range(3):  # let streamed outputs of the last step reach their requests
-                    await asyncio.sleep(0)
-                result = (await self.llm.collective_rpc("rlpipe_update", args=(version, manifest_json)))[0]
-                if result.get("ok"):
-                    self.version = version
-                    self.synced = True
-                    for tracked in self._active.values():
-                        tracked.changes.append((dict(tracked.counts), version))
-                    if not await self.llm.reset_prefix_cache():
-                        # Blocks held by running requests keep old-weight KV; the recorded
-                        # behavior log-probs stay exact, only prefix reuse may lag a version.
-                        self.prefix_cache_reset_failures += 1
-            finally:
-                await self.llm.resume_generation()
-                pause = time.perf_counter() - t0
-                self.paused_seconds_total += pause
-            result["pause_s"] = pause
-            return result
+            staged = await self._in_worker("receive", version, manifest_json)
+            return {**staged, **await self._apply(version, "learner")} if staged["ok"] else staged
+
+    async def load_checkpoint(self, model_dir: str, version: int) -> dict:
+        """Catch up to a checkpoint's weights (a worker that missed syncs)."""
+        async with self._update_lock:
+            staged = await self._in_worker("read", model_dir)
+            return {**staged, **await self._apply(version, "checkpoint")} if staged["ok"] else staged
+
+    async def _apply(self, version: int, source: str) -> dict:
+        """Load the staged weights with generation paused ("keep": running requests are
+        frozen, not aborted) and record the version change in every request in flight."""
+        t0 = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            for _ in range(3):  # let streamed outputs of the last step reach their requests
+                await asyncio.sleep(0)
+            result = (await self.llm.collective_rpc("rlpipe_apply"))[0]
+        except Exception as e:
+            # The model may be half-loaded: never resume generating with it.
+            raise WeightsCorrupted(f"loading version {version} failed part-way: {e!r}") from e
+        try:
+            if result.get("ok"):
+                self.version, self.synced, self.weights_source = version, True, source
+                for tracked in self._active.values():
+                    tracked.changes.append((dict(tracked.counts), version))
+                if not await self.llm.reset_prefix_cache():
+                    # Blocks held by running requests keep old-weight KV; the recorded
+                    # behavior log-probs stay exact, only prefix reuse may lag a version.
+                    self.prefix_cache_reset_failures += 1
+        finally:
+            await self.llm.resume_generation()
+        pause = time.perf_counter() - t0
+        self.paused_seconds_total += pause
+        return {**result, "pause_s": pause}
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -14,6 +14,7 @@ a thread so the event loop never waits on the network.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -22,16 +23,20 @@ from typing import Callable
 import numpy as np
 import redis
 
-from rlpipe import registry
+from rlpipe import checkpoints, registry
 from rlpipe.config import RunConfig
 from rlpipe.queue import TrajectoryQueue, rollout_allowance
 from rlpipe.schema import GroupRecord, Sample
-from rollout_service.engine import RolloutEngine
+from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
 from rollout_service.tasks import Task
 from weight_sync.rendezvous import read_sync
 
 log = logging.getLogger(__name__)
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 class RolloutLoop:
@@ -49,7 +54,9 @@ class RolloutLoop:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
-        self.generation = 0
+        self.generation = 0  # the newest sync generation seen
+        self.incarnation = new_incarnation()  # a new one asks the learner to take this worker back
+        self.last_sync: dict = {}
         self.stopping = asyncio.Event()
         self.groups: set[asyncio.Task] = set()
         self.tasks: list[asyncio.Task] = []
@@ -143,36 +150,83 @@ class RolloutLoop:
 
     # -- weight sync --------------------------------------------------------------------
     async def _watch_sync(self) -> None:
+        """Follow the learner's sync generations (DESIGN.md, 'Weight sync protocol').
+
+        A new generation that lists this worker means check in and join; a higher version
+        means receive it. A worker left out of a generation (it checked in late, a
+        transfer failed, or the learner had not seen it yet) catches up from the newest
+        checkpoint on disk and asks back in by drawing a new incarnation.
+        """
         scfg = self.cfg.sync
-        must_receive = False
+        await self._catch_up()
+        joined = must_receive = False
         while not self.stopping.is_set():
             try:
                 st = await asyncio.to_thread(read_sync, self.r, self.keys)
-                rank = st.rank_of(self.worker_id)
-                if st.generation > self.generation and rank is not None:
-                    res = await self.engine.join(st.master_addr, st.master_port, rank, st.world_size,
-                                                 st.generation, scfg.timeout_s, scfg.join_timeout_s)
+                if st.generation > self.generation:
                     self.generation = st.generation
-                    must_receive = res.get("ok", False)
-                    if not must_receive:
-                        self._sync_failed(res)
-                if st.generation == self.generation and (must_receive or st.version > self.engine.version):
-                    must_receive = False
-                    res = await self.engine.update(st.version, st.manifest)
-                    if res.get("ok"):
-                        self.metrics.version.set(self.engine.version)
-                        self.metrics.sync_pause_seconds.observe(res["pause_s"])
-                        self.metrics.paused_seconds.inc(res["pause_s"])
-                        for phase in ("transfer", "load"):
-                            self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(res[f"{phase}_s"])
-                        await asyncio.to_thread(self._publish)
+                    joined = must_receive = False
+                    candidate = st.candidate_of(self.worker_id)
+                    if candidate is None:
+                        await self._ask_back("a generation formed without this worker")
                     else:
+                        res = await self.engine.join(st.master_addr, st.master_port, candidate, st.generation,
+                                                     st.manifest, scfg.timeout_s)
+                        joined = must_receive = res["ok"]
+                        if not joined:
+                            self._sync_failed(res)
+                            if not res.get("refused"):  # a worker that cannot load these weights stays out
+                                await self._ask_back(res["error"])
+                if joined and (must_receive or st.version > self.engine.version):
+                    res = await self.engine.update(st.version, st.manifest)
+                    if res["ok"]:
+                        must_receive = False
+                        self._synced(res, "learner")
+                    else:
+                        joined = False
                         self._sync_failed(res)
+                        await self._ask_back(res["error"])
             except asyncio.CancelledError:
                 raise
+            except WeightsCorrupted as e:
+                self.on_fatal(str(e))
+                return
             except Exception as e:  # Redis hiccup: keep serving, try again
                 log.warning("sync watcher: %r", e)
             await asyncio.sleep(0.05)
+
+    async def _catch_up(self) -> None:
+        """Load the newest checkpoint on disk if it is newer than the engine's weights."""
+        path = await asyncio.to_thread(checkpoints.latest, checkpoints.checkpoint_root(self.cfg))
+        if path is None:
+            return
+        version = int(checkpoints.read_meta(path)["version"])
+        if version <= self.engine.version:
+            return
+        res = await self.engine.load_checkpoint(str(path), version)
+        if res["ok"]:
+            log.info("caught up to version %d from %s", version, path)
+            self._synced(res, "checkpoint")
+        else:
+            self._sync_failed(res)
+
+    async def _ask_back(self, why: str) -> None:
+        log.info("out of the sync generation (%s): catching up from disk, asking back in", why)
+        await self._catch_up()
+        self.incarnation = new_incarnation()
+        await asyncio.to_thread(self._publish)
+
+    def _synced(self, res: dict, source: str) -> None:
+        self.metrics.version.set(self.engine.version)
+        self.metrics.sync_pause_seconds.observe(res["pause_s"])
+        self.metrics.paused_seconds.inc(res["pause_s"])
+        for phase in ("transfer", "read", "load"):
+            if f"{phase}_s" in res:
+                self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(res[f"{phase}_s"])
+        self.metrics.generation.set(self.generation)
+        self.last_sync = {"version": self.engine.version, "source": source, "generation": self.generation,
+                          **{k: round(v, 6) for k, v in res.items() if k.endswith("_s")}}
+        self._publish()
 
     def _sync_failed(self, res: dict) -> None:
         self.metrics.sync_failures.inc()
@@ -184,7 +238,9 @@ class RolloutLoop:
         registry.heartbeat_worker(
             self.r, self.keys, self.worker_id, self.cfg.rollout.heartbeat_ttl_s,
             address=self.address, version=self.engine.version, precision=self.engine.profile.precision,
-            inflight=len(self.groups))
+            inflight=len(self.groups), incarnation=self.incarnation, generation=self.generation,
+            weights=self.engine.weights_source, last_sync=json.dumps(self.last_sync),
+            last_error=self.last_error or "")
 
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():

@@ -3,56 +3,135 @@
 They run inside the engine's worker process, where the model lives, and are called from
 the rollout server through ``collective_rpc``. Only JSON-able arguments cross that call
 (vLLM mangles tensors passed as RPC arguments in multi-process mode); the weights
-themselves arrive over the gloo group.
+themselves arrive over the gloo group, or are read from a checkpoint on disk.
+
+Everything slow runs in a background thread of the engine process, *staging* the new
+weights while the engine keeps generating: checking in to a sync generation, receiving
+the buckets, reading a checkpoint (``rlpipe_start`` + ``rlpipe_poll``). Only
+``rlpipe_apply``, which copies the staged tensors into the model, runs with generation
+paused. Staged weights are complete or absent, so a failed transfer leaves the model
+as it was.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from rollout_service.vllm_compat import after_reload, die_with_parent
-from weight_sync.manifest import Manifest
+from weight_sync.manifest import Manifest, incompatibility
 from weight_sync.receiver import WeightReceiver
-from weight_sync.transport import SyncError
+from weight_sync.transport import LeftOut, SyncError
 
 EXTENSION_CLS = "rollout_service.worker_ext.RlpipeWorkerExtension"
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a model directory's safetensors (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
 
 
 class RlpipeWorkerExtension:
     _rlpipe_receiver: WeightReceiver | None = None
+    _rlpipe_job: Future | None = None
+    _rlpipe_staged: list | None = None
+    _rlpipe_shapes: dict[str, tuple[int, ...]] = {}
 
-    def rlpipe_init(self) -> dict:
-        """Called once after start-up: process facts the server checks, and the orphan guard."""
+    def rlpipe_init(self, model_dir: str) -> dict:
+        """Called once after start-up: process facts the server checks, the orphan guard,
+        and the model's tensor shapes (every update is checked against them)."""
         import os
 
+        self._rlpipe_pool = ThreadPoolExecutor(1, thread_name_prefix="rlpipe-sync")
+        self._rlpipe_shapes = checkpoint_shapes(model_dir)
         return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent()}
 
-    def rlpipe_join(self, host: str, port: int, rank: int, world_size: int, generation: int,
-                    timeout_s: float, join_timeout_s: float) -> dict:
-        self.rlpipe_leave()
+    # -- background work ---------------------------------------------------------------
+    def rlpipe_start(self, op: str, *args) -> dict:
+        if self._rlpipe_job is not None:
+            return {"ok": False, "error": "a weight operation is already running"}
+        fn = {"join": self._rlpipe_join, "receive": self._rlpipe_receive, "read": self._rlpipe_read}[op]
+        self._rlpipe_job = self._rlpipe_pool.submit(fn, *args)
+        return {"ok": True}
+
+    def rlpipe_poll(self) -> dict | None:
+        """The background operation's result once it is done, else None."""
+        job = self._rlpipe_job
+        if job is None or not job.done():
+            return None
+        self._rlpipe_job = None
         try:
-            self._rlpipe_receiver = WeightReceiver.join(host, port, rank, world_size, generation, timeout_s, join_timeout_s)
+            return job.result()
+        except Exception as e:  # a bug, not a sync failure: report it instead of killing the engine
+            log.exception("weight operation failed")
+            return {"ok": False, "error": repr(e)}
+
+    def _rlpipe_join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
+                     timeout_s: float) -> dict:
+        self.rlpipe_leave()
+        manifest = Manifest.from_json(manifest_json)
+        refuse = incompatibility(manifest, self._rlpipe_shapes)
+        try:
+            self._rlpipe_receiver = WeightReceiver.join(host, port, candidate, generation, manifest, timeout_s, refuse)
+        except LeftOut as e:
+            return {"ok": False, "left_out": True, "refused": refuse is not None, "error": str(e)}
         except SyncError as e:
             return {"ok": False, "error": str(e)}
         return {"ok": True}
 
-    def rlpipe_update(self, version: int, manifest_json: str) -> dict:
-        """Receive every bucket, then load them all; on any failure nothing is loaded."""
+    def _rlpipe_receive(self, version: int, manifest_json: str) -> dict:
         if self._rlpipe_receiver is None:
             return {"ok": False, "error": "not in a sync generation"}
         t0 = time.perf_counter()
         try:
-            weights = self._rlpipe_receiver.receive(version, Manifest.from_json(manifest_json))
+            self._rlpipe_staged = self._rlpipe_receiver.receive(version, Manifest.from_json(manifest_json))
         except SyncError as e:
             self.rlpipe_leave()
             return {"ok": False, "error": str(e)}
-        t1 = time.perf_counter()
+        return {"ok": True, "transfer_s": time.perf_counter() - t0}
+
+    def _rlpipe_read(self, model_dir: str) -> dict:
+        """Stage a checkpoint's weights (all read before any is loaded)."""
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        try:
+            weights = {}
+            for f in sorted(Path(model_dir).glob("*.safetensors")):
+                weights.update(load_file(f))
+        except OSError as e:  # e.g. pruned by the learner while we read it
+            return {"ok": False, "error": f"reading {model_dir}: {e}"}
+        for name, t in weights.items():
+            if self._rlpipe_shapes.get(name) != tuple(t.shape):
+                return {"ok": False, "error": f"{model_dir}: {name} {list(t.shape)} does not fit this worker's model"}
+        self._rlpipe_staged = list(weights.items())
+        return {"ok": True, "read_s": time.perf_counter() - t0}
+
+    # -- with generation paused ----------------------------------------------------------
+    def rlpipe_apply(self) -> dict:
+        """Load the staged weights into the model. An exception here would leave the model
+        half-loaded: the server treats it as fatal and exits instead of serving it."""
+        if self._rlpipe_staged is None:
+            return {"ok": False, "error": "nothing staged"}
+        t0 = time.perf_counter()
+        weights, self._rlpipe_staged = self._rlpipe_staged, None
         self.model_runner.reload_weights(weights_iterator=weights)
         fixes = after_reload(self.model_runner.get_model())
-        t2 = time.perf_counter()
-        return {"ok": True, "transfer_s": t1 - t0, "load_s": t2 - t1, "fixes": fixes}
+        return {"ok": True, "load_s": time.perf_counter() - t0, "fixes": fixes}
 
     def rlpipe_leave(self) -> None:
         if self._rlpipe_receiver is not None:
             self._rlpipe_receiver.close()
         self._rlpipe_receiver = None
+        self._rlpipe_staged = None

@@ -22,7 +22,7 @@ import torch
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
-from rlpipe.registry import set_learner_state
+from rlpipe.registry import set_learner_state, worker_incarnations
 from rlpipe.toy import ArithmeticTask, ToyModelSpec, ensure_toy_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,13 +77,13 @@ class WorkerHarness:
         self.version = -1
         from weight_sync.sender import WeightSender
 
-        self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, join_timeout_s=60,
-                                   bucket_bytes=1 << 20, wire_dtype=torch.float32)
+        self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, bucket_bytes=1 << 20,
+                                   wire_dtype=torch.float32)
 
     def sync(self, model) -> int:
         """Broadcast ``model``'s weights as the next version and let the worker produce for it."""
         self.version += 1
-        stats = self.sender.sync(self.version, model.named_parameters, ["w0"])
+        stats = self.sender.sync(self.version, model.named_parameters, worker_incarnations(self.r, self.keys))
         assert stats["members"] == 1
         set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running")
         def arrived():

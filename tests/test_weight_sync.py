@@ -61,25 +61,51 @@ def test_wire_dtype_cast_happens_in_packing():
     assert got.dtype == torch.bfloat16 and torch.equal(got, t["w"].to(torch.bfloat16))
 
 
-def _receiver(redis_url, run_id, rank, mode, results):
-    """A stand-in rollout worker process: join, then receive (or misbehave)."""
+def _receiver(redis_url, run_id, worker_id, mode, versions, results):
+    """A stand-in rollout worker process: follow the generations that list it and receive
+    ``versions`` versions, reporting each one's checksum; or misbehave as ``mode`` says."""
+    import os
+
+    if mode == "crash":
+        os.environ["RLPIPE_CRASH_AT"] = "receiving_bucket:1"  # dies mid-transfer
     from weight_sync.receiver import WeightReceiver
+    from weight_sync.transport import LeftOut
 
     r = connect(redis_url)
     keys = Keys(run_id)
-    while read_sync(r, keys).generation == 0:
-        time.sleep(0.02)
-    st = read_sync(r, keys)
-    recv = WeightReceiver.join(st.master_addr, st.master_port, rank, st.world_size, st.generation, 3.0, 30.0)
-    if mode == "exit":
-        import os
-
-        os._exit(0)  # dies without receiving: the learner must notice, not hang
-    if mode == "hang":
-        time.sleep(30)
-        return
-    weights = recv.receive(st.version, Manifest.from_json(st.manifest))
-    results.put((rank, checksum(weights), st.version))
+    seen, got = 0, 0
+    while got < versions:
+        st = read_sync(r, keys)
+        if st.generation <= seen or st.candidate_of(worker_id) is None:
+            time.sleep(0.02)
+            continue
+        seen = st.generation
+        manifest = Manifest.from_json(st.manifest)
+        try:
+            recv = WeightReceiver.join(st.master_addr, st.master_port, st.candidate_of(worker_id), st.generation,
+                                       manifest, 5.0, refuse="incompatible model" if mode == "refuse" else None)
+        except (LeftOut, SyncError) as e:
+            results.put((worker_id, type(e).__name__, st.generation))
+            if mode == "refuse":
+                return
+            continue
+        if mode == "hang":
+            time.sleep(60)
+        version = -1
+        while got < versions:  # every version of this generation, until it is replaced
+            st = read_sync(r, keys)
+            if st.generation != seen:
+                break
+            if st.version <= version:
+                time.sleep(0.02)
+                continue
+            try:
+                weights = recv.receive(st.version, manifest)
+            except SyncError:
+                break
+            version, got = st.version, got + 1
+            results.put((worker_id, checksum(weights), version))
+        recv.close()
 
 
 def model_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -88,50 +114,113 @@ def model_weights(seed: int) -> dict[str, torch.Tensor]:
             **{f"layer{i}.bias": torch.randn(7, generator=gen) for i in range(40)}}
 
 
-def start_receivers(redis_server, run_id, modes):
+def start_receivers(redis_server, run_id, modes: dict[str, str], versions: int = 1):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_receiver, args=(redis_server.url, run_id, i + 1, mode, results), daemon=True)
-             for i, mode in enumerate(modes)]
+    procs = [ctx.Process(target=_receiver, args=(redis_server.url, run_id, wid, mode, versions, results), daemon=True)
+             for wid, mode in modes.items()]
     for p in procs:
         p.start()
     return procs, results
 
 
-def test_broadcast_to_two_receivers_is_bit_exact(redis_server, r):
-    run_id = free_run_id("ws")
-    procs, results = start_receivers(redis_server, run_id, ["ok", "ok"])
-    weights = model_weights(0)
-    sender = WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=10, join_timeout_s=60,
-                          bucket_bytes=256 << 10, wire_dtype=torch.float32)
-    stats = sender.sync(5, lambda: weights.items(), ["w0", "w1"])
-    got = sorted(results.get(timeout=60) for _ in procs)
-    assert got == [(1, checksum(weights.items()), 5), (2, checksum(weights.items()), 5)]
-    assert stats["members"] == 2 and stats["bytes"] == sum(t.numel() * 4 for t in weights.values())
-    assert len(sender.manifest.buckets) >= 2  # "big" (1.2 MB) exceeds a 256 KiB bucket
-    for p in procs:
-        p.join(10)
-    sender.drop()
+def make_sender(r, run_id, timeout_s, bucket_bytes=256 << 10):
+    return WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                        wire_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("mode", ["exit", "hang"])
-def test_a_failed_receiver_ends_the_sync_within_the_timeout(redis_server, r, mode):
-    run_id = free_run_id("ws")
-    procs, _ = start_receivers(redis_server, run_id, [mode])
-    sender = WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=3, join_timeout_s=60,
-                          bucket_bytes=1 << 20, wire_dtype=torch.float32)
-    weights = model_weights(1)
-    t0 = time.monotonic()
-    with pytest.raises(SyncError):
-        sender.sync(1, lambda: weights.items(), ["w0"])
-    assert time.monotonic() - t0 < 3 + 15  # join time + at most the op timeout, never a hang
-    assert sender.group is None  # the generation is dropped; the next sync re-forms one
+def stop(procs):
     for p in procs:
         p.kill()
         p.join()
 
 
+def test_broadcast_to_two_receivers_is_bit_exact(redis_server, r):
+    run_id = free_run_id("ws")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok", "w1": "ok"}, versions=2)
+    sender = make_sender(r, run_id, timeout_s=30)
+    live = {"w0": "a", "w1": "a"}
+    for version, seed in [(5, 0), (6, 1)]:
+        weights = model_weights(seed)
+        stats = sender.sync(version, lambda: weights.items(), live)
+        got = sorted(results.get(timeout=60) for _ in procs)
+        assert got == [("w0", checksum(weights.items()), version), ("w1", checksum(weights.items()), version)]
+        assert stats["members"] == 2 and stats["bytes"] == sum(t.numel() * 4 for t in weights.values())
+    assert stats["form_s"] == 0  # the second version reused the generation
+    assert len(sender.manifest.buckets) >= 2  # "big" (1.2 MB) exceeds a 256 KiB bucket
+    assert read_sync(r, Keys(run_id)).members == ("w0", "w1")
+    stop(procs)
+    sender.drop()
+
+
+def test_a_worker_that_never_checks_in_costs_one_timeout_then_stays_out(redis_server, r):
+    run_id = free_run_id("ws")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok"}, versions=2)
+    sender = make_sender(r, run_id, timeout_s=4)
+    live = {"w0": "a", "ghost": "a"}  # registered, but gone: it never checks in
+    weights = model_weights(0)
+    t0 = time.monotonic()
+    stats = sender.sync(1, lambda: weights.items(), live)
+    assert 4 <= time.monotonic() - t0 < 4 + 5
+    assert stats["members"] == 1 and sender.members == ("w0",) and sender.left_out_total == 1
+    assert results.get(timeout=30) == ("w0", checksum(weights.items()), 1)
+    t0 = time.monotonic()
+    assert sender.sync(2, lambda: weights.items(), live)["members"] == 1  # no second wait for the ghost
+    assert time.monotonic() - t0 < 2 and results.get(timeout=30)[2] == 2
+    assert sender.needs_forming({**live, "ghost": "b"})  # a new incarnation is asked back in
+    stop(procs)
+    sender.drop()
+
+
+def test_a_worker_killed_mid_transfer_is_left_out_and_the_rest_get_the_version(redis_server, r):
+    run_id = free_run_id("ws")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok", "w1": "crash"}, versions=2)
+    sender = make_sender(r, run_id, timeout_s=5, bucket_bytes=64 << 10)
+    weights = {**model_weights(2), "huge": torch.randn(8 << 20)}  # 32 MB: more than socket buffers hold
+    t0 = time.monotonic()
+    live = {"w0": "a", "w1": "a"}  # w1 is still registered: its heartbeat has not expired yet
+    stats = sender.sync(3, lambda: weights.items(), live)
+    assert time.monotonic() - t0 < 5  # the others did not wait for the dead one
+    assert stats["members"] == 1 and sender.excluded == {"w1": "a"} and sender.left_out_total == 1
+    assert results.get(timeout=30) == ("w0", checksum(weights.items()), 3)
+    procs[1].join(10)
+    assert procs[1].exitcode == -9  # it really died mid-transfer
+    t0 = time.monotonic()
+    stats = sender.sync(4, lambda: weights.items(), live)  # a new generation, without w1
+    assert time.monotonic() - t0 < 5 and stats["members"] == 1 and stats["generation"] == 2
+    assert results.get(timeout=30) == ("w0", checksum(weights.items()), 4)
+    stop(procs)
+    sender.drop()
+
+
+def test_a_worker_that_refuses_the_manifest_is_left_out_without_waiting(redis_server, r):
+    run_id = free_run_id("ws")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok", "w1": "refuse"})
+    sender = make_sender(r, run_id, timeout_s=30)
+    weights = model_weights(3)
+    t0 = time.monotonic()
+    stats = sender.sync(1, lambda: weights.items(), {"w0": "a", "w1": "a"})
+    assert time.monotonic() - t0 < 15 and stats["members"] == 1
+    assert sorted(results.get(timeout=30) for _ in procs) == [("w0", checksum(weights.items()), 1),
+                                                              ("w1", "LeftOut", 1)]
+    stop(procs)
+    sender.drop()
+
+
+def test_a_hung_receiver_ends_the_sync_within_the_timeout(redis_server, r):
+    run_id = free_run_id("ws")
+    procs, _ = start_receivers(redis_server, run_id, {"w0": "hang"})
+    sender = make_sender(r, run_id, timeout_s=3, bucket_bytes=1 << 20)
+    weights = model_weights(1)
+    t0 = time.monotonic()
+    with pytest.raises(SyncError):
+        sender.sync(1, lambda: weights.items(), {"w0": "a"})
+    assert time.monotonic() - t0 < 3 + 10  # the op timeout, never a hang
+    assert sender.group is None  # the generation is dropped; the next sync re-forms one
+    stop(procs)
+
+
 def test_no_live_workers_means_no_generation(r):
-    sender = WeightSender(r, Keys(free_run_id("ws")), "127.0.0.1", 3, 3, 1 << 20, torch.float32)
-    assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), [])["members"] == 0
+    sender = make_sender(r, free_run_id("ws"), timeout_s=3)
+    assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), {})["members"] == 0
     assert sender.group is None

@@ -119,3 +119,15 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
         (slot.name, buffer[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape))
         for slot in bucket.tensors
     ]
+
+
+def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]]) -> str | None:
+    """Why ``manifest`` cannot load into a model whose tensors have the ``expected``
+    shapes (a learner that trains another model than the worker serves), or None."""
+    for bucket in manifest.buckets:
+        for slot in bucket.tensors:
+            if slot.name not in expected:
+                return f"the learner sends {slot.name!r}, which this worker's model does not have"
+            if tuple(expected[slot.name]) != slot.shape:
+                return f"{slot.name}: the learner sends shape {list(slot.shape)}, this worker's model has {list(expected[slot.name])}"
+    return None

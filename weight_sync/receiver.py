@@ -2,42 +2,66 @@
 
 :meth:`WeightReceiver.receive` returns the complete set of new tensors or raises
 :class:`SyncError`: the caller loads weights only after every bucket arrived, so a worker
-never serves a half-applied update.
+never serves a half-applied update. The buckets land in buffers kept for the whole
+generation, and the tensors are views into them (no copies); the caller must load them
+before the next receive reuses the buffers.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import torch
 
 from weight_sync.manifest import Manifest, unpack_bucket
 from weight_sync.sender import header_tensor
-from weight_sync.transport import GlooGroup, SyncError
+from weight_sync.transport import GlooGroup, SyncError, check_in
+
+# Fault injection for the tests: RLPIPE_CRASH_AT=receiving_bucket:<k> SIGKILLs the receiving
+# process (a worker's engine) as it is about to receive bucket k. Unset in normal runs.
+CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 
 
 class WeightReceiver:
-    def __init__(self, group: GlooGroup, generation: int):
+    def __init__(self, group: GlooGroup, generation: int, manifest: Manifest):
         self.group = group
         self.generation = generation
+        self.manifest = manifest
+        self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
 
     @classmethod
-    def join(cls, host: str, port: int, rank: int, world_size: int, generation: int,
-             timeout_s: float, join_timeout_s: float) -> "WeightReceiver":
+    def join(cls, host: str, port: int, candidate: int, generation: int, manifest: Manifest, timeout_s: float,
+             refuse: str | None = None) -> "WeightReceiver":
+        """Check in as ``candidate`` (or refuse, saying why) and join the generation's group.
+
+        Raises :class:`~weight_sync.transport.LeftOut` when the generation formed without
+        this worker, :class:`SyncError` on any other failure, each within ``timeout_s``."""
         try:
-            store = GlooGroup.connect(host, port, world_size, join_timeout_s)
+            store = GlooGroup.connect(host, port, timeout_s)
         except Exception as e:
             raise SyncError(f"cannot reach the learner's store at {host}:{port}: {e}") from e
-        return cls(GlooGroup(store, rank, world_size, host, generation, timeout_s, join_timeout_s), generation)
+        rank, world_size = check_in(store, generation, candidate, timeout_s, refuse)
+        return cls(GlooGroup(store, rank, world_size, host, generation, timeout_s, timeout_s), generation, manifest)
 
     def receive(self, version: int, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+        if manifest.hash != self.manifest.hash:
+            raise SyncError(f"manifest {manifest.hash} is not generation {self.generation}'s {self.manifest.hash}")
+        group = self.group
         header = torch.zeros(2, dtype=torch.int64)
-        self.group.broadcast(header)
+        group.wait(group.recv(header, 0, 0))
         expected = header_tensor(version, manifest.hash)
         if not torch.equal(header, expected):
             raise SyncError(f"expected version {version} with manifest {manifest.hash}, got header {header.tolist()}")
+        # One bucket posted ahead of the one being waited on, as the sender sends them.
+        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers else []
         weights = []
-        for bucket in manifest.buckets:
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            self.group.broadcast(buf)
+        for i, (bucket, buf) in enumerate(zip(manifest.buckets, self.buffers)):
+            if i + 1 < len(self.buffers):
+                if CRASH_AT == f"receiving_bucket:{i + 1}":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                works.append(group.recv(self.buffers[i + 1], 0, i + 2))
+            group.wait(works[i])
             weights += unpack_bucket(bucket, buf)
         return weights
 

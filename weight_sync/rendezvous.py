@@ -2,9 +2,11 @@
 
 The learner publishes a *generation* (who takes part, where rank 0 listens, the bucket
 manifest) and then each *version* it broadcasts. Workers poll the hash: a new generation
-that lists them means "join", a higher version means "receive". Besides DESIGN.md's
-fields the hash carries ``members`` (JSON list; worker i has rank i+1) and
-``manifest_hash``.
+that lists them as ``candidates`` means "check in" (the i-th candidate checks in as
+candidate i+1), a higher version means "receive". Besides DESIGN.md's fields the hash
+carries ``candidates``, ``members`` (JSON lists: the workers asked, and those admitted,
+published once the generation formed) and ``manifest_hash``; ``world_size`` is the
+admitted world.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ class SyncState:
     master_addr: str = ""
     master_port: int = 0
     world_size: int = 0
+    candidates: tuple[str, ...] = ()
     members: tuple[str, ...] = ()
     version: int = -1
     manifest: str = ""
     manifest_hash: str = ""
 
-    def rank_of(self, worker_id: str) -> int | None:
-        return self.members.index(worker_id) + 1 if worker_id in self.members else None
+    def candidate_of(self, worker_id: str) -> int | None:
+        return self.candidates.index(worker_id) + 1 if worker_id in self.candidates else None
 
 
 def read_sync(r: redis.Redis, keys: Keys) -> SyncState:
@@ -41,6 +44,7 @@ def read_sync(r: redis.Redis, keys: Keys) -> SyncState:
         master_addr=raw.get("master_addr", ""),
         master_port=int(raw.get("master_port", 0)),
         world_size=int(raw.get("world_size", 0)),
+        candidates=tuple(json.loads(raw.get("candidates", "[]"))),
         members=tuple(json.loads(raw.get("members", "[]"))),
         version=int(raw.get("version", -1)),
         manifest=raw.get("manifest", ""),
@@ -54,11 +58,16 @@ def publish_generation(r: redis.Redis, keys: Keys, state: SyncState) -> None:
         "master_addr": state.master_addr,
         "master_port": state.master_port,
         "world_size": state.world_size,
+        "candidates": json.dumps(list(state.candidates)),
         "members": json.dumps(list(state.members)),
         "version": state.version,
         "manifest": state.manifest,
         "manifest_hash": state.manifest_hash,
     })
+
+
+def publish_members(r: redis.Redis, keys: Keys, members: list[str], world_size: int) -> None:
+    r.hset(keys.sync, mapping={"members": json.dumps(members), "world_size": world_size})
 
 
 def publish_version(r: redis.Redis, keys: Keys, version: int) -> None:

@@ -2,24 +2,30 @@
 broadcast every new version as packed buckets.
 
 Each broadcast starts with a small header (version, manifest hash) so a receiver can
-refuse a transfer that is not the one it expects. Any failure (a worker died, a timeout)
-raises :class:`SyncError` after at most the configured timeout and drops the generation;
-the next call to :meth:`WeightSender.sync` forms a new one from the workers alive then.
+refuse a transfer that is not the one it expects. Packing is pipelined with the
+transfer: bucket i+1 is packed while gloo sends bucket i.
+
+Membership: workers are identified by ``id -> incarnation`` (a token each worker
+process draws at start and redraws to ask back in). A worker that does not check in
+before the deadline is left out of the generation and stays out until its incarnation
+changes, so it never costs the learner a second timeout. A worker whose transfer fails
+(it died in the middle, or stopped reading) is left out the same way while the others
+still get the version; the next sync forms a generation without it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import redis
 import torch
 
 from rlpipe.queue import Keys
 from weight_sync.manifest import Manifest, pack_bucket, plan_buckets
-from weight_sync.rendezvous import SyncState, publish_generation, publish_version, read_sync
-from weight_sync.transport import GlooGroup, SyncError
+from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
+from weight_sync.transport import GlooGroup, SyncError, admit
 
 log = logging.getLogger(__name__)
 
@@ -29,85 +35,143 @@ def header_tensor(version: int, manifest_hash: str) -> torch.Tensor:
 
 
 class WeightSender:
-    def __init__(
-        self,
-        r: redis.Redis,
-        keys: Keys,
-        host: str,
-        timeout_s: float,
-        join_timeout_s: float,
-        bucket_bytes: int,
-        wire_dtype: torch.dtype,
-    ):
+    def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
+                 wire_dtype: torch.dtype):
         self.r, self.keys = r, keys
-        self.host, self.timeout_s, self.join_timeout_s = host, timeout_s, join_timeout_s
+        self.host, self.timeout_s = host, timeout_s
         self.bucket_bytes, self.wire_dtype = bucket_bytes, wire_dtype
         self.group: GlooGroup | None = None
         self.state = SyncState()
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []
+        self._members: dict[str, str] = {}  # id -> incarnation of the current generation
+        self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
+        self.left_out_total = 0
 
     @property
     def members(self) -> tuple[str, ...]:
-        return self.state.members if self.group else ()
+        return tuple(self._members) if self.group else ()
 
-    def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]], live_workers: list[str]) -> dict:
-        """Bring every live worker to ``version``; re-forms the generation when membership changed.
+    def candidates(self, live: Mapping[str, str]) -> dict[str, str]:
+        """The live workers (id -> incarnation) minus those left out in their current incarnation."""
+        return {w: inc for w, inc in sorted(live.items()) if self.excluded.get(w) != inc}
 
-        Returns timing stats. Raises SyncError if a transfer fails (the generation is then
-        dropped and re-formed on the next call).
-        """
+    def needs_forming(self, live: Mapping[str, str]) -> bool:
+        return self.candidates(live) != (self._members if self.group else {})
+
+    def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+             live: Mapping[str, str]) -> dict:
+        """Bring the live workers (``id -> incarnation``) to ``version``, re-forming the
+        generation when membership changed; returns timing stats and who got it."""
+        deadline = time.monotonic() + self.timeout_s
         tensors = dict(named())
-        stats = {"formed": 0.0}
-        if self.group is None or set(live_workers) != set(self.state.members):
-            if not live_workers:
+        stats = {"form_s": 0.0}
+        if self.group is None or self.needs_forming(live):
+            candidates = self.candidates(live)
+            if not candidates:
                 self.drop()
-                return {"members": 0}
+                return {"members": 0, "generation": self.state.generation}
             t0 = time.perf_counter()
-            self._form(sorted(live_workers), version, tensors)
-            stats["formed"] = time.perf_counter() - t0
+            self._form(candidates, version, tensors, deadline)
+            stats["form_s"] = time.perf_counter() - t0
+        members = list(self._members)
         try:
-            stats.update(self._broadcast(version, tensors))
+            stats.update(self._send(version, tensors))
         except SyncError:
             self.drop()
             raise
-        stats["members"] = len(self.state.members)
+        failed = stats.pop("failed")
+        for rank, why in failed.items():
+            self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
+        if failed:
+            self.drop()  # the next sync forms a generation without them
+        stats["members"] = len(members) - len(failed)
         stats["generation"] = self.state.generation
         return stats
 
-    def _form(self, members: list[str], version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _leave_out(self, worker: str, incarnation: str, why: str) -> None:
+        self.excluded[worker] = incarnation
+        self.left_out_total += 1
+        log.warning("sync generation %d: worker %s left out: %s", self.state.generation, worker, why)
+
+    def _form(self, candidates: dict[str, str], version: int, tensors: dict[str, torch.Tensor],
+              deadline: float) -> None:
         self.drop()
         specs = [(name, self.wire_dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-        self.manifest = plan_buckets(specs, self.bucket_bytes)
-        self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in self.manifest.buckets]
-        world = 1 + len(members)
-        store = GlooGroup.listen(self.host, world, self.join_timeout_s)
+        manifest = plan_buckets(specs, self.bucket_bytes)
+        if self.manifest is None or manifest.hash != self.manifest.hash:
+            self.manifest = manifest
+            self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        names = list(candidates)
+        store = GlooGroup.listen(self.host, self.timeout_s)
         generation = read_sync(self.r, self.keys).generation + 1
-        self.state = SyncState(generation, self.host, store.port, world, tuple(members), version,
-                               self.manifest.to_json(), self.manifest.hash)
+        self.state = SyncState(generation, self.host, store.port, 0, tuple(names), (), version,
+                               manifest.to_json(), manifest.hash)
         publish_generation(self.r, self.keys, self.state)
-        log.info("sync generation %d: waiting for %s", generation, members)
+        log.info("sync generation %d: candidates %s", generation, names)
+        admitted, left_out = admit(store, generation, len(names), deadline)
+        for candidate, why in left_out.items():
+            self._leave_out(names[candidate - 1], candidates[names[candidate - 1]], why)
+        members = [names[c - 1] for c in admitted]
+        self.state.members, self.state.world_size = tuple(members), 1 + len(members)
+        publish_members(self.r, self.keys, members, self.state.world_size)
+        if not members:
+            raise SyncError(f"generation {generation}: no worker checked in")
         try:
-            self.group = GlooGroup(store, 0, world, self.host, generation, self.timeout_s, self.join_timeout_s)
+            # Everyone admitted checked in a moment ago, so building the group is quick;
+            # the floor covers a deadline already spent waiting on a dead candidate.
+            self.group = GlooGroup(store, 0, self.state.world_size, self.host, generation, self.timeout_s,
+                                   max(5.0, deadline - time.monotonic()))
         except SyncError:
             self.drop()
             raise
+        self._members = {w: candidates[w] for w in members}
 
-    def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> dict:
+    def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> dict:
+        """Send the header and every bucket to each member; a member whose transfer fails
+        is given up on (``failed``: rank -> why) while the others go on."""
         assert self.group is not None and self.manifest is not None
+        group, failed = self.group, {}
         t0 = time.perf_counter()
-        for bucket, buf in zip(self.manifest.buckets, self.buffers):
-            pack_bucket(bucket, tensors, buf)
-        t1 = time.perf_counter()
         publish_version(self.r, self.keys, version)
-        self.group.broadcast(header_tensor(version, self.manifest.hash))
-        for buf in self.buffers:
-            self.group.broadcast(buf)
-        t2 = time.perf_counter()
+
+        def post(buf: torch.Tensor, tag: int) -> dict:
+            works = {}
+            for rank in range(1, group.world_size):
+                if rank not in failed:
+                    try:
+                        works[rank] = group.send(buf, rank, tag)
+                    except SyncError as e:
+                        failed[rank] = str(e)
+            return works
+
+        def finish(works: dict) -> None:
+            for rank, work in works.items():
+                try:
+                    group.wait(work)
+                except SyncError as e:
+                    failed.setdefault(rank, str(e))
+
+        in_flight = post(header_tensor(version, self.manifest.hash), 0)
+        pack_s = 0.0
+        for i, (bucket, buf) in enumerate(zip(self.manifest.buckets, self.buffers)):
+            tp = time.perf_counter()
+            pack_bucket(bucket, tensors, buf)  # while the previous bucket is on the wire
+            pack_s += time.perf_counter() - tp
+            works = post(buf, i + 1)
+            finish(in_flight)
+            in_flight = works
+        finish(in_flight)
+        if len(failed) == group.world_size - 1:
+            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
+        total = time.perf_counter() - t0
         self.state.version = version
-        return {"pack_s": t1 - t0, "transfer_s": t2 - t1, "bytes": self.manifest.nbytes}
+        # transfer_s is the wall time not spent packing (the part packing did not hide).
+        return {"pack_s": pack_s, "transfer_s": total - pack_s, "sync_s": total, "bytes": self.manifest.nbytes,
+                "failed": failed}
 
     def drop(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group = None
+        self._members = {}
