@@ -38,6 +38,7 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0, description="no end-of-sequence before this many tokens")
     seed: int | None = Field(None, ge=0, lt=2**31)
     stop: list[str] | None = Field(None, max_length=16)
 
@@ -193,7 +194,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
         try:
             results, v0, v1 = await engine.generate(
                 prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                max_tokens=req.max_tokens, seed=req.seed, stop=req.stop)
+                max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop)
         except InvalidRequest as e:
             raise bad_request(e.field, str(e)) from None
         return GenerateResponse(

@@ -117,7 +117,7 @@ class RolloutEngine:
         return self.llm is not None and self.llm.errored
 
     async def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float = 1.0,
-                       top_k: int = -1, max_tokens: int = 16, seed: int | None = None,
+                       top_k: int = -1, max_tokens: int = 16, min_tokens: int = 0, seed: int | None = None,
                        stop: list[str] | None = None) -> tuple[list[SampleResult], int, int]:
         """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``."""
         from vllm import SamplingParams
@@ -128,7 +128,7 @@ class RolloutEngine:
         try:
             params = SamplingParams(
                 n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                seed=seed, stop=stop or None, logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
+                min_tokens=min_tokens, seed=seed, stop=stop or None, logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
             )
         except VLLMValidationError as e:
             raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None

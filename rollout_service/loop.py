@@ -107,7 +107,10 @@ class RolloutLoop:
         others = registry.live_workers(self.r, self.keys)
         inflight = len(self.groups) + sum(
             int(w.get("inflight", 0)) for wid, w in others.items() if wid != self.worker_id)
-        version = min(self.engine.version, registry.learner_version(self.r, self.keys))
+        learner_version = registry.learner_version(self.r, self.keys)
+        if self.engine.weights_source != "learner" and self.engine.version < learner_version:
+            return 0  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
+        version = min(self.engine.version, learner_version)
         return rollout_allowance(self.queue.counters(), inflight, version,
                                  self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
 

@@ -111,22 +111,33 @@ def start_worker(redis_url: str, model_path: str, run_dir: Path, worker_id: str 
     cfg = build_config({}, environ={}, run_id=free_run_id("w"), run_dir=str(run_dir), redis_url=redis_url, **settings)
     cfg_path = run_dir / "config.yaml"
     dump_config(cfg, cfg_path)
-    address_file = run_dir / "address"
+    proc, address = launch_worker(cfg, cfg_path, worker_id)
+    return cfg, proc, address
+
+
+def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, wait: bool = True):
+    """Start worker ``worker_id`` of the run in ``cfg_path`` (log: <run_dir>/<id>.log, or
+    worker.log for w0); returns (process, address), the address once it registered."""
+    run_dir = Path(cfg.run_dir)
+    log_path = run_dir / ("worker.log" if worker_id == "w0" else f"{worker_id}.log")
+    address_file = run_dir / f"address-{worker_id}"
+    address_file.unlink(missing_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    with open(run_dir / "worker.log", "wb") as log:
+           "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(cfg_path),
                                  "--worker-id", worker_id, "--address-file", str(address_file)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    r = connect(redis_url)
+    r = connect(cfg.redis_url)
 
     def up():
         if proc.poll() is not None:
-            raise RuntimeError(f"worker exited: {(run_dir / 'worker.log').read_text()[-3000:]}")
+            raise RuntimeError(f"worker exited: {log_path.read_text()[-3000:]}")
         return address_file.exists() and r.exists(Keys(cfg.run_id).worker(worker_id))
 
-    wait_for(up, 300, interval=0.5, what="rollout worker start-up")
-    return cfg, proc, address_file.read_text()
+    if wait:
+        wait_for(up, 300, interval=0.5, what="rollout worker start-up")
+    return proc, address_file.read_text() if wait else None
 
 
 def stop_worker(proc: subprocess.Popen) -> None:

@@ -67,7 +67,7 @@ def _receiver(redis_url, run_id, worker_id, mode, versions, results):
     import os
 
     if mode == "crash":
-        os.environ["RLPIPE_CRASH_AT"] = "receiving_bucket:1"  # dies mid-transfer
+        os.environ["RLPIPE_CRASH_AT"] = "receiving:3:1"  # dies in the middle of version 3
     from weight_sync.receiver import WeightReceiver
     from weight_sync.transport import LeftOut
 
@@ -224,3 +224,18 @@ def test_no_live_workers_means_no_generation(r):
     sender = make_sender(r, free_run_id("ws"), timeout_s=3)
     assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), {})["members"] == 0
     assert sender.group is None
+
+
+def test_a_manifest_that_does_not_fit_the_workers_model_is_refused(toy_model_path):
+    from learner.policy import load_policy
+    from rollout_service.worker_ext import checkpoint_shapes
+    from weight_sync.manifest import incompatibility
+
+    expected = checkpoint_shapes(toy_model_path)
+    named = [(n, p.dtype, tuple(p.shape)) for n, p in load_policy(toy_model_path).named_parameters()]
+    assert incompatibility(plan_buckets(named, 1 << 20), expected) is None  # the learner's own model fits
+    name, dtype, shape = named[3]
+    wrong = named[:3] + [(name, dtype, (shape[0] + 1, *shape[1:]))] + named[4:]
+    assert f"{name}: the learner sends shape" in incompatibility(plan_buckets(wrong, 1 << 20), expected)
+    alien = named + [("model.extra.weight", torch.float32, (2, 2))]
+    assert "'model.extra.weight'" in incompatibility(plan_buckets(alien, 1 << 20), expected)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 
 from learner.policy import load_policy
-from tests.conftest import learner_logprobs
+from tests.conftest import learner_logprobs, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -126,3 +128,60 @@ def test_generate_rejects_oversized_and_malformed_bodies(worker):
     assert [g.status_code for g in greedy] == [200, 200]
     assert greedy[0].json()["choices"][0]["tokens"] == greedy[1].json()["choices"][0]["tokens"]
     assert np.isfinite(greedy[0].json()["choices"][0]["logprobs"]).all()
+
+
+def logprobs_without_eos(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The model's log-probs of ``tokens`` with end-of-sequence masked out (what vLLM
+    samples from under ``min_tokens``)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logits[:, model.config.eos_token_id] = float("-inf")
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def switch_point(versions: list[int] | None, new_version: int) -> int:
+    """Index of the first token sampled by ``new_version`` (len if none; -1 if no record)."""
+    if versions is None:
+        return -1
+    return versions.index(new_version) if new_version in versions else len(versions)
+
+
+def test_an_update_lands_in_flight_and_every_token_records_its_version(worker, toy_model_path):
+    """Requests started before an update finish after it: each token says which weights
+    sampled it, the tokens before the switch are exactly the old policy's, and the ones
+    after come from the new weights (on the old prefix's KV cache, so only close to them).
+
+    ``min_tokens`` keeps every response running to the end; vLLM then samples with the
+    end-of-sequence token masked, and the behavior log-probs say so (as they must for
+    importance sampling), so the reference masks it too."""
+    old, new = perturbed(toy_model_path, seed=4), perturbed(toy_model_path, seed=5)
+    old_version = worker.sync(old)
+    prompt = worker.next_group(old_version).prompt_tokens.tolist()
+    length = worker.cfg.rollout.max_model_len - len(prompt)
+    request = {"prompt_token_ids": prompt, "n": 8, "max_tokens": length, "min_tokens": length, "seed": 3}
+    with ThreadPoolExecutor(1) as pool:
+        for _attempt in range(5):  # the update must land while the request runs; usually the first try
+            pending = pool.submit(worker.http.post, "/v1/generate", json=request)
+            wait_for(lambda: worker.http.get("/v1/status").json()["inflight_requests"] > 0, 30)
+            new_version = worker.sync(new)
+            body = pending.result().json()
+            if any(0 < switch_point(c["versions"], new_version) < length for c in body["choices"]):
+                break
+            old_version = worker.sync(old)
+        else:
+            pytest.fail("the update never landed in the middle of a request")
+    assert body["policy_version"] == old_version and body["policy_version_end"] == new_version
+    switched = 0
+    for c in body["choices"]:
+        versions = c["versions"]
+        assert len(versions) == len(c["tokens"]) == length
+        assert set(versions) <= {old_version, new_version} and versions == sorted(versions)
+        k = switch_point(versions, new_version)
+        lp = torch.tensor(c["logprobs"])
+        reference = logprobs_without_eos(old, prompt, c["tokens"])
+        assert float((reference[:k] - lp[:k]).abs().max()) < 1e-4
+        if 0 < k < length:
+            switched += 1
+            assert float((reference[k:] - lp[k:]).abs().mean()) > 1e-2
+    assert switched >= 1

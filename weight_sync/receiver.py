@@ -18,8 +18,9 @@ from weight_sync.manifest import Manifest, unpack_bucket
 from weight_sync.sender import header_tensor
 from weight_sync.transport import GlooGroup, SyncError, check_in
 
-# Fault injection for the tests: RLPIPE_CRASH_AT=receiving_bucket:<k> SIGKILLs the receiving
-# process (a worker's engine) as it is about to receive bucket k. Unset in normal runs.
+# Fault injection for the tests: RLPIPE_CRASH_AT=receiving:<version>:<k> SIGKILLs the
+# receiving process (a worker's engine) as it is about to receive bucket k of that
+# version. Unset in normal runs.
 CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 
 
@@ -58,7 +59,7 @@ class WeightReceiver:
         weights = []
         for i, (bucket, buf) in enumerate(zip(manifest.buckets, self.buffers)):
             if i + 1 < len(self.buffers):
-                if CRASH_AT == f"receiving_bucket:{i + 1}":
+                if CRASH_AT == f"receiving:{version}:{i + 1}":
                     os.kill(os.getpid(), signal.SIGKILL)
                 works.append(group.recv(self.buffers[i + 1], 0, i + 2))
             group.wait(works[i])

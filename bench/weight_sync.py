@@ -1,0 +1,196 @@
+"""Weight-sync throughput: rlpipe's packed sync against one raw broadcast of the same bytes.
+
+For each model size (random weights shaped like a decoder-only transformer, fp32 on the
+learner, sent in the wire dtype), one learner and ``--receivers`` receiver processes on
+loopback gloo time, side by side in the same run and the same process group:
+
+- ``raw``: one ``torch.distributed`` broadcast of a single flat buffer holding exactly
+  the bytes of the update (no packing, no manifest, no per-tensor work);
+- ``raw p2p``: the same flat buffer sent point-to-point to each receiver, the transport
+  rlpipe's sync uses (gloo's broadcast turns out slower than this on loopback, so this
+  is the stricter floor);
+- ``rlpipe``: ``WeightSender.sync`` of a new version: cast + pack into buckets
+  (pipelined with the transfer), header, point-to-point sends; the receivers take
+  zero-copy views (``WeightReceiver.receive``);
+- ``per-tensor``: one broadcast per parameter, cast on the fly (what naive syncs do).
+
+Each timing ends with a tiny all-reduce, so it counts until every receiver holds the
+data. Repetitions are interleaved (raw, rlpipe, per-tensor, raw, ...) and the medians
+are reported with the ratio raw_time / time (1.0 = as fast as the raw broadcast).
+
+    python bench/weight_sync.py                      # tiny .. 1B, bf16 on the wire
+    python bench/weight_sync.py --sizes tiny,100M --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlpipe.queue import Keys, connect  # noqa: E402
+from rlpipe.redis_server import EmbeddedRedis  # noqa: E402
+from weight_sync.manifest import DTYPES, Manifest  # noqa: E402
+from weight_sync.rendezvous import read_sync  # noqa: E402
+from weight_sync.sender import WeightSender  # noqa: E402
+
+# (hidden, layers, vocab): decoder-only shapes, gated MLP of 4x hidden.
+SIZES = {"tiny": (64, 2, 64), "10M": (256, 8, 8000), "100M": (768, 12, 32000),
+         "500M": (1280, 24, 32000), "1B": (2048, 16, 32000)}
+
+
+def model_specs(hidden: int, layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    inter = 4 * hidden
+    specs = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (hidden,))]
+        specs += [(p + f"self_attn.{m}_proj.weight", (hidden, hidden)) for m in "qkvo"]
+        specs += [(p + f"self_attn.{m}_proj.bias", (hidden,)) for m in "qkv"]
+        specs += [(p + "post_attention_layernorm.weight", (hidden,))]
+        specs += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                  (p + "mlp.down_proj.weight", (hidden, inter))]
+    return specs + [("model.norm.weight", (hidden,))]
+
+
+RAW_TAG = 1 << 20  # above any bucket's tag
+
+
+def barrier(group) -> None:
+    group.pg.allreduce([torch.zeros(1)]).wait(group.timeout)
+
+
+def receiver(redis_url: str, run_id: str, worker_id: str, specs, wire: str, repeats: int) -> None:
+    from weight_sync.receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    r, keys = connect(redis_url), Keys(run_id)
+    while read_sync(r, keys).candidate_of(worker_id) is None:
+        time.sleep(0.01)
+    st = read_sync(r, keys)
+    manifest = Manifest.from_json(st.manifest)
+    recv = WeightReceiver.join(st.master_addr, st.master_port, st.candidate_of(worker_id), st.generation,
+                               manifest, 600)
+    recv.receive(0, manifest)  # the warm-up sync that formed the generation
+    barrier(recv.group)
+    dtype = DTYPES[wire]
+    for rep in range(repeats):
+        flat = torch.empty(manifest.nbytes, dtype=torch.uint8)
+        recv.group.broadcast(flat)
+        barrier(recv.group)
+        recv.group.wait(recv.group.recv(flat, 0, RAW_TAG))
+        barrier(recv.group)
+        del flat
+        recv.receive(rep + 1, manifest)
+        barrier(recv.group)
+        for _, shape in specs:
+            recv.group.broadcast(torch.empty(shape, dtype=dtype))
+        barrier(recv.group)
+    recv.close()
+
+
+def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: str, bucket_mib: float) -> dict:
+    specs = model_specs(*SIZES[name])
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(shape, generator=gen) for n, shape in specs}
+    params = sum(t.numel() for t in weights.values())
+    run_id = f"bench-{name}-{time.monotonic_ns()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=receiver, args=(redis_url, run_id, f"w{i}", specs, wire, repeats), daemon=True)
+             for i in range(receivers)]
+    for p in procs:
+        p.start()
+    sender = WeightSender(connect(redis_url), Keys(run_id), "127.0.0.1", timeout_s=600,
+                          bucket_bytes=int(bucket_mib * 2**20), wire_dtype=DTYPES[wire])
+    live = {f"w{i}": "bench" for i in range(receivers)}
+    assert sender.sync(0, weights.items, live)["members"] == receivers  # forms the generation
+    group = sender.group
+    barrier(group)
+    dtype = DTYPES[wire]
+    times: dict[str, list[float]] = {"raw": [], "raw_p2p": [], "rlpipe": [], "per_tensor": []}
+    pack = []
+    for rep in range(repeats):
+        flat = torch.zeros(sender.manifest.nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        group.broadcast(flat)
+        barrier(group)
+        times["raw"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for work in [group.send(flat, rank, RAW_TAG) for rank in range(1, receivers + 1)]:
+            group.wait(work)
+        barrier(group)
+        times["raw_p2p"].append(time.perf_counter() - t0)
+        del flat
+        t0 = time.perf_counter()
+        stats = sender.sync(rep + 1, weights.items, live)
+        barrier(group)
+        times["rlpipe"].append(time.perf_counter() - t0)
+        pack.append(stats["pack_s"])
+        assert stats["members"] == receivers and stats["form_s"] == 0
+        t0 = time.perf_counter()
+        for n, _ in specs:
+            group.broadcast(weights[n].to(dtype))
+        barrier(group)
+        times["per_tensor"].append(time.perf_counter() - t0)
+    for p in procs:
+        p.join(120)
+    sender.drop()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    nbytes = sender.manifest.nbytes
+    return {"size": name, "params": params, "bytes": nbytes, "buckets": len(sender.manifest.buckets),
+            "raw_s": med["raw"], "raw_p2p_s": med["raw_p2p"], "rlpipe_s": med["rlpipe"], "pack_s": statistics.median(pack),
+            "per_tensor_s": med["per_tensor"], "rlpipe_vs_raw": med["raw"] / med["rlpipe"],
+            "rlpipe_vs_raw_p2p": med["raw_p2p"] / med["rlpipe"],
+            "per_tensor_vs_raw": med["raw"] / med["per_tensor"],
+            "raw_gbps": nbytes * receivers / med["raw"] / 1e9, "rlpipe_gbps": nbytes * receivers / med["rlpipe"] / 1e9}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {list(SIZES)}")
+    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--wire-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--bucket-mib", type=float, default=256)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args(argv)
+    sizes = args.sizes.split(",")
+    bad = [s for s in sizes if s not in SIZES]
+    if bad:
+        ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedRedis(Path(tmp)).start()
+        try:
+            header = (f"{'size':>6} {'params':>13} {'MiB':>7} {'buckets':>7} {'raw s':>7} {'raw p2p s':>9} "
+                      f"{'rlpipe s':>8} {'(pack s)':>8} {'per-tensor s':>12} {'rlpipe/raw':>10} "
+                      f"{'rlpipe/p2p':>10} {'per-tensor/raw':>14}")
+            print(f"{args.receivers} receivers, {args.wire_dtype} on the wire, {args.bucket_mib:g} MiB buckets, "
+                  f"median of {args.repeats}; ratios are throughput relative to one raw broadcast", flush=True)
+            print(header, flush=True)
+            for name in sizes:
+                row = bench_size(server.url, name, args.receivers, args.repeats, args.wire_dtype, args.bucket_mib)
+                rows.append(row)
+                print(f"{name:>6} {row['params']:>13,} {row['bytes'] / 2**20:>7.1f} {row['buckets']:>7} "
+                      f"{row['raw_s']:>7.3f} {row['raw_p2p_s']:>9.3f} {row['rlpipe_s']:>8.3f} {row['pack_s']:>8.3f} "
+                      f"{row['per_tensor_s']:>12.3f} {row['rlpipe_vs_raw']:>10.2f} {row['rlpipe_vs_raw_p2p']:>10.2f} "
+                      f"{row['per_tensor_vs_raw']:>14.2f}", flush=True)
+        finally:
+            server.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

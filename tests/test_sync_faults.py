@@ -1,0 +1,156 @@
+"""Weight sync around failures, end to end: a real learner process and real rollout
+workers (vLLM in fp32) on a real Redis, with small buckets so an update is many transfers.
+
+- A worker killed in the middle of a transfer costs the learner no more than the sync
+  timeout; the other worker still gets every version; the killed one, restarted,
+  catches up from the newest checkpoint on disk and is taken back into a generation.
+- A learner killed mid-run leaves the workers serving their last version; the restarted
+  learner forms a new generation and the workers get its (higher) version.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from learner.metrics import read_jsonl
+from rlpipe import registry
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import Keys, connect
+from tests.conftest import free_run_id, launch_worker, stop_worker, wait_for
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 6.0
+
+
+@pytest.fixture
+def run(redis_server, toy_model_path, tmp_path):
+    """Returns (config, start_learner, start_worker) for a run of ``workers`` workers."""
+    procs = []
+
+    def make(workers: int):
+        cfg = build_config({}, environ={}, run_id=free_run_id("sync"), run_dir=str(tmp_path),
+                           redis_url=redis_server.url, steps=10_000, workers=workers, **{
+                               "model.path": toy_model_path, "rollout.precision": "fp32", "sampling.n": 4,
+                               "learner.groups_per_step": 2, "learner.checkpoint_every": 2, "learner.ppo_epochs": 1,
+                               "learner.threads": 1, "learner.lease_ttl_s": 1.0, "queue.max_lag": 1,
+                               "sync.timeout_s": TIMEOUT_S, "sync.bucket_mib": 0.25})
+        dump_config(cfg, tmp_path / "config.yaml")
+
+        def start_learner() -> subprocess.Popen:
+            log = open(tmp_path / "learner.log", "ab")
+            proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config",
+                                     str(tmp_path / "config.yaml")], stdout=log, stderr=subprocess.STDOUT)
+            procs.append(proc)
+            return proc
+
+        def start_worker(worker_id: str, env: dict | None = None, wait: bool = True) -> subprocess.Popen:
+            proc, _ = launch_worker(cfg, tmp_path / "config.yaml", worker_id, env=env, wait=wait)
+            procs.append(proc)
+            return proc
+
+        return cfg, start_learner, start_worker
+
+    yield make
+    for proc in procs:
+        if proc.poll() is None:
+            stop_worker(proc)
+
+
+def worker_status(r, keys, worker_id: str) -> dict:
+    fields = registry.live_workers(r, keys).get(worker_id)
+    if not fields:
+        return {}
+    return httpx.get(f"http://{fields['address']}/v1/status", timeout=10).json()
+
+
+def learner_status(r, keys) -> dict:
+    address = registry.learner_state(r, keys).get("address")
+    try:
+        return httpx.get(f"http://{address}/status", timeout=10).json() if address else {}
+    except httpx.HTTPError:
+        return {}
+
+
+def steps_done(cfg) -> list[dict]:
+    return read_jsonl(f"{cfg.run_dir}/metrics.jsonl")
+
+
+def test_a_worker_killed_mid_transfer_costs_one_timeout_and_catches_up_on_restart(run):
+    cfg, start_learner, start_worker = run(workers=2)
+    r, keys = connect(cfg.redis_url), Keys(cfg.run_id)
+    w0 = start_worker("w0", wait=False)
+    w1 = start_worker("w1", env={"RLPIPE_CRASH_AT": "receiving:3:2"}, wait=False)  # dies inside version 3
+    wait_for(lambda: len(registry.live_workers(r, keys)) == 2, 300, interval=0.5, what="both workers")
+    learner = start_learner()
+
+    wait_for(lambda: w1.poll() is not None, 180, interval=0.5, what="w1 to die receiving version 3")
+    wait_for(lambda: len(steps_done(cfg)) >= 7, 300, interval=0.5, what="the learner to go on without w1")
+    rows = steps_done(cfg)
+    assert all(row["weight_sync_seconds"] < TIMEOUT_S + 3 for row in rows), [row["weight_sync_seconds"] for row in rows]
+    assert all("weight_sync_failed" not in row for row in rows)
+    by_version = {row["learner_version"]: row for row in rows}
+    assert by_version[2]["weight_sync_members"] == 2
+    assert by_version[3]["weight_sync_members"] == 1 and by_version[3]["weight_sync_left_out_total"] == 1
+    assert by_version[7]["weight_sync_members"] == 1
+    assert worker_status(r, keys, "w0")["version"] >= 7  # w0 kept getting every version
+
+    # Restarted, w1 loads the newest checkpoint before the learner takes it back in.
+    checkpointed = max(v for v in by_version if v % 2 == 0)
+    w1 = start_worker("w1")
+    log = Path(cfg.run_dir) / "w1.log"
+    caught = wait_for(lambda: re.findall(r"caught up to version (\d+)", log.read_text()), 120,
+                      what="w1 to catch up from disk")
+    assert int(caught[-1]) >= checkpointed
+
+    def back_in():
+        st = learner_status(r, keys)
+        w = st.get("workers", {}).get("w1", {})
+        return w.get("member") and w.get("version") == st["version"] and w["weights"] == "learner"
+
+    wait_for(back_in, 120, interval=0.5, what="w1 back in a generation with the learner's version")
+    assert sorted(learner_status(r, keys)["sync_members"]) == ["w0", "w1"]
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(120) == 0
+    assert w0.poll() is None
+
+
+def test_workers_keep_serving_through_a_learner_restart_then_rejoin(run):
+    cfg, start_learner, start_worker = run(workers=1)
+    r, keys = connect(cfg.redis_url), Keys(cfg.run_id)
+    start_worker("w0")
+    learner = start_learner()
+    wait_for(lambda: worker_status(r, keys, "w0").get("version", 0) >= 5, 300, interval=0.5, what="version 5")
+    learner.kill()
+    learner.wait()
+    before = worker_status(r, keys, "w0")
+    address = registry.live_workers(r, keys)["w0"]["address"]
+
+    # No learner: the worker keeps its version and keeps serving it.
+    for _ in range(3):
+        time.sleep(1)
+        assert httpx.get(f"http://{address}/readyz", timeout=10).status_code == 200
+        body = httpx.post(f"http://{address}/v1/generate", timeout=30,
+                          json={"prompt": "1+2=", "n": 2, "max_tokens": 4}).json()
+        assert body["policy_version"] == body["policy_version_end"] == before["version"]
+
+    learner = start_learner()
+    wait_for(lambda: learner_status(r, keys).get("status") == "running", 120, interval=0.5, what="the new learner")
+    restarted_at = learner_status(r, keys)["version"]
+    assert restarted_at >= before["version"]  # versions never go back, even restoring an older checkpoint
+
+    def rejoined():
+        st = worker_status(r, keys, "w0")
+        return st["sync_generation"] > before["sync_generation"] and st["version"] > before["version"]
+
+    wait_for(rejoined, 120, interval=0.5, what="the worker to join the new learner's generation")
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(120) == 0
