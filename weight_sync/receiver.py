@@ -50,12 +50,14 @@ class WeightReceiver:
             raise SyncError(f"manifest {manifest.hash} is not generation {self.generation}'s {self.manifest.hash}")
         group = self.group
         header = torch.zeros(2, dtype=torch.int64)
-        group.wait(group.recv(header, 0, 0))
+        header_work = group.recv(header, 0, 0)
+        # The first bucket is posted with the header (one round trip less for small
+        # models); it is only loaded after the header checked out.
+        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers else []
+        group.wait(header_work)
         expected = header_tensor(version, manifest.hash)
         if not torch.equal(header, expected):
             raise SyncError(f"expected version {version} with manifest {manifest.hash}, got header {header.tolist()}")
-        # One bucket posted ahead of the one being waited on, as the sender sends them.
-        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers else []
         weights = []
         for i, (bucket, buf) in enumerate(zip(manifest.buckets, self.buffers)):
             if i + 1 < len(self.buffers):
