@@ -14,9 +14,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# The unit of pipelining inside a bucket (see segments).
-SEGMENT_BYTES = 8 << 20
-
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -50,37 +47,28 @@ class Bucket:
 @dataclass(frozen=True)
 class Manifest:
     buckets: tuple[Bucket, ...]
-    segment_bytes: int = SEGMENT_BYTES  # pieces each bucket travels in (see segments)
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
     def to_json(self) -> str:
-        return json.dumps({"segment_bytes": self.segment_bytes, "buckets": [asdict(b) for b in self.buckets]},
-                          separators=(",", ":"))
+        return json.dumps([asdict(b) for b in self.buckets], separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        data = json.loads(text)
         buckets = []
-        for b in data["buckets"]:
+        for b in json.loads(text):
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
-        return cls(tuple(buckets), data["segment_bytes"])
-
-    def pieces(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The messages an update travels in, in order: slices of the bucket buffers."""
-        return [buf[start:end] for bucket, buf in zip(self.buckets, buffers)
-                for start, end, _ in segments(bucket, self.segment_bytes)]
+        return cls(tuple(buckets))
 
     @property
     def hash(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int,
-                 segment_bytes: int = SEGMENT_BYTES) -> Manifest:
+def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
@@ -102,7 +90,7 @@ def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
             used += nbytes
         if slots:
             buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
-    return Manifest(tuple(buckets), segment_bytes)
+    return Manifest(tuple(buckets))
 
 
 def _numel(shape) -> int:
@@ -112,30 +100,12 @@ def _numel(shape) -> int:
     return n
 
 
-def segments(bucket: Bucket, min_bytes: int) -> list[tuple[int, int, tuple[TensorSlot, ...]]]:
-    """Split a bucket at tensor boundaries into pieces of at least ``min_bytes`` (the last
-    may be smaller): ``(start, end, slots)``. A piece is what the sender packs and sends
-    while the previous one is on the wire, so even a model that fits in one bucket has
-    its packing hidden behind the transfer. Both sides derive the same pieces."""
-    pieces, start, slots = [], 0, []
-    for slot in bucket.tensors:
-        slots.append(slot)
-        end = slot.offset + slot.nbytes
-        if end - start >= min_bytes:
-            pieces.append((start, end, tuple(slots)))
-            start, slots = end, []
-    if slots:
-        pieces.append((start, bucket.nbytes, tuple(slots)))
-    return pieces
-
-
-def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None,
-                slots: tuple[TensorSlot, ...] | None = None) -> torch.Tensor:
-    """Copy the bucket's tensors (or just ``slots``), cast to its dtype, into one uint8 buffer."""
+def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the bucket's tensors (cast to its dtype) into one uint8 buffer."""
     dtype = DTYPES[bucket.dtype]
     if out is None:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8)
-    for slot in bucket.tensors if slots is None else slots:
+    for slot in bucket.tensors:
         src = tensors[slot.name].detach()
         view = out[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)
         view.copy_(src)  # casts to the wire dtype where the source differs

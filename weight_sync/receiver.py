@@ -19,8 +19,8 @@ from weight_sync.sender import header_tensor
 from weight_sync.transport import GlooGroup, SyncError, check_in
 
 # Fault injection for the tests: RLPIPE_CRASH_AT=receiving:<version>:<k> SIGKILLs the
-# receiving process (a worker's engine) as it is about to receive piece k (0-based, in
-# manifest order; see manifest.segments) of that version. Unset in normal runs.
+# receiving process (a worker's engine) as it is about to receive bucket k of that
+# version. Unset in normal runs.
 CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 
 
@@ -49,24 +49,24 @@ class WeightReceiver:
         if manifest.hash != self.manifest.hash:
             raise SyncError(f"manifest {manifest.hash} is not generation {self.generation}'s {self.manifest.hash}")
         group = self.group
-        pieces = manifest.pieces(self.buffers)
         header = torch.zeros(2, dtype=torch.int64)
         header_work = group.recv(header, 0, 0)
-        # The first piece is posted with the header (one round trip less for small models)
-        # and then one piece ahead of the one waited on; nothing is loaded before the
-        # header checked out.
-        works = [group.recv(pieces[0], 0, 1)] if pieces else []
+        # The first bucket is posted with the header (one round trip less for small
+        # models); it is only loaded after the header checked out.
+        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers else []
         group.wait(header_work)
         expected = header_tensor(version, manifest.hash)
         if not torch.equal(header, expected):
             raise SyncError(f"expected version {version} with manifest {manifest.hash}, got header {header.tolist()}")
-        for i in range(len(pieces)):
-            if i + 1 < len(pieces):
+        weights = []
+        for i, (bucket, buf) in enumerate(zip(manifest.buckets, self.buffers)):
+            if i + 1 < len(self.buffers):
                 if CRASH_AT == f"receiving:{version}:{i + 1}":
                     os.kill(os.getpid(), signal.SIGKILL)
-                works.append(group.recv(pieces[i + 1], 0, i + 2))
+                works.append(group.recv(self.buffers[i + 1], 0, i + 2))
             group.wait(works[i])
-        return [pair for bucket, buf in zip(manifest.buckets, self.buffers) for pair in unpack_bucket(bucket, buf)]
+            weights += unpack_bucket(bucket, buf)
+        return weights
 
     def close(self) -> None:
         self.group.close()

@@ -3,8 +3,7 @@ broadcast every new version as packed buckets.
 
 Each broadcast starts with a small header (version, manifest hash) so a receiver can
 refuse a transfer that is not the one it expects. Packing is pipelined with the
-transfer: each bucket goes as pieces of ``segment_bytes`` or more (at tensor boundaries),
-and piece i+1 is packed while gloo sends piece i.
+transfer: bucket i+1 is packed while gloo sends bucket i.
 
 Membership: workers are identified by ``id -> incarnation`` (a token each worker
 process draws at start and redraws to ask back in). A worker that does not check in
@@ -24,7 +23,7 @@ import redis
 import torch
 
 from rlpipe.queue import Keys
-from weight_sync.manifest import SEGMENT_BYTES, Manifest, pack_bucket, plan_buckets, segments
+from weight_sync.manifest import Manifest, pack_bucket, plan_buckets
 from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
 from weight_sync.transport import GlooGroup, SyncError, admit
 
@@ -37,10 +36,10 @@ def header_tensor(version: int, manifest_hash: str) -> torch.Tensor:
 
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
-                 wire_dtype: torch.dtype, segment_bytes: int = SEGMENT_BYTES):
+                 wire_dtype: torch.dtype):
         self.r, self.keys = r, keys
         self.host, self.timeout_s = host, timeout_s
-        self.bucket_bytes, self.wire_dtype, self.segment_bytes = bucket_bytes, wire_dtype, segment_bytes
+        self.bucket_bytes, self.wire_dtype = bucket_bytes, wire_dtype
         self.group: GlooGroup | None = None
         self.state = SyncState()
         self.manifest: Manifest | None = None
@@ -99,7 +98,7 @@ class WeightSender:
               deadline: float) -> None:
         self.drop()
         specs = [(name, self.wire_dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-        manifest = plan_buckets(specs, self.bucket_bytes, self.segment_bytes)
+        manifest = plan_buckets(specs, self.bucket_bytes)
         if self.manifest is None or manifest.hash != self.manifest.hash:
             self.manifest = manifest
             self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
@@ -154,16 +153,14 @@ class WeightSender:
                     failed.setdefault(rank, str(e))
 
         in_flight = post(header_tensor(version, self.manifest.hash), 0)
-        pack_s, tag = 0.0, 0
-        for bucket, buf in zip(self.manifest.buckets, self.buffers):
-            for start, end, slots in segments(bucket, self.manifest.segment_bytes):
-                tp = time.perf_counter()
-                pack_bucket(bucket, tensors, buf, slots)  # while the previous piece is on the wire
-                pack_s += time.perf_counter() - tp
-                tag += 1
-                works = post(buf[start:end], tag)
-                finish(in_flight)
-                in_flight = works
+        pack_s = 0.0
+        for i, (bucket, buf) in enumerate(zip(self.manifest.buckets, self.buffers)):
+            tp = time.perf_counter()
+            pack_bucket(bucket, tensors, buf)  # while the previous bucket is on the wire
+            pack_s += time.perf_counter() - tp
+            works = post(buf, i + 1)
+            finish(in_flight)
+            in_flight = works
         finish(in_flight)
         if len(failed) == group.world_size - 1:
             raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
