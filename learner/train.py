@@ -419,7 +419,8 @@ class Learner:
         """Every live worker as the registry has it, and how it stands with weight sync."""
         out = {}
         for w, f in sorted(registry.live_workers(self.r, self.keys).items()):
-            out[w] = {"version": int(f.get("version", -1)), "behind": self.version - int(f.get("version", -1)),
+            version = int(f.get("version", -1))
+            out[w] = {"version": version, "behind": self.version - version,
                       "generation": int(f.get("generation", 0)), "weights": f.get("weights", ""),
                       "member": w in self.sender.members,
                       "left_out": self.sender.excluded.get(w) == f.get("incarnation", ""),

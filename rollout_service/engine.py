@@ -174,15 +174,16 @@ class RolloutEngine:
 
     async def update(self, version: int, manifest_json: str) -> dict:
         """Receive ``version`` while generating, then load it with generation paused."""
-        async with self._update_lock:
-            staged = await self._in_worker("receive", version, manifest_json)
-            return {**staged, **await self._apply(version, "learner")} if staged["ok"] else staged
+        return await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
 
     async def load_checkpoint(self, model_dir: str, version: int) -> dict:
         """Catch up to a checkpoint's weights (a worker that missed syncs)."""
+        return await self._stage_and_apply(version, "checkpoint", "read", model_dir)
+
+    async def _stage_and_apply(self, version: int, source: str, op: str, *args) -> dict:
         async with self._update_lock:
-            staged = await self._in_worker("read", model_dir)
-            return {**staged, **await self._apply(version, "checkpoint")} if staged["ok"] else staged
+            staged = await self._in_worker(op, *args)
+            return {**staged, **await self._apply(version, source)} if staged["ok"] else staged
 
     async def _apply(self, version: int, source: str) -> dict:
         """Load the staged weights with generation paused ("keep": running requests are

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from rollout_service.vllm_compat import after_reload, die_with_parent
-from weight_sync.manifest import Manifest, incompatibility
+from weight_sync.manifest import Manifest, incompatibility, shape_mismatch
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
 
@@ -112,9 +112,10 @@ class RlpipeWorkerExtension:
                 weights.update(load_file(f))
         except OSError as e:  # e.g. pruned by the learner while we read it
             return {"ok": False, "error": f"reading {model_dir}: {e}"}
-        for name, t in weights.items():
-            if self._rlpipe_shapes.get(name) != tuple(t.shape):
-                return {"ok": False, "error": f"{model_dir}: {name} {list(t.shape)} does not fit this worker's model"}
+        mismatch = shape_mismatch(((n, tuple(t.shape)) for n, t in weights.items()), self._rlpipe_shapes,
+                                  f"checkpoint {model_dir}")
+        if mismatch:
+            return {"ok": False, "error": mismatch}
         self._rlpipe_staged = list(weights.items())
         return {"ok": True, "read_s": time.perf_counter() - t0}
 

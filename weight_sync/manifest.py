@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Iterable
 
 import torch
 
@@ -124,10 +125,17 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
 def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]]) -> str | None:
     """Why ``manifest`` cannot load into a model whose tensors have the ``expected``
     shapes (a learner that trains another model than the worker serves), or None."""
-    for bucket in manifest.buckets:
-        for slot in bucket.tensors:
-            if slot.name not in expected:
-                return f"the learner sends {slot.name!r}, which this worker's model does not have"
-            if tuple(expected[slot.name]) != slot.shape:
-                return f"{slot.name}: the learner sends shape {list(slot.shape)}, this worker's model has {list(expected[slot.name])}"
+    return shape_mismatch(((slot.name, slot.shape) for b in manifest.buckets for slot in b.tensors), expected,
+                          "the learner")
+
+
+def shape_mismatch(shapes: Iterable[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
+                   source: str) -> str | None:
+    """Why tensors of these ``(name, shape)`` from ``source`` do not fit a model with the
+    ``expected`` shapes (an unknown name, a different shape), or None."""
+    for name, shape in shapes:
+        if name not in expected:
+            return f"{source} sends {name!r}, which this worker's model does not have"
+        if tuple(expected[name]) != tuple(shape):
+            return f"{name}: {source} sends shape {list(shape)}, this worker's model has {list(expected[name])}"
     return None

@@ -44,20 +44,20 @@ class WeightSender:
         self.state = SyncState()
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []
-        self._members: dict[str, str] = {}  # id -> incarnation of the current generation
+        self._members: dict[str, str] = {}  # id -> incarnation of the current generation ({} without one)
         self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
         self.left_out_total = 0
 
     @property
     def members(self) -> tuple[str, ...]:
-        return tuple(self._members) if self.group else ()
+        return tuple(self._members)
 
     def candidates(self, live: Mapping[str, str]) -> dict[str, str]:
         """The live workers (id -> incarnation) minus those left out in their current incarnation."""
         return {w: inc for w, inc in sorted(live.items()) if self.excluded.get(w) != inc}
 
     def needs_forming(self, live: Mapping[str, str]) -> bool:
-        return self.candidates(live) != (self._members if self.group else {})
+        return self.candidates(live) != self._members
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
              live: Mapping[str, str]) -> dict:
