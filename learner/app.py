@@ -1,4 +1,5 @@
-"""The learner's HTTP interface: ``/healthz``, ``/metrics`` (Prometheus) and ``/status`` (JSON).
+"""The learner's HTTP interface: ``/healthz``, ``/metrics`` (Prometheus) and ``/status`` (JSON;
+needs the bearer token when ``RLPIPE_API_TOKEN`` is set, see rlpipe/auth.py).
 
 Served by uvicorn in a daemon thread next to the training loop; it only reads the
 learner's state.
@@ -12,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from rlpipe.auth import api_token, require_token
 from rlpipe.proc import bind_socket
 
 
@@ -26,7 +28,7 @@ def create_app(learner) -> FastAPI:
     def metrics():
         return Response(generate_latest(learner.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/status")
+    @app.get("/status", dependencies=[require_token(api_token())])
     def status():
         return learner.snapshot()
 

@@ -78,7 +78,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         return 2
 
+    from rlpipe.auth import check_exposure
     from rlpipe.proc import exit_with_parent, setup_logging
+
+    try:
+        if args.command == "rollout":
+            check_exposure(cfg.rollout.host, "rollout.host", cfg.allow_unauthenticated)
+        if args.command == "learner":
+            check_exposure(cfg.learner.host, "learner.host", cfg.allow_unauthenticated)
+    except ConfigError as e:
+        print(f"rlpipe: error: {e}", file=sys.stderr)
+        return 2
 
     if args.command == "demo":
         import signal

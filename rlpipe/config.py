@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
@@ -38,11 +38,32 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    type: Literal["arith"] = "arith"
-    digits: int = Field(2, ge=1, le=4)
-    ops: str = Field("+", pattern=r"^[+\-*]+$")
-    size: int = Field(4096, ge=1)
-    seed: int = 0
+    """What to train on (rollout_service/tasks.py): the toy arithmetic, a math dataset, or a remote verifier."""
+
+    type: Literal["arith", "math", "remote"] = "arith"
+    digits: int = Field(2, ge=1, le=4, description="arith: operand digits")
+    ops: str = Field("+", pattern=r"^[+\-*]+$", description="arith: operators to draw from")
+    size: int = Field(4096, ge=1, description="arith: problems per epoch (a dataset's size is its row count)")
+    seed: int = Field(0, description="arith problems; the per-epoch shuffle of a dataset")
+    dataset: str = Field("", description="math/remote: a .jsonl or .parquet file of rows")
+    prompt_field: str = Field("prompt", description="the row field holding the prompt")
+    answer_field: str = Field("answer", description="the row field holding the reference answer")
+    id_field: str = Field("id", description="the row field holding a stable id; default the row number")
+    template: str = Field("{prompt}", description="prompt text: str.format over the row's fields")
+    shuffle: bool = Field(True, description="a fresh seeded permutation of the rows every epoch")
+    verifier_url: str = Field("", description="remote: the reward server's URL (POST, one request per group)")
+    verifier_timeout_s: float = Field(10.0, gt=0, description="remote: per-request timeout")
+    verifier_retries: int = Field(3, ge=0, description="remote: retries on connection errors, timeouts, 5xx, 429")
+    verifier_backoff_s: float = Field(0.2, ge=0, description="remote: first retry delay, doubled each retry")
+
+    @model_validator(mode="after")
+    def _needs_source(self) -> TaskConfig:
+        # A model-level error is reported at loc "task", so the message itself names the field.
+        if self.type in ("math", "remote") and not self.dataset:
+            raise ValueError(f"task.dataset: required for task.type {self.type!r}")
+        if self.type == "remote" and not self.verifier_url:
+            raise ValueError("task.verifier_url: required for task.type 'remote'")
+        return self
 
 
 class SamplingConfig(Section):
@@ -68,6 +89,8 @@ class RolloutConfig(Section):
     max_model_len: int = Field(64, ge=8)
     heartbeat_s: float = Field(2.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
+    shutdown_deadline_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight groups may "
+                                       "finish before they are aborted and their prompts given back")
     # Limits on what /v1/generate accepts.
     max_prompt_tokens: int = Field(48, ge=1)
     max_n: int = Field(64, ge=1)
@@ -153,6 +176,8 @@ class RunConfig(Section):
     steps: int = Field(100, ge=1)
     workers: int = Field(2, ge=1)
     redis_url: str = ""
+    allow_unauthenticated: bool = Field(False, description="let HTTP APIs listen on non-loopback "
+                                        "addresses without RLPIPE_API_TOKEN (rlpipe/auth.py)")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()

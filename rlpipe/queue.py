@@ -31,6 +31,9 @@ class Keys:
         self.learner = self.prefix + "learner"
         self.sync = self.prefix + "sync"
         self.cursor = self.prefix + "prompts:cursor"
+        # Not in DESIGN.md's table: prompt indices handed out but given back unfinished (a
+        # worker shut down, or its reward could not be computed); handed out again first.
+        self.returned = self.prefix + "prompts:returned"
         # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
         self.counters = self.prefix + "counters"
 
@@ -53,10 +56,18 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=30)
 
 
+_NEXT_INDEX = """
+local given_back = redis.call('LPOP', KEYS[1])
+if given_back then return tonumber(given_back) end
+return redis.call('INCR', KEYS[2]) - 1
+"""
+
+
 class TrajectoryQueue:
     def __init__(self, r: redis.Redis, run_id: str):
         self.r = r
         self.keys = Keys(run_id)
+        self._next_index = r.register_script(_NEXT_INDEX)
 
     # -- producer side -------------------------------------------------------------
     def push(self, rec: GroupRecord) -> str:
@@ -69,8 +80,17 @@ class TrajectoryQueue:
         return entry_id.decode()
 
     def next_prompt_index(self) -> int:
-        """The shared cursor: every call anywhere in the run gets a different index."""
-        return int(self.r.incr(self.keys.cursor)) - 1
+        """The shared cursor: a given-back index if there is one, else the next new one.
+
+        One server-side script, so across all workers every index is handed out exactly
+        once (and once more for each time it is given back): no duplicates, no skips.
+        """
+        return int(self._next_index(keys=[self.keys.returned, self.keys.cursor]))
+
+    def give_back(self, indices: list[int]) -> None:
+        """Return prompt indices that were handed out but will not be pushed."""
+        if indices:
+            self.r.rpush(self.keys.returned, *indices)
 
     # -- consumer side -------------------------------------------------------------
     def ensure_consumer_group(self) -> None:

@@ -1,10 +1,16 @@
 """The rollout worker's HTTP interface (FastAPI).
 
-    GET  /healthz      process alive
-    GET  /readyz       engine up and holding weights of a known version (503 otherwise)
-    GET  /metrics      Prometheus
-    GET  /v1/status    version, precision, in-flight groups
-    POST /v1/generate  token ids or text in; tokens, behavior log-probs, finish reasons out
+    GET  /healthz      process alive (open)
+    GET  /readyz       engine up and holding weights of a known version, 503 otherwise (open)
+    GET  /metrics      Prometheus (open)
+    GET  /v1/status    version, precision profile, in-flight requests, queue lag (token)
+    POST /v1/generate  token ids or text in; tokens, behavior log-probs, finish reasons,
+                       policy versions out (token)
+    GET  /openapi.json the schema; /docs renders it
+
+"token": with ``RLPIPE_API_TOKEN`` set these need ``Authorization: Bearer <token>``
+(rlpipe/auth.py). Every limit (prompt length, n, max_tokens, body size) comes from the
+``rollout`` config section; a request over one gets a 4xx naming the field.
 
 With a Redis URL in the config the app also runs the rollout loop (a *worker*); without
 one it only serves ``/v1/generate`` (a plain sampling server, as the tests use it).
@@ -16,23 +22,27 @@ import logging
 import os
 import signal
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from quant.profiles import profile_for
+from rlpipe.auth import api_token, require_token
 from rlpipe.config import RunConfig
 
 log = logging.getLogger(__name__)
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]})
 
-    prompt_token_ids: list[int] | None = Field(None, description="prompt as token ids (exactly one of this and prompt)")
-    prompt: str | None = Field(None, description="prompt as text, tokenized by the worker")
+    # Typed without None so the schema says what the service accepts; absent = None.
+    prompt_token_ids: list[int] = Field(None, description="prompt as token ids (exactly one of this and prompt)")
+    prompt: str = Field(None, description="prompt as text, tokenized by the worker")
     temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy")
     n: int = Field(1, ge=1)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -56,20 +66,46 @@ class GenerateRequest(BaseModel):
         return n
 
 
+def request_model(limits) -> type[GenerateRequest]:
+    """``GenerateRequest`` with this worker's configured limits in its schema, so the
+    served OpenAPI document states them. (Rules that span fields, such as prompt plus
+    max_tokens within the model length, are checked in the handler.)"""
+    return create_model(
+        "GenerateRequest", __base__=GenerateRequest,
+        prompt_token_ids=(list[Annotated[int, Field(ge=0)]], Field(
+            None, min_length=1, max_length=limits.max_prompt_tokens,
+            description="prompt as token ids (exactly one of this and prompt)")),
+        n=(int, Field(1, ge=1, le=limits.max_n)),
+        max_tokens=(int, Field(16, ge=1, le=limits.max_new_tokens)),
+        min_tokens=(int, Field(0, ge=0, le=limits.max_new_tokens,
+                               description="no end-of-sequence before this many tokens")),
+    )
+
+
 class Choice(BaseModel):
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int] | None
-    finish_reason: str
-    text: str
+    tokens: list[int] = Field(description="the response token ids exactly as sampled (never re-tokenized)")
+    logprobs: list[float] = Field(description="behavior log-prob of each token, after temperature/top-p/top-k")
+    versions: list[int] | None = Field(description="weights version of each token; only when an update "
+                                       "happened during this request")
+    finish_reason: str = Field(description="stop, length or abort")
+    text: str = Field(description="the tokens decoded, for reading; train on the tokens")
 
 
 class GenerateResponse(BaseModel):
     prompt_token_ids: list[int]
     choices: list[Choice]
-    policy_version: int
-    policy_version_end: int
+    policy_version: int = Field(description="weights version when generation started")
+    policy_version_end: int = Field(description="weights version when the last token was sampled")
     precision: str
+
+
+class Problem(BaseModel):
+    detail: str | list
+
+
+ERRORS = {code: {"model": Problem, "description": why} for code, why in (
+    (400, "body is not JSON"), (401, "missing or wrong bearer token"), (411, "no Content-Length"), (413, "body too large"),
+    (422, "invalid request: detail names the field"), (503, "not ready, draining, or engine down"))}
 
 
 def bad_request(field: str, msg: str) -> HTTPException:
@@ -123,44 +159,76 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
 
     app = FastAPI(title="rlpipe rollout worker", version="1", lifespan=lifespan)
     app.state.ready = False
+    app.state.draining = False
     app.state.fatal = None
     app.state.engine = engine
     app.state.metrics = metrics
 
+    def drain() -> None:
+        """SIGTERM: stop taking prompts at once (the groups in flight finish at shutdown)."""
+        app.state.draining = True
+        if app.state.loop is not None:
+            app.state.loop.stopping.set()
+
+    app.state.drain = drain
+    token = api_token()
+    authorized = [require_token(token)]
+    LimitedRequest = request_model(limits)
+
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
         length = request.headers.get("content-length")
+        if request.method in ("POST", "PUT", "PATCH") and length is None:
+            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
         if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
             return JSONResponse({"detail": f"body larger than {limits.max_body_bytes} bytes"}, status_code=413)
-        return await call_next(request)
+        response = await call_next(request)
+        if response.status_code >= 400:
+            metrics.requests_rejected.labels(**metrics.labels, code=str(response.status_code)).inc()
+        return response
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: ERRORS[503]})
     async def healthz():
+        """The process is alive and its engine has not died."""
         if engine.errored:
             return JSONResponse({"status": "engine dead", "worker_id": worker_id}, status_code=503)
         return {"status": "ok", "worker_id": worker_id}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: ERRORS[503]})
     async def readyz():
-        if not app.state.ready or not engine.synced or engine.errored:
-            return JSONResponse({"ready": False, "version": engine.version}, status_code=503)
+        """Ready to serve: engine up, weights of a known version, not draining."""
+        if not app.state.ready or app.state.draining or not engine.synced or engine.errored:
+            return JSONResponse({"ready": False, "version": engine.version, "draining": app.state.draining},
+                                status_code=503)
         return {"ready": True, "version": engine.version}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)
     async def prometheus():
+        """Prometheus text format."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", dependencies=authorized, responses={401: ERRORS[401]})
     async def status():
+        """Version, precision profile, in-flight work and how far the stream is ahead."""
         loop = app.state.loop
+        backlog = dict(loop.backlog) if loop else {}
+        if "learner_version" in backlog:
+            backlog["version_lag"] = backlog["learner_version"] - engine.version
         return {
             "worker_id": worker_id,
             "version": engine.version,
             "synced": engine.synced,
+            "weights": engine.weights_source,
             "precision": profile.precision,
             "quant_profile": profile.quant_hash,
+            "profile": {"precision": profile.precision, "dtype": profile.dtype,
+                        "quantization": profile.quantization, "hash": profile.quant_hash},
+            "limits": {k: getattr(limits, k) for k in ("max_prompt_tokens", "max_n", "max_new_tokens",
+                                                       "max_model_len", "max_body_bytes")},
+            "draining": app.state.draining,
             "inflight_requests": engine.inflight,
             "inflight_groups": len(loop.groups) if loop else 0,
+            "queue": backlog,
             "sync_generation": loop.generation if loop else 0,
             "paused_seconds_total": engine.paused_seconds_total,
             # updates after which running requests kept the prefix cache from being reset
@@ -168,9 +236,12 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             "last_error": loop.last_error if loop else None,
         }
 
-    @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(req: GenerateRequest):
-        if not app.state.ready:
+        """Sample ``n`` responses to one prompt (token ids, or text the worker tokenizes).
+
+        For multi-turn use, send the whole conversation as ``prompt_token_ids`` built from
+        earlier responses' ``tokens``: re-tokenizing their text can give other ids."""
+        if not app.state.ready or engine.errored:
             raise HTTPException(503, "engine not ready")
         tokenizer = app.state.tokenizer
         if req.prompt is not None:
@@ -206,4 +277,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             policy_version=v0, policy_version_end=v1, precision=profile.precision,
         )
 
+    generate.__annotations__["req"] = LimitedRequest  # a class, not a string: FastAPI reads it as is
+    app.post("/v1/generate", response_model=GenerateResponse, dependencies=authorized,
+             responses={c: ERRORS[c] for c in (400, 401, 411, 413, 422, 503)})(generate)
     return app

@@ -143,6 +143,8 @@ class RolloutEngine:
                 for c in out.outputs:  # when streaming, each event carries one child
                     latest[c.index] = c
                     tracked.counts[c.index] = len(c.token_ids)
+        except VLLMValidationError as e:  # refused when the request was added (e.g. too long)
+            raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None
         finally:
             self._active.pop(request_id, None)
         results = []

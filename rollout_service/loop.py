@@ -18,6 +18,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -29,7 +30,7 @@ from rlpipe.queue import TrajectoryQueue, rollout_allowance
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
-from rollout_service.tasks import Task
+from rollout_service.tasks import RewardError, Task
 from weight_sync.rendezvous import read_sync
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,14 @@ log = logging.getLogger(__name__)
 
 def new_incarnation() -> str:
     return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class _Group:
+    """One prompt's group in flight. Until it reaches ``pushing`` it can still be given back."""
+
+    index: int
+    phase: str = "generating"  # generating -> scoring -> pushing
 
 
 class RolloutLoop:
@@ -58,22 +67,42 @@ class RolloutLoop:
         self.incarnation = new_incarnation()  # a new one asks the learner to take this worker back
         self.last_sync: dict = {}
         self.stopping = asyncio.Event()
-        self.groups: set[asyncio.Task] = set()
+        self.groups: dict[asyncio.Task, _Group] = {}
         self.tasks: list[asyncio.Task] = []
         self.last_error: str | None = None
+        self.backlog: dict = {}  # what the last back-pressure check saw (for /v1/status)
+        self.failed_here: set[int] = set()  # prompt indices whose group failed once on this worker
+        self.pause_until = 0.0  # monotonic time before which no group starts (after a reward error)
 
     def start(self) -> None:
-        self.tasks = [asyncio.create_task(coro) for coro in (self._dispatch(), self._watch_sync(), self._heartbeat())]
+        self.dispatcher = asyncio.create_task(self._dispatch())
+        self.tasks = [self.dispatcher] + [asyncio.create_task(c) for c in (self._watch_sync(), self._heartbeat())]
 
-    async def stop(self, deadline_s: float = 10.0) -> None:
-        """Stop taking prompts, give in-flight groups ``deadline_s`` to finish, then cancel."""
+    async def stop(self, deadline_s: float | None = None) -> dict:
+        """Graceful shutdown: take no more prompts, give in-flight groups ``deadline_s``
+        to finish and be pushed, abort the rest and give their prompts back to the cursor.
+        Groups already being pushed always complete. Returns what happened to each."""
+        deadline_s = self.cfg.rollout.shutdown_deadline_s if deadline_s is None else deadline_s
         self.stopping.set()
+        # The dispatcher may be between taking an index and starting its group: let it finish.
+        await asyncio.wait([self.dispatcher], timeout=5)
         if self.groups:
-            await asyncio.wait(self.groups, timeout=deadline_s)
-        for t in list(self.groups) + self.tasks:
+            await asyncio.wait(list(self.groups), timeout=deadline_s)
+        aborted = [(t, g) for t, g in self.groups.items() if g.phase != "pushing"]
+        for t, _ in aborted:
             t.cancel()
-        await asyncio.gather(*self.groups, *self.tasks, return_exceptions=True)
+        await asyncio.gather(*self.groups, return_exceptions=True)
+        if aborted:
+            indices = [g.index for _, g in aborted]
+            await asyncio.to_thread(self.queue.give_back, indices)
+            self.metrics.prompts_given_back.inc(len(indices))
+            log.info("shutdown: gave back %d unfinished prompts %s", len(indices), indices)
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.task.aclose()
         await asyncio.to_thread(registry.remove_worker, self.r, self.keys, self.worker_id)
+        return {"given_back": len(aborted)}
 
     # -- dispatcher -------------------------------------------------------------------
     async def _dispatch(self) -> None:
@@ -82,7 +111,7 @@ class RolloutLoop:
                 self.on_fatal(f"engine died: {self.engine.llm.dead_error!r}")
                 return
             free = self.cfg.rollout.max_inflight_groups - len(self.groups)
-            if free <= 0 or not self.engine.synced:
+            if free <= 0 or not self.engine.synced or time.monotonic() < self.pause_until:
                 await asyncio.sleep(0.02)
                 continue
             try:
@@ -92,9 +121,11 @@ class RolloutLoop:
                     await asyncio.sleep(0.05)
                     continue
                 for _ in range(min(free, allowance)):
+                    if self.stopping.is_set():
+                        break
                     index = await asyncio.to_thread(self.queue.next_prompt_index)
                     task = asyncio.create_task(self._run_group(index))
-                    self.groups.add(task)
+                    self.groups[task] = _Group(index)
                     task.add_done_callback(self._group_done)
                 self.metrics.inflight.set(len(self.groups))
                 await asyncio.to_thread(self._publish)
@@ -108,34 +139,74 @@ class RolloutLoop:
         inflight = len(self.groups) + sum(
             int(w.get("inflight", 0)) for wid, w in others.items() if wid != self.worker_id)
         learner_version = registry.learner_version(self.r, self.keys)
+        counters = self.queue.counters()
+        unconsumed = counters["produced"] - counters["trained"] - counters["dropped_stale"] - counters["dead"]
+        self.backlog = {"learner_version": learner_version, "unconsumed_groups": unconsumed,
+                        "lag_steps": round(unconsumed / self.cfg.learner.groups_per_step, 3),
+                        "fleet_inflight_groups": inflight}
         if self.engine.weights_source != "learner" and self.engine.version < learner_version:
             return 0  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
         version = min(self.engine.version, learner_version)
-        return rollout_allowance(self.queue.counters(), inflight, version,
-                                 self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
+        return rollout_allowance(counters, inflight, version, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
 
     def _group_done(self, task: asyncio.Task) -> None:
-        self.groups.discard(task)
+        self.groups.pop(task, None)
         self.metrics.inflight.set(len(self.groups))
-        if not task.cancelled() and task.exception() is not None:
-            self.last_error = repr(task.exception())
-            log.error("group failed: %r", task.exception())
 
     async def _run_group(self, index: int) -> None:
+        """Generate, score and push one group. A group that fails before it is pushed
+        gives its prompt back (once: a prompt that fails twice here is skipped)."""
+        group = self.groups.get(asyncio.current_task()) or _Group(index)
+        try:
+            record = await self._generate_group(group)
+        except asyncio.CancelledError:
+            raise  # stop() gives the prompt back
+        except Exception as e:
+            self.last_error = f"prompt {index}: {e!r}"
+            log.error("group for prompt %d failed: %r", index, e)
+            if isinstance(e, RewardError):
+                self.metrics.reward_errors.inc()
+                self.pause_until = time.monotonic() + 2.0  # let the verifier recover
+            if index in self.failed_here:
+                self.metrics.prompts_skipped.inc()
+                return
+            self.failed_here.add(index)
+            await asyncio.to_thread(self.queue.give_back, [index])
+            self.metrics.prompts_given_back.inc()
+            return
+        if record is None:
+            return
+        group.phase = "pushing"
+        await asyncio.to_thread(self.queue.push, record)
+        # Leave the in-flight count now, so the registry never counts a pushed group twice.
+        self.groups.pop(asyncio.current_task(), None)
+        await asyncio.to_thread(self._publish)
+        self.metrics.groups.inc()
+        self.metrics.tokens.inc(sum(len(x.tokens) for x in record.samples))
+        self.metrics.generate_seconds.observe(record.gen_seconds)
+
+    async def _generate_group(self, group: _Group) -> GroupRecord | None:
         s = self.cfg.sampling
-        prompt = self.task.prompt(index)
+        prompt = self.task.prompt(group.index)
         prompt_ids = self.tokenizer(prompt.text)["input_ids"]
-        seed = (self.cfg.seed * 1_000_003 + index) % (2**31)
+        if len(prompt_ids) + s.max_tokens > self.cfg.rollout.max_model_len:
+            log.warning("skipping prompt %s: %d tokens + max_tokens %d exceed rollout.max_model_len %d",
+                        prompt.prompt_id, len(prompt_ids), s.max_tokens, self.cfg.rollout.max_model_len)
+            self.metrics.prompts_skipped.inc()
+            return None
+        seed = (self.cfg.seed * 1_000_003 + group.index) % (2**31)
         t0 = time.perf_counter()
         results, v0, v1 = await self.engine.generate(
             prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             max_tokens=s.max_tokens, seed=seed)
         gen_seconds = time.perf_counter() - t0
-        samples = []
-        for res in results:
-            reward, info = self.task.reward(prompt, self.tokenizer.decode(res.tokens, skip_special_tokens=True))
-            samples.append(Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info))
-        record = GroupRecord(
+        group.phase = "scoring"
+        # Rewards read the decoded text; the record keeps the token ids exactly as sampled.
+        texts = [self.tokenizer.decode(res.tokens, skip_special_tokens=True) for res in results]
+        scores = await self.task.score(prompt, texts)
+        samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info)
+                   for res, (reward, info) in zip(results, scores)]
+        return GroupRecord(
             run_id=self.cfg.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
             worker_id=self.worker_id, policy_version=v0, policy_version_end=v1,
             precision=self.engine.profile.precision, quant_profile=self.engine.profile.quant_hash,
@@ -143,13 +214,6 @@ class RolloutLoop:
                       "max_tokens": s.max_tokens, "seed": seed},
             prompt_tokens=np.asarray(prompt_ids, dtype=np.int32), samples=samples, gen_seconds=gen_seconds,
         )
-        await asyncio.to_thread(self.queue.push, record)
-        # Leave the in-flight count now, so the registry never counts a pushed group twice.
-        self.groups.discard(asyncio.current_task())
-        await asyncio.to_thread(self._publish)
-        self.metrics.groups.inc()
-        self.metrics.tokens.inc(sum(len(x.tokens) for x in samples))
-        self.metrics.generate_seconds.observe(gen_seconds)
 
     # -- weight sync --------------------------------------------------------------------
     async def _watch_sync(self) -> None:

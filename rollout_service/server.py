@@ -3,10 +3,15 @@
 Serves the FastAPI app with uvicorn on ``rollout.host:rollout.port`` (port 0 = any free
 port; the address is published in the worker registry and, with ``--address-file``,
 written to a file once the socket is bound).
+
+SIGTERM (what Kubernetes sends) drains: the worker stops taking prompts at once, lets
+the groups in flight finish for ``rollout.shutdown_deadline_s``, aborts the rest and gives
+their prompts back to the shared cursor, then leaves the registry and exits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -43,7 +48,16 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
     if address_file:
         Path(address_file).write_text(address)
     app = create_app(cfg, worker_id, address)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Stop taking prompts the moment SIGTERM arrives, not after uvicorn has drained
+            # its connections; the groups in flight get rollout.shutdown_deadline_s at shutdown.
+            if self.started and not self.should_exit:
+                asyncio.get_running_loop().call_soon_threadsafe(app.state.drain)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15))
     server.run(sockets=[sock])
     if app.state.fatal:
         raise SystemExit(f"rollout worker {worker_id} stopped: {app.state.fatal}")

@@ -1,46 +1,288 @@
 """Tasks: a dataset of prompts plus a reward function, behind one small interface.
 
-A task hands out the prompt for a dataset index (the index comes from the run's shared
-Redis cursor, so workers never duplicate or skip a prompt) and scores a response.
+A task hands out the prompt for a dataset index (the index comes from the run's shared Redis cursor, so workers never
+duplicate or skip a prompt; epochs wrap) and scores the group of responses sampled for it. Three kinds:
+
+- ``arith``: the toy arithmetic task with an exact-match reward (rlpipe/toy.py);
+- ``math``: a JSONL/Parquet dataset, reward 1 when the last ``\\boxed{}`` answer equals the reference (math-verify);
+- ``remote``: a JSONL/Parquet dataset scored by an HTTP reward server, one POST per group.
+
+reward_info dicts hold only plain values (str, int, float, bool, None): they go into the msgpack trajectory record.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+import os
+import threading
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Protocol
+
+import httpx
+import numpy as np
 
 from rlpipe.config import TaskConfig
 from rlpipe.toy import ArithmeticTask
 
+TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
+MATH_TIMEOUT_S = 2  # math-verify's per-parse and per-comparison limit (whole seconds: signal.alarm)
+MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 unparsed: sympy time grows fast with size
+PLAIN = (str, int, float, bool, type(None))
+
 
 @dataclass(frozen=True)
 class Prompt:
-    prompt_id: str
-    text: str
-    answer: str
+    index: int  # the shared-cursor index this prompt was handed out for (any non-negative int; epochs wrap)
+    prompt_id: str  # stable id of the dataset row (the row's id field, else its row number)
+    text: str  # the prompt text to tokenize (after the template)
+    answer: str  # reference answer ("" if none)
+    meta: dict  # extra row fields passed to a remote verifier (may be empty)
+
+
+class RewardError(RuntimeError):
+    """Scoring failed (e.g. the remote verifier was unreachable after its retries). The loop gives the prompt back to
+    the cursor instead of pushing a wrong reward."""
 
 
 class Task(Protocol):
+    size: int  # rows per epoch
+
     def prompt(self, index: int) -> Prompt: ...
 
-    def reward(self, prompt: Prompt, response_text: str) -> tuple[float, dict | None]: ...
+    async def score(self, prompt: Prompt, responses: list[str]) -> list[tuple[float, dict | None]]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class ArithTask:
-    """The toy task: exact-match reward on small-number arithmetic."""
+    """The toy task: exact-match reward on small-number arithmetic, in the toy's fixed order (the demo relies on it)."""
 
     def __init__(self, cfg: TaskConfig):
         self.task = ArithmeticTask(digits=cfg.digits, ops=cfg.ops, seed=cfg.seed, size=cfg.size)
+        self.size = cfg.size
 
     def prompt(self, index: int) -> Prompt:
         text, answer = self.task.problem(index)
-        return Prompt(prompt_id=str(index % self.task.size), text=text, answer=answer)
+        return Prompt(index=index, prompt_id=str(index % self.size), text=text, answer=answer, meta={})
 
-    def reward(self, prompt: Prompt, response_text: str) -> tuple[float, dict | None]:
-        return self.task.reward(prompt.answer, response_text), None
+    async def score(self, prompt: Prompt, responses: list[str]) -> list[tuple[float, dict | None]]:
+        return [(self.task.reward(prompt.answer, r), None) for r in responses]
+
+    async def aclose(self) -> None:
+        pass
+
+
+def load_dataset(path: str | Path) -> list[dict]:
+    """All rows of a ``.jsonl`` or ``.parquet`` file, read once at start-up (RL prompt sets fit in memory)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        raise ValueError(f"{path}: unsupported dataset extension {suffix!r} (use .jsonl or .parquet)")
+    if not rows:
+        raise ValueError(f"{path}: empty dataset")
+    return rows
+
+
+def _prepare(cfg: TaskConfig, row: dict, n: int, need_answer: bool) -> tuple[str, str, str, dict]:
+    """``(prompt_id, text, answer, meta)`` of row ``n``; every row is checked at load, not when first drawn."""
+    where = f"{cfg.dataset}: row {n}"
+    if row.get(cfg.prompt_field) is None:
+        raise ValueError(f"{where}: missing prompt field {cfg.prompt_field!r} (task.prompt_field)")
+    answer = row.get(cfg.answer_field)
+    if need_answer and answer is None:
+        raise ValueError(f"{where}: missing answer field {cfg.answer_field!r} (task.answer_field)")
+    try:
+        text = cfg.template.format(**{**row, "prompt": row[cfg.prompt_field]})
+    except KeyError as e:
+        raise ValueError(f"{where}: task.template names field {e.args[0]!r}, which the row lacks") from None
+    except (IndexError, ValueError) as e:
+        raise ValueError(f"task.template: {e}") from None
+    prompt_id = str(row[cfg.id_field]) if row.get(cfg.id_field) is not None else str(n)
+    meta = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field, cfg.id_field)}
+    return prompt_id, text, "" if answer is None else str(answer), meta
+
+
+class DatasetTask:
+    """Rows of a file in a fresh seeded order every epoch, so each row appears exactly once per epoch and any worker
+    handed index ``i`` sees the same prompt."""
+
+    def __init__(self, cfg: TaskConfig, need_answer: bool):
+        self.rows = [_prepare(cfg, row, n, need_answer) for n, row in enumerate(load_dataset(cfg.dataset))]
+        self.size = len(self.rows)
+        self.seed, self.shuffle = cfg.seed, cfg.shuffle
+        self._epoch, self._order = -1, None  # the permutation of the epoch last asked for
+
+    def _row(self, index: int) -> int:
+        epoch, pos = divmod(index, self.size)
+        if not self.shuffle:
+            return pos
+        if epoch != self._epoch:
+            # numpy wants non-negative seed words; this leaves every non-negative seed unchanged.
+            self._order = np.random.default_rng([self.seed & (2**64 - 1), epoch]).permutation(self.size)
+            self._epoch = epoch
+        return int(self._order[pos])
+
+    def prompt(self, index: int) -> Prompt:
+        prompt_id, text, answer, meta = self.rows[self._row(index)]
+        return Prompt(index=index, prompt_id=prompt_id, text=text, answer=answer, meta=dict(meta))
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``; None when there is none or its braces never close."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{") : i]
+    return None
+
+
+def _timeout() -> int | None:
+    """math-verify times out with signal.alarm, which only the main thread may set (elsewhere it raises)."""
+    return MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(answer: str, timeout: int | None) -> list:
+    """The parsed reference answer, once per prompt. ``$...$`` makes bare LaTeX (``\\sqrt{2}/2``) parse."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+    return parse(f"${answer}$", configs, parsing_timeout=timeout) or parse(answer, configs, parsing_timeout=timeout)
+
+
+def math_reward(answer: str, response: str) -> tuple[float, dict]:
+    """1.0 when the response's last boxed answer is mathematically equal to ``answer``, else 0.0; never raises."""
+    boxed = _last_boxed(response)
+    if boxed is None:
+        return 0.0, {"extracted": "", "format_ok": False}
+    if len(boxed) > MAX_ANSWER_CHARS:
+        return 0.0, {"extracted": "", "format_ok": True, "error": "boxed answer too long"}
+    try:
+        from math_verify import LatexExtractionConfig, parse, verify
+
+        timeout = _timeout()
+        gold = _parse_gold(answer, timeout)
+        # Only the last box is parsed: given the whole text, math-verify reads several boxes as one set.
+        parsed = parse("\\boxed{" + boxed + "}", [LatexExtractionConfig(boxed_match_priority=0)], parsing_timeout=timeout)
+        ok = bool(gold and parsed) and verify(gold, parsed, timeout_seconds=timeout)
+    except Exception as e:
+        return 0.0, {"extracted": "", "format_ok": False, "error": repr(e)[:200]}
+    info = {"extracted": str(parsed[0])[:200] if parsed else "", "format_ok": True}
+    if not gold:
+        info["error"] = "reference answer does not parse"
+    return float(ok), info
+
+
+class MathTask(DatasetTask):
+    """A math dataset scored by math-verify: the answer must be boxed, any equivalent form counts."""
+
+    def __init__(self, cfg: TaskConfig):
+        super().__init__(cfg, need_answer=True)
+
+    async def score(self, prompt: Prompt, responses: list[str]) -> list[tuple[float, dict | None]]:
+        return [math_reward(prompt.answer, r) for r in responses]
+
+
+class RemoteTask(DatasetTask):
+    """A dataset scored by an HTTP reward server (one POST per group), retried on transient failures only."""
+
+    def __init__(self, cfg: TaskConfig):
+        super().__init__(cfg, need_answer=False)
+        self.url, self.timeout_s = cfg.verifier_url, cfg.verifier_timeout_s
+        self.retries, self.backoff_s = cfg.verifier_retries, cfg.verifier_backoff_s
+        self._client: httpx.AsyncClient | None = None
+
+    async def score(self, prompt: Prompt, responses: list[str]) -> list[tuple[float, dict | None]]:
+        body = {"prompt_id": prompt.prompt_id, "prompt": prompt.text, "answer": prompt.answer, "meta": prompt.meta,
+                "responses": list(responses)}
+        return self._check(await self._post(body), len(responses))
+
+    async def _post(self, body: dict):
+        if self._client is None:
+            token = os.environ.get(TOKEN_ENV)
+            headers = {"Content-Type": "application/json"}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=headers)
+        content = json.dumps(body, default=str)  # default=str: Parquet dates and the like in meta
+        reason = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await self._client.post(self.url, content=content)
+            except httpx.TransportError as e:  # connection errors and timeouts
+                reason = f"{type(e).__name__} {e}".strip()
+                continue
+            if resp.status_code == 429 or resp.status_code >= 500:
+                reason = f"HTTP {resp.status_code}"
+                continue
+            if not resp.is_success:
+                raise RewardError(f"verifier {self.url}: HTTP {resp.status_code}: {resp.text[:200]!r}")
+            try:
+                return resp.json()
+            except ValueError:
+                raise RewardError(f"verifier {self.url}: response is not JSON: {resp.text[:200]!r}") from None
+        raise RewardError(f"verifier {self.url}: gave up after {self.retries + 1} attempts, last: {reason}")
+
+    def _check(self, data, n: int) -> list[tuple[float, dict | None]]:
+        """Reject a malformed reply rather than push made-up rewards."""
+        where = f"verifier {self.url}"
+        rewards = data.get("rewards") if isinstance(data, dict) else None
+        infos = data.get("infos") if isinstance(data, dict) else None
+        if not isinstance(rewards, list) or len(rewards) != n:
+            raise RewardError(f"{where}: expected 'rewards' to be a list of {n} numbers, got {str(rewards)[:200]}")
+        infos = [None] * n if infos is None else infos
+        if not isinstance(infos, list) or len(infos) != n:
+            raise RewardError(f"{where}: expected 'infos' to be a list of {n} objects or nulls, got {str(infos)[:200]}")
+        out = []
+        for reward, info in zip(rewards, infos):
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise RewardError(f"{where}: reward {reward!r} is not a finite number")
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, PLAIN) for v in info.values())):
+                raise RewardError(f"{where}: info {str(info)[:200]} is not a flat object of plain values")
+            out.append((float(reward), info))
+        return out
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
 
 def make_task(cfg: TaskConfig) -> Task:
-    if cfg.type == "arith":
-        return ArithTask(cfg)
-    raise ValueError(f"task.type: unknown task {cfg.type!r}")
+    kinds = {"arith": ArithTask, "math": MathTask, "remote": RemoteTask}
+    if cfg.type not in kinds:
+        raise ValueError(f"task.type: unknown task {cfg.type!r}")
+    return kinds[cfg.type](cfg)

@@ -6,7 +6,7 @@ import time
 
 import msgpack
 
-from rlpipe.queue import Keys, TrajectoryQueue, rollout_allowance
+from rlpipe.queue import Keys, TrajectoryQueue, connect, rollout_allowance
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
 
@@ -82,3 +82,37 @@ def test_keys_follow_the_design(r):
     assert (k.traj, k.dead, k.learner, k.sync, k.cursor) == (
         "rlpipe:abc:traj", "rlpipe:abc:traj:dead", "rlpipe:abc:learner", "rlpipe:abc:sync", "rlpipe:abc:prompts:cursor")
     assert k.worker("w3") == "rlpipe:abc:workers:w3"
+
+
+def _take_indices(url: str, run_id: str, n: int, give_back_every: int, out) -> None:
+    """One contender for the cursor: takes ``n`` indices, giving back every k-th one."""
+    q = TrajectoryQueue(connect(url), run_id)
+    kept = []
+    for i in range(n):
+        index = q.next_prompt_index()
+        if give_back_every and i % give_back_every == 0:
+            q.give_back([index])
+        else:
+            kept.append(index)
+    out.put(kept)
+
+
+def test_cursor_hands_out_every_index_once_across_processes(redis_server):
+    """Four processes race for prompts and give some back: the indices kept are exactly
+    0..N-1 (no duplicates, no skips), given-back ones included, once each."""
+    import multiprocessing as mp
+
+    run_id = free_run_id("cursor")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_take_indices, args=(redis_server.url, run_id, 300, k, out)) for k in (0, 3, 5, 7)]
+    for p in procs:
+        p.start()
+    kept = [i for _ in procs for i in out.get(timeout=60)]
+    for p in procs:
+        p.join(30)
+    q = TrajectoryQueue(connect(redis_server.url), run_id)
+    left = [int(x) for x in q.r.lrange(q.keys.returned, 0, -1)]  # given back after their last take
+    handed = int(q.r.get(q.keys.cursor))
+    assert sorted(kept + left) == list(range(handed))
+    assert handed < 4 * 300  # given-back indices were handed out again instead of new ones

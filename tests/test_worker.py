@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,8 +45,8 @@ def test_worker_group_logprobs_equal_learner_fp32(worker, toy_model_path):
     task, tok = make_task(worker.cfg.task), AutoTokenizer.from_pretrained(toy_model_path)
     prompt = task.prompt(int(rec.prompt_id))
     assert tok(prompt.text)["input_ids"] == rec.prompt_tokens.tolist()
-    for s in rec.samples:
-        assert s.reward == task.reward(prompt, tok.decode(s.tokens, skip_special_tokens=True))[0]
+    texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in rec.samples]
+    assert [s.reward for s in rec.samples] == [r for r, _ in asyncio.run(task.score(prompt, texts))]
 
 
 def test_logprobs_equal_learner_after_weight_sync(worker, toy_model_path):

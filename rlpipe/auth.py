@@ -1,0 +1,56 @@
+"""Bearer-token auth for rlpipe's HTTP APIs (rollout workers and the learner).
+
+With ``RLPIPE_API_TOKEN`` set, control and generate endpoints require
+``Authorization: Bearer <token>``; health, readiness and metrics stay open so probes and
+Prometheus need no secret. A server refuses to listen on a non-loopback address without
+a token unless the run sets ``allow_unauthenticated: true`` (e.g. behind an
+authenticating proxy): anyone who can reach an open worker can make it generate.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+
+from fastapi import Depends, HTTPException
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rlpipe.config import ConfigError
+
+TOKEN_ENV = "RLPIPE_API_TOKEN"
+
+
+def api_token() -> str | None:
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def check_exposure(host: str, field: str, allow_unauthenticated: bool) -> None:
+    """Refuse an open API on a reachable address (the error names the config field)."""
+    if not is_loopback(host) and api_token() is None and not allow_unauthenticated:
+        raise ConfigError(f"{field}: {host!r} is not a loopback address and {TOKEN_ENV} is not set; "
+                          f"set a token, or allow_unauthenticated: true to serve without one")
+
+
+_bearer = HTTPBearer(auto_error=False, description=f"the token in {TOKEN_ENV}, when the server has one")
+
+
+def require_token(token: str | None):
+    """A FastAPI dependency: 401 unless the request carries ``token`` (no-op without one)."""
+
+    async def check(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        if token is None:
+            return
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    return Depends(check)
