@@ -166,6 +166,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
 
     def drain() -> None:
         """SIGTERM: stop taking prompts at once (the groups in flight finish at shutdown)."""
+        log.info("worker %s draining: no new prompts", worker_id)
         app.state.draining = True
         if app.state.loop is not None:
             app.state.loop.stopping.set()

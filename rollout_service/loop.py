@@ -84,6 +84,7 @@ class RolloutLoop:
         Groups already being pushed always complete. Returns what happened to each."""
         deadline_s = self.cfg.rollout.shutdown_deadline_s if deadline_s is None else deadline_s
         self.stopping.set()
+        log.info("stopping: %d groups in flight, %.1fs to finish", len(self.groups), deadline_s)
         # The dispatcher may be between taking an index and starting its group: let it finish.
         await asyncio.wait([self.dispatcher], timeout=5)
         if self.groups:

@@ -56,6 +56,9 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
             if self.started and not self.should_exit:
                 asyncio.get_running_loop().call_soon_threadsafe(app.state.drain)
             super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal once it has shut down, so the process would die
+            # "by SIGTERM" even after a clean drain; exit 0 instead (1 after a fatal error).
+            getattr(self, "_captured_signals", []).clear()
 
     server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15))
     server.run(sockets=[sock])

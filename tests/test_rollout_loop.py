@@ -1,0 +1,155 @@
+"""The rollout loop end to end: real ``rlpipe rollout`` workers (vLLM, fp32) on a real Redis.
+
+- Several workers share the prompt cursor: every index is handed out once, none skipped.
+- SIGTERM drains a worker: it stops taking prompts, aborts what cannot finish within
+  ``rollout.shutdown_deadline_s`` and gives those prompts back; another worker trains on
+  them. No accepted prompt is lost.
+- Records keep the response token ids exactly as sampled, even where decoding and
+  re-tokenizing them gives other ids (a tokenizer with a merge, seed 003's SID-1 note).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import Keys, TrajectoryQueue, connect
+from rlpipe.registry import set_learner_state, worker_incarnations
+from tests.conftest import (
+    WorkerHarness,
+    free_run_id,
+    launch_worker,
+    learner_logprobs,
+    start_worker,
+    stop_worker,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def stream_records(q: TrajectoryQueue) -> list:
+    return [e.record for e in q._decode(q.r.xrange(q.keys.traj))]
+
+
+def test_workers_share_the_cursor_and_sigterm_gives_unfinished_prompts_back(redis_server, toy_model_path, tmp_path):
+    from learner.policy import load_policy
+    from weight_sync.sender import WeightSender
+
+    cfg = build_config({}, environ={}, run_id=free_run_id("drain"), run_dir=str(tmp_path), redis_url=redis_server.url,
+                       **{"model.path": toy_model_path, "rollout.precision": "fp32", "learner.groups_per_step": 100_000,
+                          "queue.max_lag": 0, "rollout.max_inflight_groups": 8, "sampling.max_tokens": 8,
+                          # big groups, so some are still generating when SIGTERM arrives
+                          "sampling.n": 128})
+    dump_config(cfg, tmp_path / "config.yaml")
+    # w0 gets no time to finish anything on SIGTERM; w1 the default deadline.
+    w0, _ = launch_worker(cfg, tmp_path / "config.yaml", "w0", env={"RLPIPE_ROLLOUT__SHUTDOWN_DEADLINE_S": "0"},
+                          wait=False)
+    w1, _ = launch_worker(cfg, tmp_path / "config.yaml", "w1")
+    r, keys = connect(redis_server.url), Keys(cfg.run_id)
+    q = TrajectoryQueue(r, cfg.run_id)
+    wait_for(lambda: len(worker_incarnations(r, keys)) == 2, 300, interval=0.5, what="both workers registered")
+    sender = WeightSender(r, keys, "127.0.0.1", timeout_s=60, bucket_bytes=1 << 20, wire_dtype=torch.float32)
+    try:
+        assert sender.sync(0, load_policy(toy_model_path).named_parameters, worker_incarnations(r, keys))["members"] == 2
+        set_learner_state(r, keys, version=0, step=0, status="running")
+
+        def produced_by():
+            return Counter(rec.worker_id for rec in stream_records(q))
+
+        wait_for(lambda: min(produced_by().get(w, 0) for w in ("w0", "w1")) >= 5, 120, what="both producing")
+        w0.send_signal(signal.SIGTERM)
+        assert w0.wait(60) == 0
+        log0 = (tmp_path / "worker.log").read_text()
+        given = re.search(r"gave back (\d+) unfinished prompts \[([\d, ]*)\]", log0)
+        assert given, log0[-2000:]
+        given_back = [int(x) for x in given.group(2).split(",")]
+        assert len(given_back) == int(given.group(1)) > 0
+        assert not r.exists(keys.worker("w0"))  # left the registry
+
+        def taken_up():  # w1 generated the prompts w0 gave back
+            done = {int(rec.prompt_id) for rec in stream_records(q) if rec.worker_id == "w1"}
+            return set(given_back) <= done
+
+        wait_for(taken_up, 60, what="w1 finishing w0's given-back prompts")
+        w1.send_signal(signal.SIGTERM)
+        assert w1.wait(60) == 0
+    finally:
+        sender.drop()
+        for p in (w0, w1):
+            stop_worker(p)
+    records = stream_records(q)
+    ids = [int(rec.prompt_id) for rec in records]  # prompt_id == cursor index below task.size
+    returned = [int(x) for x in r.lrange(keys.returned, 0, -1)]
+    handed = int(r.get(keys.cursor))
+    assert handed < cfg.task.size
+    assert len(ids) == len(set(ids)), "a prompt was generated twice"
+    assert sorted(ids + returned) == list(range(handed)), "a prompt was lost or duplicated"
+    shares = Counter(rec.worker_id for rec in records)
+    assert min(shares.values()) >= 0.2 * len(records), shares  # both workers got a fair part of the cursor
+
+
+def build_merge_model(out: Path) -> Path:
+    """A random tiny Qwen2 whose tokenizer has the merged token ``ab`` as well as ``a``
+    and ``b``: a sampled ``a`` then ``b`` decodes to text that re-tokenizes to ``ab``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", "a", "b", "c", "ab"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("ab|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(out)
+    torch.manual_seed(0)
+    # head_dim 64: vLLM's CPU attention has kernels for 32, 64, 80, ... but not 16.
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).float().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def test_records_keep_tokens_as_sampled_when_retokenizing_differs(redis_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    from learner.policy import load_policy
+
+    model_dir = build_merge_model(tmp_path / "merge-model")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                                                    for p in ("abc", "cab", "bca", "cc")))
+    cfg, proc, address = start_worker(redis_server.url, str(model_dir), tmp_path, **{
+        "task.type": "math", "task.dataset": str(tmp_path / "prompts.jsonl"), "sampling.max_tokens": 24,
+        "learner.groups_per_step": 1000})  # many groups of version 0
+    harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
+    tok, model = AutoTokenizer.from_pretrained(model_dir), load_policy(str(model_dir))
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    try:
+        version = harness.sync(model)
+        found = []
+        while len(found) < 3:
+            rec = harness.next_group(version)
+            for s in rec.samples:
+                tokens = s.tokens.tolist()
+                if any(x == a and y == b for x, y in zip(tokens, tokens[1:])):
+                    found.append((rec, s))
+    finally:
+        harness.sender.drop()
+        stop_worker(proc)
+    for rec, s in found:
+        retokenized = tok(tok.decode(s.tokens, skip_special_tokens=True))["input_ids"][1:]  # drop <bos>
+        assert retokenized != s.tokens.tolist()  # the text alone would not give back these ids
+        assert s.logprobs.shape == s.tokens.shape
+        # The recorded log-probs are the model's log-probs of exactly these tokens (fp32 engine).
+        ours = learner_logprobs(model, rec.prompt_tokens.tolist(), s.tokens.tolist()).numpy()
+        np.testing.assert_allclose(s.logprobs, ours, atol=2e-4)
+        assert s.reward == 0.0 and s.reward_info["format_ok"] is False  # math task: no boxed answer
