@@ -84,13 +84,11 @@ class RolloutEngine:
         self.paused_seconds_total = 0.0
         self.prefix_cache_reset_failures = 0
 
-    async def start(self) -> None:
+    def engine_kwargs(self) -> dict:
+        """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         vllm_compat.before_engine_start()
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(
+        return dict(
             model=self.model_path,
             tokenizer=self.model_path,
             enforce_eager=self.cfg.enforce_eager,
@@ -102,7 +100,12 @@ class RolloutEngine:
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
         info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_path,)))[0]
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
@@ -126,9 +129,13 @@ class RolloutEngine:
         from vllm.sampling_params import RequestOutputKind
 
         try:
+            # DELTA: each step brings only its new tokens (cumulative outputs would copy every
+            # sequence so far at every step). Text is only needed to match stop strings; the
+            # caller decodes the final tokens itself.
             params = SamplingParams(
                 n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                min_tokens=min_tokens, seed=seed, stop=stop or None, logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
+                min_tokens=min_tokens, seed=seed, stop=stop or None, logprobs=0, detokenize=bool(stop),
+                output_kind=RequestOutputKind.DELTA,
             )
         except VLLMValidationError as e:
             raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None
@@ -137,23 +144,24 @@ class RolloutEngine:
         request_id = f"r{next(self._ids)}"
         tracked = _Tracked(start_version=self.version)
         self._active[request_id] = tracked
-        latest = {}
+        tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        logprobs: dict[int, list[float]] = {i: [] for i in range(n)}
+        finish: dict[int, str] = {}
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
-                for c in out.outputs:  # when streaming, each event carries one child
-                    latest[c.index] = c
-                    tracked.counts[c.index] = len(c.token_ids)
+                for c in out.outputs:  # each event carries the new tokens of one child
+                    tokens[c.index] += c.token_ids
+                    logprobs[c.index] += [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                    tracked.counts[c.index] = len(tokens[c.index])
+                    if c.finish_reason is not None:
+                        finish[c.index] = c.finish_reason
         except VLLMValidationError as e:  # refused when the request was added (e.g. too long)
             raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None
         finally:
             self._active.pop(request_id, None)
-        results = []
-        for i in range(n):
-            c = latest[i]
-            tokens = np.asarray(c.token_ids, dtype=np.int32)
-            lps = np.asarray([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
-            results.append(SampleResult(tokens, lps, FINISH_REASONS.get(c.finish_reason, "abort"),
-                                        tracked.versions_for(i, len(tokens))))
+        results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
+                                FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])))
+                   for i in range(n)]
         end_version = tracked.changes[-1][1] if tracked.changes else tracked.start_version
         return results, tracked.start_version, end_version
 

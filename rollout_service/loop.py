@@ -45,7 +45,7 @@ class _Group:
     """One prompt's group in flight. Until it reaches ``pushing`` it can still be given back."""
 
     index: int
-    phase: str = "generating"  # generating -> scoring -> pushing
+    phase: str = "generating"  # generating -> scoring -> pushing, or -> failed (given back by the group itself)
 
 
 class RolloutLoop:
@@ -81,7 +81,7 @@ class RolloutLoop:
     async def stop(self, deadline_s: float | None = None) -> dict:
         """Graceful shutdown: take no more prompts, give in-flight groups ``deadline_s``
         to finish and be pushed, abort the rest and give their prompts back to the cursor.
-        Groups already being pushed always complete. Returns what happened to each."""
+        Groups already being pushed always complete. Returns how many were given back."""
         deadline_s = self.cfg.rollout.shutdown_deadline_s if deadline_s is None else deadline_s
         self.stopping.set()
         log.info("stopping: %d groups in flight, %.1fs to finish", len(self.groups), deadline_s)
@@ -89,7 +89,7 @@ class RolloutLoop:
         await asyncio.wait([self.dispatcher], timeout=5)
         if self.groups:
             await asyncio.wait(list(self.groups), timeout=deadline_s)
-        aborted = [(t, g) for t, g in self.groups.items() if g.phase != "pushing"]
+        aborted = [(t, g) for t, g in self.groups.items() if g.phase in ("generating", "scoring")]
         for t, _ in aborted:
             t.cancel()
         await asyncio.gather(*self.groups, return_exceptions=True)
@@ -156,7 +156,7 @@ class RolloutLoop:
 
     async def _run_group(self, index: int) -> None:
         """Generate, score and push one group. A group that fails before it is pushed
-        gives its prompt back (once: a prompt that fails twice here is skipped)."""
+        gives its prompt back; a prompt whose generation failed twice here is skipped."""
         group = self.groups.get(asyncio.current_task()) or _Group(index)
         try:
             record = await self._generate_group(group)
@@ -165,13 +165,15 @@ class RolloutLoop:
         except Exception as e:
             self.last_error = f"prompt {index}: {e!r}"
             log.error("group for prompt %d failed: %r", index, e)
-            if isinstance(e, RewardError):
+            group.phase = "failed"
+            if isinstance(e, RewardError):  # the verifier's trouble, not the prompt's: always retry
                 self.metrics.reward_errors.inc()
                 self.pause_until = time.monotonic() + 2.0  # let the verifier recover
-            if index in self.failed_here:
+            elif index in self.failed_here:  # failed twice here: a prompt the engine cannot take
                 self.metrics.prompts_skipped.inc()
                 return
-            self.failed_here.add(index)
+            else:
+                self.failed_here.add(index)
             await asyncio.to_thread(self.queue.give_back, [index])
             self.metrics.prompts_given_back.inc()
             return

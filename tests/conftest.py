@@ -5,14 +5,18 @@ FastAPI over HTTP, real Redis stream, real gloo weight sync). Tests act as the l
 they push weights with the production ``WeightSender`` and read the groups the worker
 produces. Back-pressure (``groups_per_step=1``, ``max_lag=0``) makes the worker produce
 exactly one group per learner version, so each test sees groups of a known version.
+Also here: a real HTTP reward server (``verifier``) for the remote-verifier tests.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -178,3 +182,50 @@ def learner_logprobs(model, prompt_tokens, response_tokens, temperature: float =
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch)
     return logp[0][batch.mask[0].bool()]
+
+
+class VerifierHandler(BaseHTTPRequestHandler):
+    """Scores each response by its length; ``server.plan`` lists how to misbehave on the next requests."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append((dict(self.headers), body))
+        mode = self.server.plan.pop(0) if self.server.plan else "ok"
+        n = len(body["responses"])
+        if mode == "sleep":
+            time.sleep(0.6)
+        status, payload = {
+            "503": (503, {"error": "busy"}),
+            "429": (429, {"error": "slow down"}),
+            "400": (400, {"error": "bad request"}),
+            "badjson": (200, "{not json"),
+            "short": (200, {"rewards": [1.0] * (n - 1)}),
+            "nan": (200, {"rewards": [float("nan")] * n}),
+            "str": (200, {"rewards": ["1"] * n}),
+            "nested": (200, {"rewards": [1.0] * n, "infos": [{"a": [1]}] * n}),
+        }.get(mode, (200, {"rewards": [float(len(r)) for r in body["responses"]],
+                           "infos": [{"len": len(r)} if i % 2 else None for i, r in enumerate(body["responses"])]}))
+        data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client timed out and left
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def verifier():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VerifierHandler)
+    server.plan, server.seen = [], []
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
