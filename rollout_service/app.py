@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
+    # strict: the types the schema states, no coercion (lax mode would take `true` as 1).
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]})
 
     # Typed without None so the schema says what the service accepts; absent = None.
@@ -46,7 +47,7 @@ class GenerateRequest(BaseModel):
     temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy")
     n: int = Field(1, ge=1)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1, description="-1 or 0: off")
     max_tokens: int = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0, description="no end-of-sequence before this many tokens")
     seed: int | None = Field(None, ge=0, lt=2**31)
@@ -72,7 +73,7 @@ def request_model(limits) -> type[GenerateRequest]:
     max_tokens within the model length, are checked in the handler.)"""
     return create_model(
         "GenerateRequest", __base__=GenerateRequest,
-        prompt_token_ids=(list[Annotated[int, Field(ge=0)]], Field(
+        prompt_token_ids=(list[Annotated[int, Field(ge=0, lt=2**31)]], Field(
             None, min_length=1, max_length=limits.max_prompt_tokens,
             description="prompt as token ids (exactly one of this and prompt)")),
         n=(int, Field(1, ge=1, le=limits.max_n)),

