@@ -70,10 +70,6 @@ def make_config(args, model: str, redis_url: str = "", run_id: str = "bench"):
         "sampling.n": args.n, "sampling.max_tokens": args.max_tokens, "rollout.kv_cache_gib": 2})
 
 
-def seed_of(cfg, index: int) -> int:
-    return (cfg.seed * 1_000_003 + index) % (2**31)  # as RolloutLoop seeds group ``index``
-
-
 def run_offline(args, model: str) -> list[dict]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -81,6 +77,7 @@ def run_offline(args, model: str) -> list[dict]:
 
     from quant.profiles import profile_for
     from rollout_service.engine import RolloutEngine
+    from rollout_service.loop import group_seed
     from rollout_service.tasks import make_task
 
     cfg = make_config(args, model)
@@ -91,7 +88,7 @@ def run_offline(args, model: str) -> list[dict]:
         indices = range(rep * args.groups, (rep + 1) * args.groups)  # the prompts the loop would get
         prompts = [TokensPrompt(prompt_token_ids=tok(task.prompt(i).text)["input_ids"]) for i in indices]
         params = [SamplingParams(n=s.n, temperature=s.temperature, max_tokens=s.max_tokens, logprobs=0,
-                                 seed=seed_of(cfg, i)) for i in indices]
+                                 seed=group_seed(cfg.seed, i)) for i in indices]
         t0 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0

@@ -40,6 +40,11 @@ def new_incarnation() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def group_seed(run_seed: int, index: int) -> int:
+    """The sampling seed of the group for prompt ``index``: reproducible on any worker."""
+    return (run_seed * 1_000_003 + index) % (2**31)
+
+
 @dataclass
 class _Group:
     """One prompt's group in flight. Until it reaches ``pushing`` it can still be given back."""
@@ -78,10 +83,10 @@ class RolloutLoop:
         self.dispatcher = asyncio.create_task(self._dispatch())
         self.tasks = [self.dispatcher] + [asyncio.create_task(c) for c in (self._watch_sync(), self._heartbeat())]
 
-    async def stop(self, deadline_s: float | None = None) -> dict:
+    async def stop(self, deadline_s: float | None = None) -> None:
         """Graceful shutdown: take no more prompts, give in-flight groups ``deadline_s``
         to finish and be pushed, abort the rest and give their prompts back to the cursor.
-        Groups already being pushed always complete. Returns how many were given back."""
+        Groups already being pushed always complete."""
         deadline_s = self.cfg.rollout.shutdown_deadline_s if deadline_s is None else deadline_s
         self.stopping.set()
         log.info("stopping: %d groups in flight, %.1fs to finish", len(self.groups), deadline_s)
@@ -103,7 +108,6 @@ class RolloutLoop:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.task.aclose()
         await asyncio.to_thread(registry.remove_worker, self.r, self.keys, self.worker_id)
-        return {"given_back": len(aborted)}
 
     # -- dispatcher -------------------------------------------------------------------
     async def _dispatch(self) -> None:
@@ -124,9 +128,9 @@ class RolloutLoop:
                 for _ in range(min(free, allowance)):
                     if self.stopping.is_set():
                         break
-                    index = await asyncio.to_thread(self.queue.next_prompt_index)
-                    task = asyncio.create_task(self._run_group(index))
-                    self.groups[task] = _Group(index)
+                    group = _Group(await asyncio.to_thread(self.queue.next_prompt_index))
+                    task = asyncio.create_task(self._run_group(group))
+                    self.groups[task] = group
                     task.add_done_callback(self._group_done)
                 self.metrics.inflight.set(len(self.groups))
                 await asyncio.to_thread(self._publish)
@@ -154,10 +158,10 @@ class RolloutLoop:
         self.groups.pop(task, None)
         self.metrics.inflight.set(len(self.groups))
 
-    async def _run_group(self, index: int) -> None:
+    async def _run_group(self, group: _Group) -> None:
         """Generate, score and push one group. A group that fails before it is pushed
         gives its prompt back; a prompt whose generation failed twice here is skipped."""
-        group = self.groups.get(asyncio.current_task()) or _Group(index)
+        index = group.index
         try:
             record = await self._generate_group(group)
         except asyncio.CancelledError:
@@ -197,7 +201,7 @@ class RolloutLoop:
                         prompt.prompt_id, len(prompt_ids), s.max_tokens, self.cfg.rollout.max_model_len)
             self.metrics.prompts_skipped.inc()
             return None
-        seed = (self.cfg.seed * 1_000_003 + group.index) % (2**31)
+        seed = group_seed(self.cfg.seed, group.index)
         t0 = time.perf_counter()
         results, v0, v1 = await self.engine.generate(
             prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
