@@ -253,15 +253,11 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             prompt_ids, field = req.prompt_token_ids, "prompt_token_ids"
         if not prompt_ids:
             raise bad_request(field, "empty prompt")
-        if len(prompt_ids) > limits.max_prompt_tokens:
+        if len(prompt_ids) > limits.max_prompt_tokens:  # for text (the schema bounds token ids, n, max_tokens)
             raise bad_request(field, f"{len(prompt_ids)} tokens exceeds the limit of {limits.max_prompt_tokens}")
         vocab = len(tokenizer)
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise bad_request(field, f"token ids must be in [0, {vocab})")
-        if req.n > limits.max_n:
-            raise bad_request("n", f"{req.n} exceeds the limit of {limits.max_n}")
-        if req.max_tokens > limits.max_new_tokens:
-            raise bad_request("max_tokens", f"{req.max_tokens} exceeds the limit of {limits.max_new_tokens}")
         if len(prompt_ids) + req.max_tokens > limits.max_model_len:
             raise bad_request("max_tokens", f"prompt + max_tokens exceeds the model length {limits.max_model_len}")
         try:

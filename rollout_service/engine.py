@@ -42,6 +42,11 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.field = field
 
+    @classmethod
+    def from_vllm(cls, e: Exception) -> InvalidRequest:
+        """From vLLM's ``VLLMValidationError`` (which names the parameter) or a plain ValueError."""
+        return cls(getattr(e, "parameter", None) or "sampling", e.args[0] if e.args else str(e))
+
 
 @dataclass
 class SampleResult:
@@ -137,10 +142,8 @@ class RolloutEngine:
                 min_tokens=min_tokens, seed=seed, stop=stop or None, logprobs=0, detokenize=bool(stop),
                 output_kind=RequestOutputKind.DELTA,
             )
-        except VLLMValidationError as e:
-            raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None
-        except ValueError as e:
-            raise InvalidRequest("sampling", str(e)) from None
+        except (VLLMValidationError, ValueError) as e:
+            raise InvalidRequest.from_vllm(e) from None
         request_id = f"r{next(self._ids)}"
         tracked = _Tracked(start_version=self.version)
         self._active[request_id] = tracked
@@ -156,7 +159,7 @@ class RolloutEngine:
                     if c.finish_reason is not None:
                         finish[c.index] = c.finish_reason
         except VLLMValidationError as e:  # refused when the request was added (e.g. too long)
-            raise InvalidRequest(e.parameter or "sampling", e.args[0] if e.args else str(e)) from None
+            raise InvalidRequest.from_vllm(e) from None
         finally:
             self._active.pop(request_id, None)
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
