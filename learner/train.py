@@ -48,12 +48,11 @@ from learner.loss import (
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, load_policy, token_logprobs
 from learner.schedule import LRSchedule, apply_lr
-from quant.profiles import profile_for
+from quant.transfer import rollout_weights
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig
 from rlpipe.queue import Entry, TrajectoryQueue, connect
-from weight_sync.manifest import DTYPES
 from weight_sync.sender import WeightSender
 from weight_sync.transport import SyncError
 
@@ -90,9 +89,12 @@ class Learner:
             self.r = connect(cfg.redis_url)
             self.queue = TrajectoryQueue(self.r, cfg.run_id)
             self.keys = self.queue.keys
+            # What the workers get: cast, or quantized here with the profile (quant/transfer.py).
+            self.rollout_weights = rollout_weights(cfg.rollout.precision, cfg.quant, cfg.model.path)
+            self._prepared: tuple[int, dict] | None = None  # (version, tensors) last sent
             self.sender = WeightSender(
                 self.r, self.keys, cfg.sync.host, cfg.sync.timeout_s, int(cfg.sync.bucket_mib * 2**20),
-                DTYPES[profile_for(cfg.rollout.precision).wire_dtype])
+                self.rollout_weights.cast_to)
         self.step = 0
         self.version = 0
         self.dropped_stale_total = 0
@@ -396,13 +398,20 @@ class Learner:
     def sync_weights(self) -> dict:
         """Bring every live worker to this version; never blocks longer than sync.timeout_s
         on workers (a dead one is left out, see weight_sync.sender)."""
+        quant_metrics = {}
+        if self._prepared is None or self._prepared[0] != self.version:
+            # Once per version: quantizing (and its monitors) is not repeated for a re-formed generation.
+            tensors, quant_metrics = self.rollout_weights.prepare(self.model, self.step)
+            self._prepared = (self.version, tensors)
+        tensors = self._prepared[1]
+        w = self.rollout_weights
         try:
-            stats = self.sender.sync(self.version, self.model.named_parameters, self.live_workers())
+            stats = self.sender.sync(self.version, tensors.items, self.live_workers(), w.quant_profile, w.compat)
         except SyncError as e:
             log.warning("weight sync of version %d failed, re-forming next time: %s", self.version, e)
             self.metrics.sync_failures.inc()
             return {"weight_sync_failed": 1, "weight_sync_generation": self.sender.state.generation,
-                    "weight_sync_left_out_total": self.sender.left_out_total}
+                    "weight_sync_left_out_total": self.sender.left_out_total, **quant_metrics}
         for phase in ("pack", "transfer"):
             if f"{phase}_s" in stats:
                 self.metrics.sync_seconds.labels(phase=phase).observe(stats[f"{phase}_s"])
@@ -413,7 +422,7 @@ class Learner:
                 "weight_sync_form_seconds": stats.get("form_s", 0),
                 "weight_sync_members": stats["members"],
                 "weight_sync_generation": stats["generation"],
-                "weight_sync_left_out_total": self.sender.left_out_total}
+                "weight_sync_left_out_total": self.sender.left_out_total, **quant_metrics}
 
     def workers_status(self) -> dict[str, dict]:
         """Every live worker as the registry has it, and how it stands with weight sync."""
@@ -483,6 +492,7 @@ class Learner:
             "sync_members": list(self.sender.members),
             "sync_left_out_total": self.sender.left_out_total,
             "workers": self.workers_status(),
+            "quant": self.rollout_weights.status() if hasattr(self.rollout_weights, "status") else None,
             "dropped_stale_total": self.dropped_stale_total,
             "last_metrics": self.last_metrics,
         }

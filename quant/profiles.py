@@ -1,13 +1,20 @@
 """Precision profiles: what a rollout worker's ``precision`` means for its vLLM engine.
 
-``fp8`` is vLLM's *online* FP8: the engine loads high-precision weights and quantizes
-them itself, on start-up and again inside every ``reload_weights``, so a weight update
-is re-quantized with fresh per-channel scales. On CPU only ``fp8_per_channel`` has a
-kernel (``fp8``/per-tensor needs ``static_scaled_fp8_quant``, missing from the AVX2
-build); on CUDA the same profile uses ``fp8`` (dynamic per-tensor activations). The CUDA
-variant is not run here.
+- ``fp32``/``bf16``/``fp16``: the base model in that dtype; the learner sends weights cast to it.
+- ``fp8`` with ``quant.quantize_on: worker`` is vLLM's *online* FP8: the engine loads
+  high-precision weights and quantizes them itself, on start-up and again inside every
+  ``reload_weights``. On CPU only ``fp8_per_channel`` has a kernel (``fp8``/per-tensor
+  needs ``static_scaled_fp8_quant``, missing from the AVX2 build); on CUDA the same
+  profile uses ``fp8`` (dynamic per-tensor activations). The CUDA variant is not run here.
+- ``fp8`` with ``quantize_on: learner``: the engine starts from a compressed-tensors FP8
+  checkpoint of the base model (written once, cached) and the learner ships per-channel
+  fp8 weights plus scales.
+- ``int8``: the engine starts from the profile's compressed-tensors INT8 checkpoint
+  (``rlpipe calibrate``); the learner ships int8 weights plus scales quantized with the
+  profile (calibration transfer).
 
-Quantized CPU engines must run in bfloat16.
+Quantized CPU engines must run in bfloat16. ``compat`` is what the engine was started for
+and what a sync manifest must match (quant/profile.py).
 """
 
 from __future__ import annotations
@@ -15,18 +22,24 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
 class PrecisionProfile:
     precision: str  # the label stamped on every record
     dtype: str  # the engine's activation/compute dtype
-    quantization: str | None = None
+    quantization: str | None = None  # vLLM's online quantization, if any
+    checkpoint: str = ""  # a quantized checkpoint the engine starts from ("" = the base model)
+    profile_hash: str = ""  # the quantization profile of that checkpoint
+    compat: str = ""  # what a sync manifest's quantization must match ("" = none)
     extra: dict = field(default_factory=dict)
 
     @property
     def quant_hash(self) -> str:
         """Identifies the quantization in force ("" when there is none)."""
+        if self.profile_hash:
+            return self.profile_hash
         if self.quantization is None:
             return ""
         blob = json.dumps(asdict(self), sort_keys=True)
@@ -34,12 +47,12 @@ class PrecisionProfile:
 
     @property
     def wire_dtype(self) -> str:
-        """The dtype the learner should send weights in (the engine quantizes from it)."""
+        """The dtype the learner casts float weights to (quantized wires send their own)."""
         return self.dtype
 
     def engine_kwargs(self) -> dict:
         kwargs = {"dtype": self.dtype}
-        if self.quantization:
+        if self.quantization:  # (a compressed-tensors checkpoint names its scheme in its config.json)
             kwargs["quantization"] = self.quantization
         return kwargs
 
@@ -53,7 +66,9 @@ def on_cuda() -> bool:
         return False
 
 
-def profile_for(precision: str, cuda: bool | None = None) -> PrecisionProfile:
+def profile_for(precision: str, cuda: bool | None = None, quant=None, model_path: str = "") -> PrecisionProfile:
+    """The engine profile of ``precision``; ``quant`` (the run's QuantConfig) and the base
+    ``model_path`` are needed for int8 and learner-side fp8."""
     cuda = on_cuda() if cuda is None else cuda
     if precision == "fp32":
         return PrecisionProfile("fp32", "float32")
@@ -61,6 +76,43 @@ def profile_for(precision: str, cuda: bool | None = None) -> PrecisionProfile:
         return PrecisionProfile("bf16", "bfloat16")
     if precision == "fp16":
         return PrecisionProfile("fp16", "float16")
-    if precision == "fp8":
+    if precision == "fp8" and (quant is None or quant.quantize_on == "worker"):
         return PrecisionProfile("fp8", "bfloat16", "fp8" if cuda else "fp8_per_channel")
-    raise ValueError(f"precision: unknown value {precision!r} (fp32, bf16, fp16, fp8)")
+    if precision == "fp8":
+        from quant.profile import compat_key, model_fingerprint
+
+        compat = compat_key("fp8-w8a8", "dynamic", model_fingerprint(model_path))
+        return PrecisionProfile("fp8", "bfloat16", checkpoint=str(fp8_checkpoint(model_path)),
+                                profile_hash=hashlib.sha256(compat.encode()).hexdigest()[:16], compat=compat)
+    if precision == "int8":
+        from quant.profile import ProfileError, QuantProfile
+
+        if quant is None or not quant.profile:
+            raise ProfileError("quant.profile: int8 rollout needs a calibration profile (`rlpipe calibrate`; "
+                               "`rlpipe demo` calibrates one itself)")
+        profile = QuantProfile.load(quant.profile)
+        profile.check_model(model_path)
+        if profile.activations != quant.activations:
+            raise ProfileError(f"quant.activations: {quant.activations!r}, but profile {profile.hash} was "
+                               f"calibrated for {profile.activations!r} activations")
+        return PrecisionProfile("int8", "bfloat16", checkpoint=str(Path(quant.profile) / "checkpoint"),
+                                profile_hash=profile.hash, compat=profile.compat)
+    raise ValueError(f"rollout.precision: unknown value {precision!r} (fp32, bf16, fp16, fp8, int8)")
+
+
+def fp8_checkpoint(model_path: str) -> Path:
+    """The compressed-tensors FP8 checkpoint of a base model (per-channel weights, dynamic
+    per-token activations), written once next to the other cached artifacts."""
+    from quant.profile import model_fingerprint, write_checkpoint
+    from rlpipe.toy import cache_root
+
+    out = cache_root() / "quant" / f"fp8-{model_fingerprint(model_path)}" / "checkpoint"
+    if not (out / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from quant.int8 import fp8_tensors, quant_config
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        write_checkpoint(fp8_tensors(dict(model.named_parameters())), model_path, out, quant_config("fp8"))
+    return out

@@ -3,6 +3,7 @@
     rlpipe demo [--steps N] [--seed S] [--precision bf16|fp8|...] [--set key=value ...]
     rlpipe rollout --config run.yaml --worker-id w0       one rollout worker
     rlpipe learner --config run.yaml                      the learner
+    rlpipe calibrate --config run.yaml [--out DIR]        int8: calibrate the base model once, write a profile
     rlpipe build-model [--seed S]                         build/cache the toy model, print its path
     rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
 
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int)
     d.add_argument("--seed", type=int)
     d.add_argument("--workers", type=int)
-    d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8")
+    d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8")
     d.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
     d.add_argument("--run-id")
     d.add_argument("--runs-dir", default="runs")
@@ -46,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--address-file", help="write host:port here once bound")
 
     with_config(sub.add_parser("learner", help="run the learner"))
+
+    c = with_config(sub.add_parser("calibrate", help="int8 rollout: one SmoothQuant calibration of the base model "
+                                   "(nvidia-modelopt); writes the profile and a compressed-tensors checkpoint"))
+    c.add_argument("--out", help="profile directory (default: the cache, keyed by fingerprints)")
 
     b = with_config(sub.add_parser("build-model", help="build (or find) the cached toy model and print its path"))
     b.add_argument("--seed", type=int)
@@ -109,20 +114,35 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
         return 0 if summary.get("completed") else 1
 
-    if args.command == "rollout":
-        setup_logging(f"rollout[{args.worker_id}]")
+    if args.command in ("rollout", "learner"):
+        setup_logging("learner" if args.command == "learner" else f"rollout[{args.worker_id}]")
         exit_with_parent()
-        from rollout_service.server import serve
+        from quant.profile import ProfileError
 
-        serve(cfg, args.worker_id, args.address_file)
+        try:
+            if args.command == "learner":
+                from learner.main import main as learner_main
+
+                return learner_main(cfg)
+            from rollout_service.server import serve
+
+            serve(cfg, args.worker_id, args.address_file)
+            return 0
+        except ProfileError as e:  # a missing profile, or one made for another model or scheme
+            print(f"rlpipe: error: {e}", file=sys.stderr)
+            return 2
+
+    if args.command == "calibrate":
+        from rlpipe.demo import resolve_model, resolve_quant_profile
+
+        model_path = resolve_model(cfg, log=lambda m: print(m, file=sys.stderr))
+        try:
+            out = resolve_quant_profile(cfg, model_path, args.out or cfg.quant.profile or None, log=lambda m: print(m, file=sys.stderr))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"rlpipe: error: {e}", file=sys.stderr)
+            return 2
+        print(out)
         return 0
-
-    if args.command == "learner":
-        setup_logging("learner")
-        exit_with_parent()
-        from learner.main import main as learner_main
-
-        return learner_main(cfg)
 
     if args.command == "build-model":
         from rlpipe.demo import resolve_model

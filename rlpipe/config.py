@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
 IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass"]
 TrainDtype = Literal["fp32", "bf16", "fp16"]
@@ -169,6 +169,34 @@ class SyncConfig(Section):
     join_timeout_s: float = Field(120.0, gt=0, description="how long the first generation waits for the whole fleet")
 
 
+class QuantConfig(Section):
+    """Quantized rollout (quant/, DESIGN.md 'Quantization').
+
+    ``int8`` is W8A8 SmoothQuant with calibration transfer: ``rlpipe calibrate`` writes a
+    profile once (modelopt calibration of the base model); the learner quantizes every
+    update with it and ships int8 weights plus scales. ``activations: static`` uses the
+    profile's per-tensor input scales (FlashRL's scheme), ``dynamic`` per-token scales.
+    ``fp8`` is quantized by the engine (``quantize_on: worker``, vLLM's online FP8) or on
+    the learner (per-channel fp8 weights plus scales on the wire).
+    """
+
+    profile: str = Field("", description="int8: a profile directory from `rlpipe calibrate`; empty = calibrate "
+                         "at launch (cached by fingerprint)")
+    activations: Literal["static", "dynamic"] = Field("static", description="int8 activation scales: the "
+                                                      "profile's per-tensor ones, or per-token")
+    alpha: float = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength")
+    quantize_on: Literal["learner", "worker"] = Field("worker", description="fp8: who quantizes the weights")
+    calibration_file: str = Field("", description="a text file of calibration sequences, one per line; "
+                                  "empty = the task's prompts with their answers")
+    calibration_samples: int = Field(128, ge=1)
+    probe_samples: int = Field(32, ge=1, description="held-out sequences the monitors run on every update")
+    recalibrate: Literal["off", "warn", "auto"] = Field("warn", description="what crossing a threshold does")
+    max_act_clip_fraction: float = Field(0.01, gt=0, le=1)
+    max_saturation_fraction: float = Field(0.01, gt=0, le=1)
+    max_kl_vs_bf16: float = Field(0.05, gt=0)
+    recalibrate_cooldown_steps: int = Field(10, ge=1, description="fewest steps between two recalibrations")
+
+
 class RunConfig(Section):
     run_id: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$")
     run_dir: str = ""
@@ -185,6 +213,7 @@ class RunConfig(Section):
     learner: LearnerConfig = LearnerConfig()
     queue: QueueConfig = QueueConfig()
     sync: SyncConfig = SyncConfig()
+    quant: QuantConfig = QuantConfig()
 
 
 class ConfigError(ValueError):

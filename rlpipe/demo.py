@@ -44,6 +44,50 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     return str(ensure_toy_model(spec, log=log))
 
 
+def calibration_sequences(cfg: RunConfig, model_path: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids to calibrate on and the held-out probe set of the monitors: lines of
+    ``quant.calibration_file``, else the task's prompts followed by their reference answers
+    (what a policy that solves the task would read and write)."""
+    from transformers import AutoTokenizer
+
+    q = cfg.quant
+    want = q.calibration_samples + q.probe_samples
+    if q.calibration_file:
+        path = Path(q.calibration_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"quant.calibration_file: {path} does not exist")
+        texts = [line for line in path.read_text().splitlines() if line.strip()]
+        if len(texts) < 2:
+            raise ValueError(f"quant.calibration_file: {path} needs at least 2 non-empty lines")
+    else:
+        from rollout_service.tasks import make_task
+
+        task = make_task(cfg.task)
+        texts = [(p := task.prompt(i)).text + p.answer for i in range(want)]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = [tokenizer(t)["input_ids"][: cfg.rollout.max_model_len] for t in texts[:want]]
+    n_probe = min(q.probe_samples, max(1, len(ids) // 4))
+    return ids[: len(ids) - n_probe], ids[len(ids) - n_probe:]
+
+
+def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path | None = None, progress: bool = True,
+                          log=print) -> str:
+    """The int8 profile directory: ``quant.profile`` if given, else one calibrated now and
+    cached by the fingerprints of the model, the calibration set and the settings."""
+    if out_dir is None and cfg.quant.profile:
+        return cfg.quant.profile
+    from quant.calibrate import cache_key, ensure_profile
+    from quant.profile import model_fingerprint
+    from rlpipe.toy import cache_root
+
+    calib, probe = calibration_sequences(cfg, model_path)
+    q = cfg.quant
+    if out_dir is None:
+        key = cache_key(model_fingerprint(model_path), calib, probe, q.alpha, q.activations)
+        out_dir = cache_root() / "quant" / f"int8-{key}"
+    return str(ensure_profile(model_path, calib, probe, q.alpha, q.activations, out_dir, progress, log))
+
+
 def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
     validate_run(cfg)
     run_id = cfg.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{cfg.seed}"
@@ -61,6 +105,8 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
         redis_url = redis_server.url
     cfg = cfg.model_copy(deep=True)
     cfg.run_id, cfg.run_dir, cfg.redis_url, cfg.model.path = run_id, str(run_dir), redis_url, model_path
+    if cfg.rollout.precision == "int8":
+        cfg.quant.profile = resolve_quant_profile(cfg, model_path, log=say)
     if cfg.learner.threads == 0 and cfg.workers >= len(os.sched_getaffinity(0)):
         # Every core already runs a worker: a multi-threaded learner would fight them
         # (OpenMP threads wait on each other at every barrier) and run slower than one.

@@ -118,7 +118,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
     from rollout_service.engine import InvalidRequest, RolloutEngine
     from rollout_service.metrics import RolloutMetrics
 
-    profile = profile_for(cfg.rollout.precision)
+    profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
     engine = RolloutEngine(cfg.model.path, profile, cfg.rollout, seed=cfg.seed)
     metrics = RolloutMetrics(worker_id, profile.precision)
     limits = cfg.rollout
@@ -222,9 +222,10 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
             "synced": engine.synced,
             "weights": engine.weights_source,
             "precision": profile.precision,
-            "quant_profile": profile.quant_hash,
+            "quant_profile": engine.quant_profile,  # of the weights in the engine (moves with a recalibration)
             "profile": {"precision": profile.precision, "dtype": profile.dtype,
-                        "quantization": profile.quantization, "hash": profile.quant_hash},
+                        "quantization": profile.quantization, "hash": profile.quant_hash,
+                        "checkpoint": profile.checkpoint, "compat": profile.compat},
             "limits": {k: getattr(limits, k) for k in ("max_prompt_tokens", "max_n", "max_new_tokens",
                                                        "max_model_len", "max_body_bytes")},
             "draining": app.state.draining,

@@ -83,6 +83,8 @@ class RolloutEngine:
         self.version = 0
         self.synced = False  # True once weights came from the learner or a checkpoint (not the base model)
         self.weights_source = "base"  # where the weights in the engine came from: base, learner, checkpoint
+        self.model_dir = profile.checkpoint or model_path  # what the engine starts from
+        self.quant_profile = profile.quant_hash  # the profile of the weights in the engine (a recalibration moves it)
         self._active: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -94,8 +96,8 @@ class RolloutEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         vllm_compat.before_engine_start()
         return dict(
-            model=self.model_path,
-            tokenizer=self.model_path,
+            model=self.model_dir,
+            tokenizer=self.model_dir,
             enforce_eager=self.cfg.enforce_eager,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
@@ -111,7 +113,9 @@ class RolloutEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
-        info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_path,)))[0]
+        info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_dir, self.profile.compat)))[0]
+        if not info["keep_reloaded_kernel_tensors"]:
+            raise RuntimeError("the vLLM reload workaround (vllm_compat.keep_reloaded_kernel_tensors) did not take")
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
@@ -186,8 +190,14 @@ class RolloutEngine:
         return await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s)
 
     async def update(self, version: int, manifest_json: str) -> dict:
-        """Receive ``version`` while generating, then load it with generation paused."""
-        return await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
+        """Receive ``version`` while generating, then load it with generation paused. The
+        weights carry their quantization profile (a recalibrated one after a recalibration)."""
+        result = await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
+        if result["ok"]:
+            from weight_sync.manifest import Manifest
+
+            self.quant_profile = Manifest.from_json(manifest_json).quant_profile or self.quant_profile
+        return result
 
     async def load_checkpoint(self, model_dir: str, version: int) -> dict:
         """Catch up to a checkpoint's weights (a worker that missed syncs)."""

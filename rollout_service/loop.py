@@ -216,7 +216,7 @@ class RolloutLoop:
         return GroupRecord(
             run_id=self.cfg.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
             worker_id=self.worker_id, policy_version=v0, policy_version_end=v1,
-            precision=self.engine.profile.precision, quant_profile=self.engine.profile.quant_hash,
+            precision=self.engine.profile.precision, quant_profile=self.engine.quant_profile,
             sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                       "max_tokens": s.max_tokens, "seed": seed},
             prompt_tokens=np.asarray(prompt_ids, dtype=np.int32), samples=samples, gen_seconds=gen_seconds,

@@ -60,6 +60,52 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
     return True
 
 
+def keep_reloaded_kernel_tensors() -> bool:
+    """Bug 2: reloading a compressed-tensors W8A8 INT8 model gives NaN log-probs. The
+    layerwise reloader (``model_loader/reload/layerwise.py``) re-runs
+    ``process_weights_after_loading``, which builds a new oneDNN handle pointing at the new
+    weight and scale tensors, then copies them into the old parameters and drops the new
+    ones: the handle is left pointing at freed memory. Keeping the newest tensors alive on
+    the layer (until the next reload replaces them) keeps the handle valid; the reloaded
+    engine then equals a fresh one started from the same tensors exactly (the int8 sync
+    tests check this).
+
+    Patches the reloader in this (engine) process, once; returns True when it is in place.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    if getattr(layerwise, "_rlpipe_keepalive", False):
+        return True
+    restore = layerwise._copy_and_restore_kernel_tensors
+
+    def keep_then_restore(layer, info):
+        layer._rlpipe_kernel_tensors = [getattr(layer, n) for n in get_layer_tensors(layer)]
+        return restore(layer, info)
+
+    layerwise._copy_and_restore_kernel_tensors = keep_then_restore
+    layerwise._rlpipe_keepalive = True
+    return layerwise._copy_and_restore_kernel_tensors is keep_then_restore
+
+
+def reload_in_model_dtype(model_runner, weights) -> None:
+    """Bug 3: reloading a *static*-activation compressed-tensors INT8 engine corrupted the
+    heap (``malloc(): unsorted double linked list corrupted``, a segfault or a hang at the
+    next generate). The CPU int8 kernel builds its oneDNN handle with
+    ``output_type=torch.get_default_dtype()`` (``kernels/linear/scaled_mm/cpu.py``). The
+    first load runs under ``set_default_torch_dtype(model dtype)``, so the handle writes
+    bf16; ``reload_weights`` has no such context, so the rebuilt static handle writes fp32
+    into the bf16 output buffer the kernel allocates, twice its size. (Dynamic activations
+    use an fp32 handle plus an epilogue and were unaffected.) Reloading under the model's
+    dtype rebuilds the handle as the first load did; with :func:`keep_reloaded_kernel_tensors`
+    a reloaded static engine equals a fresh one exactly.
+    """
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(model_runner.model_config.dtype):
+        model_runner.reload_weights(weights_iterator=weights)
+
+
 def after_reload(model: torch.nn.Module) -> dict[str, bool]:
     """Apply every post-reload workaround; returns which ones acted."""
     return {"tied_lm_head": refresh_tied_lm_head(model)}

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from rollout_service.vllm_compat import after_reload, die_with_parent
+from rollout_service.vllm_compat import after_reload, die_with_parent, keep_reloaded_kernel_tensors, reload_in_model_dtype
 from weight_sync.manifest import Manifest, incompatibility, shape_mismatch
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
@@ -47,15 +47,19 @@ class RlpipeWorkerExtension:
     _rlpipe_job: Future | None = None
     _rlpipe_staged: list | None = None
     _rlpipe_shapes: dict[str, tuple[int, ...]] = {}
+    _rlpipe_compat: str = ""
 
-    def rlpipe_init(self, model_dir: str) -> dict:
+    def rlpipe_init(self, model_dir: str, quant_compat: str = "") -> dict:
         """Called once after start-up: process facts the server checks, the orphan guard,
-        and the model's tensor shapes (every update is checked against them)."""
+        the reload workarounds, the model's tensor shapes and the quantization the engine
+        was started for (every update is checked against both)."""
         import os
 
         self._rlpipe_pool = ThreadPoolExecutor(1, thread_name_prefix="rlpipe-sync")
         self._rlpipe_shapes = checkpoint_shapes(model_dir)
-        return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent()}
+        self._rlpipe_compat = quant_compat
+        return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent(),
+                "keep_reloaded_kernel_tensors": keep_reloaded_kernel_tensors()}
 
     # -- background work ---------------------------------------------------------------
     def rlpipe_start(self, op: str, *args) -> dict:
@@ -81,7 +85,7 @@ class RlpipeWorkerExtension:
                      timeout_s: float) -> dict:
         self.rlpipe_leave()
         manifest = Manifest.from_json(manifest_json)
-        refuse = incompatibility(manifest, self._rlpipe_shapes)
+        refuse = incompatibility(manifest, self._rlpipe_shapes, self._rlpipe_compat)
         try:
             self._rlpipe_receiver = WeightReceiver.join(host, port, candidate, generation, manifest, timeout_s, refuse)
         except LeftOut as e:
@@ -127,7 +131,7 @@ class RlpipeWorkerExtension:
             return {"ok": False, "error": "nothing staged"}
         t0 = time.perf_counter()
         weights, self._rlpipe_staged = self._rlpipe_staged, None
-        self.model_runner.reload_weights(weights_iterator=weights)
+        reload_in_model_dtype(self.model_runner, weights)
         fixes = after_reload(self.model_runner.get_model())
         return {"ok": True, "load_s": time.perf_counter() - t0, "fixes": fixes}
 

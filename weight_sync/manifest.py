@@ -2,8 +2,9 @@
 
 The sender copies every tensor into a few large byte buffers (one collective per bucket
 instead of one per parameter); the receiver gets the same buffers and takes zero-copy
-views of each tensor. The manifest (name, dtype, shape, offset per tensor) travels as
-JSON through Redis; its hash lets both sides check they agree on the layout.
+views of each tensor. The manifest (name, dtype, shape, offset per tensor, and the
+quantization the tensors carry) travels as JSON through Redis; its hash lets both sides
+check they agree on the layout, and every transfer starts with a header naming it.
 """
 
 from __future__ import annotations
@@ -48,28 +49,38 @@ class Bucket:
 @dataclass(frozen=True)
 class Manifest:
     buckets: tuple[Bucket, ...]
+    quant_profile: str = ""  # hash of the quantization profile the tensors were made with ("" = none)
+    quant_compat: str = ""  # what an engine must have been started for to load them (quant/profile.py)
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
     def to_json(self) -> str:
-        return json.dumps([asdict(b) for b in self.buckets], separators=(",", ":"))
+        return json.dumps({"buckets": [asdict(b) for b in self.buckets], "quant_profile": self.quant_profile,
+                           "quant_compat": self.quant_compat}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
+        data = json.loads(text)
         buckets = []
-        for b in json.loads(text):
+        for b in data["buckets"]:
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
-        return cls(tuple(buckets))
+        return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""))
 
     @property
     def hash(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> Manifest:
+def header_tensor(version: int, manifest_hash: str) -> torch.Tensor:
+    """What every transfer starts with: its version and (part of) its manifest's hash."""
+    return torch.tensor([version, int(manifest_hash[:15], 16)], dtype=torch.int64)
+
+
+def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, quant_profile: str = "",
+                 quant_compat: str = "") -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
@@ -91,7 +102,7 @@ def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
             used += nbytes
         if slots:
             buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
-    return Manifest(tuple(buckets))
+    return Manifest(tuple(buckets), quant_profile, quant_compat)
 
 
 def _numel(shape) -> int:
@@ -122,9 +133,14 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
     ]
 
 
-def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]]) -> str | None:
+def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]], quant_compat: str = "") -> str | None:
     """Why ``manifest`` cannot load into a model whose tensors have the ``expected``
-    shapes (a learner that trains another model than the worker serves), or None."""
+    shapes and whose engine was started for quantization ``quant_compat`` (a learner that
+    trains another model, or quantizes for another scheme or base model), or None."""
+    if manifest.quant_compat != quant_compat:
+        return (f"the learner sends weights quantized as {manifest.quant_compat or 'unquantized'} "
+                f"(profile {manifest.quant_profile or '-'}), this worker's engine was started for "
+                f"{quant_compat or 'unquantized weights'}")
     return shape_mismatch(((slot.name, slot.shape) for b in manifest.buckets for slot in b.tensors), expected,
                           "the learner")
 

@@ -14,8 +14,7 @@ import signal
 
 import torch
 
-from weight_sync.manifest import Manifest, unpack_bucket
-from weight_sync.sender import header_tensor
+from weight_sync.manifest import Manifest, header_tensor, unpack_bucket
 from weight_sync.transport import GlooGroup, SyncError, check_in
 
 # Fault injection for the tests: RLPIPE_CRASH_AT=receiving:<version>:<k> SIGKILLs the

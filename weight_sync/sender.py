@@ -23,20 +23,16 @@ import redis
 import torch
 
 from rlpipe.queue import Keys
-from weight_sync.manifest import Manifest, pack_bucket, plan_buckets
+from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
 from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
 from weight_sync.transport import GlooGroup, SyncError, admit
 
 log = logging.getLogger(__name__)
 
 
-def header_tensor(version: int, manifest_hash: str) -> torch.Tensor:
-    return torch.tensor([version, int(manifest_hash[:15], 16)], dtype=torch.int64)
-
-
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
-                 wire_dtype: torch.dtype):
+                 wire_dtype: torch.dtype | None):
         self.r, self.keys = r, keys
         self.host, self.timeout_s = host, timeout_s
         self.bucket_bytes, self.wire_dtype = bucket_bytes, wire_dtype
@@ -59,20 +55,29 @@ class WeightSender:
     def needs_forming(self, live: Mapping[str, str]) -> bool:
         return self.candidates(live) != self._members
 
+    def plan(self, tensors: Mapping[str, torch.Tensor], quant_profile: str = "", quant_compat: str = "") -> Manifest:
+        """The manifest of ``tensors``: float tensors cast to ``wire_dtype`` (when set), the
+        others (and all, without one) in their own dtype."""
+        specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
+                  tuple(t.shape)) for name, t in tensors.items()]
+        return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat)
+
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-             live: Mapping[str, str]) -> dict:
+             live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> dict:
         """Bring the live workers (``id -> incarnation``) to ``version``, re-forming the
-        generation when membership changed; returns timing stats and who got it."""
+        generation when membership or the manifest changed (a recalibrated profile);
+        returns timing stats and who got it."""
         deadline = time.monotonic() + self.timeout_s
         tensors = dict(named())
+        manifest = self.plan(tensors, quant_profile, quant_compat)
         stats = {"form_s": 0.0}
-        if self.group is None or self.needs_forming(live):
+        if self.group is None or self.needs_forming(live) or manifest != self.manifest:
             candidates = self.candidates(live)
             if not candidates:
                 self.drop()
                 return {"members": 0, "generation": self.state.generation}
             t0 = time.perf_counter()
-            self._form(candidates, version, tensors, deadline)
+            self._form(candidates, version, manifest, deadline)
             stats["form_s"] = time.perf_counter() - t0
         members = list(self._members)
         try:
@@ -94,11 +99,8 @@ class WeightSender:
         self.left_out_total += 1
         log.warning("sync generation %d: worker %s left out: %s", self.state.generation, worker, why)
 
-    def _form(self, candidates: dict[str, str], version: int, tensors: dict[str, torch.Tensor],
-              deadline: float) -> None:
+    def _form(self, candidates: dict[str, str], version: int, manifest: Manifest, deadline: float) -> None:
         self.drop()
-        specs = [(name, self.wire_dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-        manifest = plan_buckets(specs, self.bucket_bytes)
         if self.manifest is None or manifest.hash != self.manifest.hash:
             self.manifest = manifest
             self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]

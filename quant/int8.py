@@ -1,0 +1,163 @@
+"""The tensor math of quantized rollout: SmoothQuant INT8 W8A8 with a frozen profile, and
+per-channel FP8, both computed on the learner and shipped as the tensors of a
+compressed-tensors checkpoint (DESIGN.md, 'Quantization').
+
+Which linears are quantized, and which norm feeds them, follows the Llama/Qwen2 naming
+of Hugging Face decoder layers:
+
+    input_layernorm          -> self_attn.q_proj, k_proj, v_proj   (one smoothing vector)
+    post_attention_layernorm -> mlp.gate_proj, up_proj             (one smoothing vector)
+    (no norm before them)    -> self_attn.o_proj, mlp.down_proj    (quantized, not smoothed)
+
+Everything else (embeddings, norms, biases, the final norm, ``lm_head``) travels in the
+engine's dtype. The names and dtypes of the output are exactly those of a
+compressed-tensors W8A8 checkpoint (``weight`` int8, ``weight_scale`` fp32 (out, 1),
+``input_scale`` fp32 (1,) for static activations), so vLLM's ``reload_weights`` takes
+them as a fresh engine takes that checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # float8_e4m3fn
+_LAYER = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.)(?P<proj>self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+SMOOTHED = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+@dataclass(frozen=True)
+class SmoothGroup:
+    """A norm and the linears that read its output: one smoothing vector serves them all."""
+
+    norm: str  # module name, e.g. model.layers.0.input_layernorm
+    linears: tuple[str, ...]  # module names
+
+
+def quantized_linears(names: Iterable[str]) -> list[str]:
+    """Module names of the decoder-layer linears to quantize, from parameter names."""
+    return [m["prefix"] + m["proj"] for n in names if (m := _LAYER.match(n))]
+
+
+def smooth_groups(names: Iterable[str]) -> list[SmoothGroup]:
+    names = list(names)
+    linears = set(quantized_linears(names))
+    groups = []
+    for prefix in sorted({lin.rsplit(".", 2)[0] + "." for lin in linears}):
+        for norm, projs in SMOOTHED.items():
+            members = tuple(prefix + p for p in projs if prefix + p in linears)
+            if members and f"{prefix}{norm}.weight" in names:
+                groups.append(SmoothGroup(prefix + norm, members))
+    return groups
+
+
+def smoothing_vector(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factor ``s = amax_x^alpha / amax_w^(1-alpha)``
+    (both (in,)): dividing the activations by ``s`` and multiplying the weights' columns
+    by it moves quantization difficulty from the activations to the weights."""
+    a = act_amax.float().clamp(min=1e-5)
+    w = weight_amax.float().clamp(min=1e-5)
+    return (a.pow(alpha) / w.pow(1 - alpha)).clamp(1e-4, 1e4)  # modelopt's bounds
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``scale = amax_row / 127``, ``q = round(w / scale)``."""
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+    q = torch.round(w.float() / scale).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel float8_e4m3fn: ``scale = amax_row / 448``."""
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    q = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def smoothed_weights(params: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``W' = W * s`` on the input columns of every smoothed linear, ``norm' = norm / s``
+    (fp32); the other quantized linears unchanged. Keys: module names (and norms' weight names)."""
+    groups = smooth_groups(params)
+    out = {}
+    for g in groups:
+        s = smoothing[g.norm].float()
+        out[g.norm + ".weight"] = params[g.norm + ".weight"].float() / s
+        for lin in g.linears:
+            out[lin] = params[lin + ".weight"].float() * s[None, :]
+    for lin in quantized_linears(params):
+        out.setdefault(lin, params[lin + ".weight"].float())
+    return out
+
+
+def int8_tensors(params: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor],
+                 input_scales: dict[str, float] | None, wire_dtype: torch.dtype = torch.bfloat16,
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Calibration transfer: the compressed-tensors INT8 tensors of ``params`` under a
+    frozen profile (its ``smoothing`` per norm and static ``input_scales`` per linear; None
+    for dynamic activations). Returns ``(tensors, smoothed)``: what goes on the wire, and the
+    fp32 smoothed weights it was quantized from (the monitors compare against them)."""
+    smoothed = smoothed_weights(params, smoothing)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        module = name.removesuffix(".weight")
+        if module in smoothed and name.endswith(".weight"):  # a quantized linear
+            q, scale = int8_per_channel(smoothed[module])
+            out[name], out[module + ".weight_scale"] = q, scale
+            if input_scales is not None:
+                out[module + ".input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
+        elif name in smoothed:  # a smoothed norm
+            out[name] = smoothed[name].to(wire_dtype)
+        else:
+            out[name] = p.detach().to(wire_dtype)
+    return out, smoothed
+
+
+def fp8_tensors(params: dict[str, torch.Tensor], wire_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Learner-side FP8: per-channel float8_e4m3fn weights with fp32 ``weight_scale``
+    (out, 1) for every decoder-layer linear (dynamic per-token activations, so no input
+    scales); the rest in ``wire_dtype``."""
+    linears = set(quantized_linears(params))
+    out = {}
+    for name, p in params.items():
+        module = name.removesuffix(".weight")
+        if module in linears and name.endswith(".weight"):
+            out[name], out[module + ".weight_scale"] = fp8_per_channel(p.detach())
+        else:
+            out[name] = p.detach().to(wire_dtype)
+    return out
+
+
+def dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float weights a quantized engine computes with: ``q * weight_scale`` per linear,
+    the rest as float. (Input scales are dropped: they act on activations.)"""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".weight_scale", ".input_scale")):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".weight_scale") if name.endswith(".weight") else None
+        out[name] = t.float() * scale if scale is not None else t.float()
+    return out
+
+
+def quant_config(kind: str, static_activations: bool = False) -> dict:
+    """The ``quantization_config`` of a compressed-tensors W8A8 checkpoint vLLM loads:
+    ``kind`` ``int8`` (per-channel int8 weights; static per-tensor or dynamic per-token
+    int8 activations) or ``fp8`` (per-channel fp8 weights, dynamic per-token activations)."""
+    num = {"num_bits": 8, "type": "int" if kind == "int8" else "float", "symmetric": True}
+    if static_activations:
+        acts = {**num, "strategy": "tensor", "dynamic": False}
+    else:
+        acts = {**num, "strategy": "token", "dynamic": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized" if kind == "int8" else "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**num, "strategy": "channel", "dynamic": False},
+                                      "input_activations": acts}},
+    }

@@ -1,0 +1,149 @@
+"""Monitors of the quantized policy, computed on the learner right after it quantizes an
+update (where the full-precision weights are at hand):
+
+- ``quant_saturation_fraction``: weights the profile's calibrated range cannot hold, i.e.
+  that would sit at the int8 clamp under the calibrated per-row weight scales. (The scales
+  shipped are recomputed per update from each row's amax, so *they* never clip: with them
+  exactly one weight per row is at +-127 by construction, which says nothing. What an
+  outlier does is outgrow the range the profile's smoothing was balanced for.)
+- ``quant_update_visible_fraction``: int8 weights that changed since the previous version;
+  an update far below half a quantization step disappears in rounding.
+- ``quant_act_clip_fraction``: activations entering quantized linears, on the profile's
+  fixed probe set, outside the static input range ``127 * input_scale``. (For dynamic
+  activations nothing clips at run time; the figure then says how far the calibrated
+  scales are from the current activations.)
+- ``quant_kl_vs_bf16``: next-token KL(bf16 policy || quantized policy) on the probe set,
+  the quantized forward simulated in torch (fake-quantized weights and activations).
+
+Each comes with its worst linear (``quant_worst``), which the learner's ``/status`` shows.
+For the KL the worst linear is the one with the largest relative output error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quant.int8 import INT8_MAX, dequantize
+from quant.profile import QuantProfile
+
+
+def probe_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask)`` of the probe sequences."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def weight_monitors(tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.Tensor], profile: QuantProfile,
+                    previous: dict[str, torch.Tensor] | None) -> tuple[dict[str, float], dict[str, dict]]:
+    """Saturation and update visibility over every quantized linear; returns
+    ``(totals, per_linear)``."""
+    sat_n = vis_n = total = 0
+    per: dict[str, dict] = {}
+    for lin, w in smoothed.items():
+        if lin.endswith(".weight"):  # a smoothed norm, not a linear
+            continue
+        q = tensors[lin + ".weight"]
+        ref = profile.weight_amax.get(lin)
+        sat = int((w.abs() > ref[:, None] * (127.5 / INT8_MAX)).sum()) if ref is not None else 0
+        vis = int((q != previous[lin + ".weight"]).sum()) if previous is not None else q.numel()
+        per[lin] = {"saturation": sat / q.numel(), "visible": vis / q.numel()}
+        sat_n, vis_n, total = sat_n + sat, vis_n + vis, total + q.numel()
+    totals = {"quant_saturation_fraction": sat_n / max(total, 1)}
+    if previous is not None:
+        totals["quant_update_visible_fraction"] = vis_n / max(total, 1)
+    return totals, per
+
+
+@torch.no_grad()
+def simulate(model, tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.Tensor], profile: QuantProfile,
+             input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, dict]]:
+    """Logits of the quantized policy on a batch, simulated in fp32: weights dequantized
+    from ``tensors``, every quantized linear's input fake-quantized (static per-tensor with
+    the profile's scale, or dynamic per-token). Also returns, per linear, the fraction of
+    its (valid-token) inputs outside the static range and its relative output error
+    against the unquantized smoothed weights."""
+    from torch.func import functional_call
+
+    weights = dequantize(tensors)
+    valid = attention_mask.bool()
+    stats: dict[str, dict] = {}
+    hooks = []
+
+    def hook_for(name: str):
+        scale = profile.input_scales.get(name)
+        exact_w = smoothed[name]
+
+        def pre_hook(module, args):
+            (x,) = args
+            xs = x.float()
+            if profile.static:
+                s = torch.tensor(scale)
+            else:
+                s = (xs.abs().amax(-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+            xq = torch.round(xs / s).clamp(-128, 127) * s
+            n_clipped = int((xs[valid].abs() > INT8_MAX * scale).sum())
+            n_inputs = int(valid.sum()) * xs.shape[-1]
+            exact = F.linear(xs[valid], exact_w)
+            err = (F.linear(xq[valid], module.weight.float()) - exact).norm() / exact.norm().clamp(min=1e-12)
+            stats[name] = {"act_clip": n_clipped / max(n_inputs, 1), "clipped": n_clipped, "inputs": n_inputs,
+                           "output_error": float(err)}
+            return (xq.to(x.dtype),)
+
+        return pre_hook
+
+    modules = dict(model.named_modules())
+    for name in smoothed:
+        if not name.endswith(".weight"):
+            hooks.append(modules[name].register_forward_pre_hook(hook_for(name)))
+    try:
+        logits = functional_call(model, weights, (input_ids,), {"attention_mask": attention_mask}).logits.float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, stats
+
+
+@torch.no_grad()
+def next_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor, attention_mask: torch.Tensor) -> float:
+    """Mean over valid positions of KL(softmax(ref) || softmax(logits))."""
+    ref = torch.log_softmax(ref_logits.float(), -1)
+    other = torch.log_softmax(logits.float(), -1)
+    kl = (ref.exp() * (ref - other)).sum(-1)
+    return float(kl[attention_mask.bool()].mean())
+
+
+@torch.no_grad()
+def bf16_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The policy with its weights rounded to bf16 (what a bf16 engine serves), in fp32 math."""
+    from torch.func import functional_call
+
+    params = {n: p.detach().to(torch.bfloat16).float() for n, p in model.named_parameters()}
+    return functional_call(model, params, (input_ids,), {"attention_mask": attention_mask}).logits.float()
+
+
+def monitor(model, tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.Tensor], profile: QuantProfile,
+            previous: dict[str, torch.Tensor] | None) -> dict:
+    """Every monitor for one quantized update; ``quant_worst`` names each one's worst linear."""
+    totals, per = weight_monitors(tensors, smoothed, profile, previous)
+    if profile.probe_ids:
+        ids, mask = probe_batch(profile.probe_ids)
+        logits, act = simulate(model, tensors, smoothed, profile, ids, mask)
+        totals["quant_kl_vs_bf16"] = next_token_kl(bf16_logits(model, ids, mask), logits, mask)
+        totals["quant_act_clip_fraction"] = sum(s["clipped"] for s in act.values()) / max(
+            sum(s["inputs"] for s in act.values()), 1)
+        for lin, s in act.items():
+            per[lin].update(act_clip=s["act_clip"], output_error=s["output_error"])
+    worst = {}
+    for key, metric in (("saturation", "quant_saturation_fraction"), ("visible", "quant_update_visible_fraction"),
+                        ("act_clip", "quant_act_clip_fraction"), ("output_error", "quant_kl_vs_bf16")):
+        have = {lin: s[key] for lin, s in per.items() if key in s}
+        if have and metric in totals:
+            lin = max(have, key=have.get) if key != "visible" else min(have, key=have.get)
+            worst[metric] = {"linear": lin, key: round(have[lin], 6)}
+    return {**totals, "quant_worst": worst}

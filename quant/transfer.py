@@ -1,0 +1,144 @@
+"""What the learner sends to the workers of one precision, prepared once per update.
+
+:func:`rollout_weights` picks the wire for a precision:
+
+- :class:`CastWeights`: the parameters as they are, cast to the engine dtype while
+  packing (bf16, fp16, fp32, and fp8 that the engine quantizes itself);
+- :class:`Fp8Weights`: per-channel fp8 plus scales, quantized here;
+- :class:`Int8Weights`: calibration transfer. Every update is smoothed and quantized with
+  the frozen profile, here on the learner, so no worker re-quantizes; the monitors
+  (quant/monitor.py) run on the result, and with ``quant.recalibrate: auto`` a crossed
+  threshold re-calibrates on the current policy and the update ships with the new profile.
+
+``prepare(model, step)`` returns ``(tensors, metrics)``; ``quant_profile`` and ``compat``
+go into the sync manifest, where a worker checks them against its engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import torch
+
+from quant.int8 import fp8_tensors, int8_tensors
+from quant.monitor import monitor
+from quant.profile import QuantProfile, compat_key, model_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+class CastWeights:
+    quant_profile = ""
+    compat = ""
+
+    def __init__(self, dtype: torch.dtype):
+        self.cast_to = dtype
+
+    def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        return dict(model.named_parameters()), {}
+
+
+class Fp8Weights:
+    cast_to = None  # the tensors leave in their own dtypes
+
+    def __init__(self, base_model: str):
+        self.compat = compat_key("fp8-w8a8", "dynamic", base_model)
+        self.quant_profile = hashlib.sha256(self.compat.encode()).hexdigest()[:16]
+
+    def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        t0 = time.perf_counter()
+        tensors = fp8_tensors(dict(model.named_parameters()))
+        return tensors, {"quant_seconds": time.perf_counter() - t0}
+
+
+class Int8Weights:
+    cast_to = None
+
+    def __init__(self, profile: QuantProfile, qcfg):
+        self.profile = profile
+        self.qcfg = qcfg
+        self.previous: dict[str, torch.Tensor] | None = None  # the last version's int8 weights
+        self.recalibrations = 0
+        self.last_recalibration_step: int | None = None
+        self.last_monitors: dict = {}
+
+    @property
+    def quant_profile(self) -> str:
+        return self.profile.hash
+
+    @property
+    def compat(self) -> str:
+        return self.profile.compat
+
+    def _quantize(self, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        p = self.profile
+        return int8_tensors(params, p.smoothing, p.input_scales if p.static else None)
+
+    def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        t0 = time.perf_counter()
+        params = {n: t.detach() for n, t in model.named_parameters()}
+        tensors, smoothed = self._quantize(params)
+        quant_s = time.perf_counter() - t0
+        m = monitor(model, tensors, smoothed, self.profile, self.previous)
+        over = self._over_thresholds(m)
+        metrics = {"quant_seconds": quant_s}
+        if over:
+            action = self.qcfg.recalibrate
+            log.warning("quantized policy over threshold (%s); recalibrate=%s", ", ".join(over), action)
+            cooling = self.last_recalibration_step is not None and \
+                step - self.last_recalibration_step < self.qcfg.recalibrate_cooldown_steps
+            if action == "auto" and not cooling:
+                before = m
+                tensors, smoothed = self.recalibrate(model, params, step)
+                m = monitor(model, tensors, smoothed, self.profile, self.previous)
+                metrics.update({f"{k}_before_recalibration": v for k, v in before.items()
+                                if k.startswith("quant_") and k != "quant_worst"})
+            metrics["quant_over_threshold"] = over
+        metrics.update(m)
+        metrics["quant_recalibrations_total"] = self.recalibrations
+        metrics["quant_profile"] = self.profile.hash
+        self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
+        self.last_monitors = {**m, "over_threshold": over}
+        return tensors, metrics
+
+    def _over_thresholds(self, m: dict) -> list[str]:
+        q = self.qcfg
+        limits = {"quant_act_clip_fraction": q.max_act_clip_fraction,
+                  "quant_saturation_fraction": q.max_saturation_fraction,
+                  "quant_kl_vs_bf16": q.max_kl_vs_bf16}
+        return [f"{k} {m[k]:.3g} > {limit:g}" for k, limit in limits.items() if m.get(k, 0) > limit]
+
+    def recalibrate(self, model, params: dict[str, torch.Tensor], step: int):
+        """A new profile from the current policy, on the calibration set the profile
+        carries; the next sync ships its scales (a new hash, so a new generation)."""
+        from quant.calibrate import calibrate
+
+        old = self.profile
+        t0 = time.perf_counter()
+        self.profile = calibrate(model, old.calibration_ids, old.probe_ids, old.alpha, old.activations,
+                                 old.base_model, parent=old.hash, calibrated_on=f"step {step}")
+        self.recalibrations += 1
+        self.last_recalibration_step = step
+        log.warning("recalibrated at step %d in %.1fs: profile %s -> %s", step, time.perf_counter() - t0, old.hash,
+                    self.profile.hash)
+        return self._quantize(params)
+
+    def status(self) -> dict:
+        """For the learner's ``/status``: the profile and the last monitors with their worst linears."""
+        return {"profile": self.profile.summary(), "recalibrations_total": self.recalibrations,
+                "last_recalibration_step": self.last_recalibration_step, "monitors": self.last_monitors}
+
+
+def rollout_weights(precision: str, qcfg, model_path: str):
+    """The wire for workers of ``precision`` (see the module docstring)."""
+    if precision == "int8":
+        from quant.profiles import profile_for
+
+        profile_for("int8", quant=qcfg, model_path=model_path)  # the same checks a worker makes
+        return Int8Weights(QuantProfile.load(qcfg.profile), qcfg)
+    if precision == "fp8" and qcfg.quantize_on == "learner":
+        return Fp8Weights(model_fingerprint(model_path))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
+    return CastWeights(dtype)

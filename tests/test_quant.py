@@ -1,0 +1,232 @@
+"""INT8 calibration transfer without vLLM: the SmoothQuant fold, the profile artifact, the
+per-update transfer against the calibrated checkpoint, and planted cases that must move
+each monitor (quant/). Calibration runs nvidia-modelopt for real on the toy model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.func import functional_call
+
+from quant.calibrate import activation_amax, calibrate
+from quant.int8 import (
+    fp8_tensors,
+    int8_tensors,
+    quant_config,
+    quantized_linears,
+    smooth_groups,
+    smoothed_weights,
+)
+from quant.monitor import monitor, probe_batch
+from quant.profile import ProfileError, QuantProfile, model_fingerprint
+from quant.profiles import profile_for
+from quant.transfer import Int8Weights
+from rlpipe.config import ConfigError, QuantConfig, build_config
+from rlpipe.demo import calibration_sequences, resolve_quant_profile
+
+
+@pytest.fixture(scope="module")
+def base(toy_model_path):
+    from learner.policy import load_policy
+
+    return load_policy(toy_model_path)
+
+
+@pytest.fixture(scope="module")
+def sequences(toy_model_path):
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.calibration_samples": 96,
+                                          "quant.probe_samples": 32})
+    return calibration_sequences(cfg, toy_model_path)
+
+
+@pytest.fixture(scope="module", params=["static", "dynamic"])
+def profile_dir(request, toy_model_path, tmp_path_factory):
+    """``rlpipe calibrate`` as the CLI runs it, into a fresh directory."""
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.activations": request.param,
+                                          "quant.calibration_samples": 96, "quant.probe_samples": 32})
+    out = tmp_path_factory.mktemp(f"profile-{request.param}")
+    return resolve_quant_profile(cfg, toy_model_path, out, progress=False, log=lambda m: None)
+
+
+def forward(model, params, ids, mask):
+    return functional_call(model, params, (ids,), {"attention_mask": mask}).logits
+
+
+def test_layer_groups_follow_the_decoder_layout(base):
+    names = dict(base.named_parameters())
+    assert len(quantized_linears(names)) == 7 * base.config.num_hidden_layers
+    groups = {g.norm: g.linears for g in smooth_groups(names)}
+    assert groups["model.layers.0.input_layernorm"] == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    assert groups["model.layers.1.post_attention_layernorm"] == ("model.layers.1.mlp.gate_proj",
+                                                                 "model.layers.1.mlp.up_proj")
+
+
+def test_modelopt_activation_amax_is_the_per_channel_input_max(base, sequences):
+    calib, _ = sequences
+    amax = activation_amax(base, calib, alpha=0.5)
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in base.named_modules():
+        if name in amax:
+            def hook(m, args, name=name):
+                x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
+                seen[name] = torch.maximum(seen[name], x) if name in seen else x
+            hooks.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        for s in calib:
+            base(input_ids=torch.tensor([s]))
+    for h in hooks:
+        h.remove()
+    assert set(amax) == set(quantized_linears(dict(base.named_parameters())))
+    for name, a in amax.items():
+        torch.testing.assert_close(a, seen[name], rtol=1e-5, atol=1e-5)  # batching differs
+    # the policy itself is untouched (modelopt worked on a copy)
+    assert all(type(m) is torch.nn.Linear for n, m in base.named_modules() if n in amax)
+
+
+def test_smoothing_fold_preserves_the_function(base, sequences):
+    calib, probe = sequences
+    profile = calibrate(base, calib, probe, 0.5, "dynamic", "x")
+    params = {n: p.detach() for n, p in base.named_parameters()}
+    folded = {**params, **{k if k.endswith(".weight") else k + ".weight": v
+                           for k, v in smoothed_weights(params, profile.smoothing).items()}}
+    assert any(not torch.equal(folded[k], params[k]) for k in params)  # it did change the weights
+    ids, mask = probe_batch(probe)
+    torch.testing.assert_close(forward(base, folded, ids, mask), forward(base, params, ids, mask),
+                               rtol=1e-4, atol=1e-4)
+    # q/k/v share one vector folded into their norm; o_proj and down_proj are not smoothed
+    assert set(profile.smoothing) == {g.norm for g in smooth_groups(params)}
+
+
+def test_transfer_reproduces_the_calibrated_checkpoint(base, profile_dir, toy_model_path):
+    profile = QuantProfile.load(profile_dir)
+    ckpt = load_file(f"{profile_dir}/checkpoint/model.safetensors")
+    tensors, _ = int8_tensors(dict(base.named_parameters()), profile.smoothing,
+                              profile.input_scales if profile.static else None)
+    assert set(tensors) == set(ckpt)
+    for name, t in tensors.items():
+        assert t.dtype == ckpt[name].dtype and torch.equal(t, ckpt[name]), name
+    assert sum(t.dtype == torch.int8 for t in tensors.values()) == 14
+    assert ("model.layers.0.self_attn.q_proj.input_scale" in ckpt) == profile.static
+    config = json.loads(open(f"{profile_dir}/checkpoint/config.json").read())
+    assert config["quantization_config"] == quant_config("int8", profile.static)
+    assert profile.base_model == model_fingerprint(toy_model_path)
+    assert profile.tools["nvidia-modelopt"] and profile.calibration_ids and profile.probe_ids
+
+
+def test_profile_artifact_is_content_addressed(profile_dir, tmp_path):
+    profile = QuantProfile.load(profile_dir)
+    copy = tmp_path / "copy"
+    profile.save(copy)
+    assert QuantProfile.load(copy).hash == profile.hash
+    profile.alpha = 0.8
+    assert profile.hash != QuantProfile.load(profile_dir).hash
+    meta = json.loads((copy / "profile.json").read_text())
+    meta["input_scales"]["model.layers.0.self_attn.q_proj"] *= 2
+    (copy / "profile.json").write_text(json.dumps(meta))
+    with pytest.raises(ProfileError, match="quant.profile: .* corrupt"):
+        QuantProfile.load(copy)
+    with pytest.raises(ProfileError, match="quant.profile: .* no profile.json"):
+        QuantProfile.load(tmp_path / "nowhere")
+
+
+def test_bad_quant_settings_name_the_field(profile_dir, toy_model_path, tmp_path):
+    with pytest.raises(ConfigError, match="rollout.precision"):
+        build_config({}, environ={}, **{"rollout.precision": "int4"})
+    with pytest.raises(ProfileError, match="^quant.profile: int8 rollout needs"):
+        profile_for("int8", quant=QuantConfig(), model_path=toy_model_path)
+    with pytest.raises(ProfileError, match="^quant.profile: .* no profile.json"):
+        profile_for("int8", quant=QuantConfig(profile=str(tmp_path / "missing")), model_path=toy_model_path)
+    profile = QuantProfile.load(profile_dir)
+    other = {"static": "dynamic", "dynamic": "static"}[profile.activations]
+    with pytest.raises(ProfileError, match="^quant.activations"):
+        profile_for("int8", quant=QuantConfig(profile=profile_dir, activations=other), model_path=toy_model_path)
+    # a profile made for another model: same architecture, other weights
+    alien = tmp_path / "alien"
+    shutil.copytree(toy_model_path, alien)
+    weights = load_file(alien / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    from safetensors.torch import save_file
+
+    save_file(weights, alien / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ProfileError, match="^quant.profile: the profile was calibrated for base model"):
+        profile_for("int8", quant=QuantConfig(profile=profile_dir, activations=profile.activations),
+                    model_path=str(alien))
+
+
+def test_weight_outlier_raises_saturation(base, profile_dir):
+    profile = QuantProfile.load(profile_dir)
+    params = {n: p.detach().clone() for n, p in base.named_parameters()}
+    quiet = monitor(base, *int8_tensors(params, profile.smoothing, profile.input_scales), profile, None)
+    assert quiet["quant_saturation_fraction"] == 0.0  # the calibrated weights fit their own range
+    w = params["model.layers.1.mlp.up_proj.weight"]
+    w[:, 7] *= 20  # an outlier input column: every row outgrows its calibrated range
+    loud = monitor(base, *int8_tensors(params, profile.smoothing, profile.input_scales), profile, None)
+    assert loud["quant_saturation_fraction"] > 0
+    worst = loud["quant_worst"]["quant_saturation_fraction"]
+    assert worst["linear"] == "model.layers.1.mlp.up_proj"
+    assert worst["saturation"] > 0.5 / w.shape[1]  # most of the outlier column is out of range
+
+
+def test_update_below_half_a_step_is_invisible(base, profile_dir):
+    profile = QuantProfile.load(profile_dir)
+    params = {n: p.detach().clone() for n, p in base.named_parameters()}
+    first, _ = int8_tensors(params, profile.smoothing, profile.input_scales)
+    previous = {k: v for k, v in first.items() if v.dtype == torch.int8}
+
+    def visible_after(step_fraction: float) -> float:
+        moved = dict(params)
+        smoothed = smoothed_weights(params, profile.smoothing)
+        divisor = {lin: profile.smoothing[g.norm] for g in smooth_groups(params) for lin in g.linears}
+        for lin in quantized_linears(params):
+            w = params[lin + ".weight"]
+            # one int8 step of W * s, in units of W: (row amax of W * s) / 127 / s
+            step = smoothed[lin].abs().amax(1, keepdim=True) / 127 / divisor.get(lin, torch.ones(w.shape[1]))
+            sign = torch.sign(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+            moved[lin + ".weight"] = w + step_fraction * step * sign
+        return monitor(base, *int8_tensors(moved, profile.smoothing, profile.input_scales), profile,
+                       previous)["quant_update_visible_fraction"]
+
+    assert visible_after(0.0) == 0.0
+    assert visible_after(0.01) < 0.03  # lost in rounding
+    assert visible_after(3.0) > 0.9  # three steps: almost every weight moves
+
+
+def test_scaled_activations_clip_and_auto_recalibration_repairs_them(toy_model_path, profile_dir):
+    from learner.policy import load_policy
+
+    profile = QuantProfile.load(profile_dir)
+    model = load_policy(toy_model_path)
+    qcfg = QuantConfig(profile=profile_dir, activations=profile.activations, recalibrate="auto",
+                       max_act_clip_fraction=0.01, max_kl_vs_bf16=1.0, max_saturation_fraction=1.0)
+    wire = Int8Weights(profile, qcfg)
+    _, calm = wire.prepare(model, step=1)
+    assert calm["quant_act_clip_fraction"] < 0.01 and "quant_over_threshold" not in calm
+    with torch.no_grad():  # the policy's activations grow 8x after layer 0's norm
+        model.model.layers[0].post_attention_layernorm.weight.mul_(8)
+        model.model.layers[0].input_layernorm.weight.mul_(8)
+    _, m = wire.prepare(model, step=2)
+    assert m["quant_act_clip_fraction_before_recalibration"] > 0.01
+    assert m["quant_recalibrations_total"] == 1 and m["quant_profile"] != profile.hash
+    assert wire.profile.parent == profile.hash and wire.profile.calibrated_on == "step 2"
+    assert m["quant_act_clip_fraction"] < 0.01  # the new scales hold the activations
+    if profile.static:  # static scales clipped: the recalibrated policy is closer to bf16
+        assert m["quant_kl_vs_bf16"] < 0.5 * m["quant_kl_vs_bf16_before_recalibration"]
+    _, again = wire.prepare(model, step=3)
+    assert again["quant_recalibrations_total"] == 1  # nothing over threshold: no loop
+
+
+def test_fp8_tensors_are_per_channel_float8(base):
+    params = dict(base.named_parameters())
+    out = fp8_tensors(params)
+    w = out["model.layers.0.mlp.down_proj.weight"]
+    scale = out["model.layers.0.mlp.down_proj.weight_scale"]
+    assert w.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0], 1)
+    ref = params["model.layers.0.mlp.down_proj.weight"].detach()
+    err = (w.float() * scale - ref).abs().max() / ref.abs().max()
+    assert 0 < err < 0.07
+    assert out["model.norm.weight"].dtype == torch.bfloat16
