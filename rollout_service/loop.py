@@ -306,6 +306,10 @@ class RolloutLoop:
         self.metrics.sync_failures.inc()
         self.last_error = res.get("error")
         log.warning("weight sync failed, keeping version %d: %s", self.engine.version, res.get("error"))
+        try:
+            self._publish()  # the learner's /status shows why at once, not at the next heartbeat
+        except redis.RedisError:
+            pass
 
     # -- registry ------------------------------------------------------------------------
     def _publish(self) -> None:

@@ -88,8 +88,16 @@ def keep_reloaded_kernel_tensors() -> bool:
     return layerwise._copy_and_restore_kernel_tensors is keep_then_restore
 
 
-def reload_in_model_dtype(model_runner, weights) -> None:
-    """Bug 3: reloading a *static*-activation compressed-tensors INT8 engine corrupted the
+def reload_weights(model_runner, weights: list) -> None:
+    """Load new weights into the running model as a fresh engine loads a checkpoint: in
+    name order, under the model's dtype. Both matter for compressed-tensors INT8:
+
+    *Order.* A fresh engine reads a single-file checkpoint in name order. Given the same
+    tensors in another order (the sync's buckets, grouped by dtype), the layerwise reloader
+    failed on the fused qkv layer of a static INT8 model with ``'Parameter' object has no
+    attribute 'weight_loader'``; in name order it loads them.
+
+    *Dtype* (bug 3): reloading a *static*-activation compressed-tensors INT8 engine corrupted the
     heap (``malloc(): unsorted double linked list corrupted``, a segfault or a hang at the
     next generate). The CPU int8 kernel builds its oneDNN handle with
     ``output_type=torch.get_default_dtype()`` (``kernels/linear/scaled_mm/cpu.py``). The
@@ -103,7 +111,7 @@ def reload_in_model_dtype(model_runner, weights) -> None:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_default_torch_dtype(model_runner.model_config.dtype):
-        model_runner.reload_weights(weights_iterator=weights)
+        model_runner.reload_weights(weights_iterator=sorted(weights, key=lambda item: item[0]))
 
 
 def after_reload(model: torch.nn.Module) -> dict[str, bool]:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from rollout_service.vllm_compat import after_reload, die_with_parent, keep_reloaded_kernel_tensors, reload_in_model_dtype
+from rollout_service.vllm_compat import after_reload, die_with_parent, keep_reloaded_kernel_tensors, reload_weights
 from weight_sync.manifest import Manifest, incompatibility, shape_mismatch
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
@@ -131,7 +131,7 @@ class RlpipeWorkerExtension:
             return {"ok": False, "error": "nothing staged"}
         t0 = time.perf_counter()
         weights, self._rlpipe_staged = self._rlpipe_staged, None
-        reload_in_model_dtype(self.model_runner, weights)
+        reload_weights(self.model_runner, weights)
         fixes = after_reload(self.model_runner.get_model())
         return {"ok": True, "load_s": time.perf_counter() - t0, "fixes": fixes}
 

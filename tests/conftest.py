@@ -73,21 +73,27 @@ class WorkerHarness:
     """A running rollout worker plus the learner-side tools to drive it."""
 
     def __init__(self, cfg, proc, address, r):
+        from quant.transfer import rollout_weights
+        from weight_sync.sender import WeightSender
+
         self.cfg, self.proc, self.address, self.r = cfg, proc, address, r
         self.keys = Keys(cfg.run_id)
         self.queue = TrajectoryQueue(r, cfg.run_id)
         self.queue.ensure_consumer_group()
         self.http = httpx.Client(base_url=f"http://{address}", timeout=60)
         self.version = -1
-        from weight_sync.sender import WeightSender
-
+        # What the learner would send workers of this precision (cast, or quantized with the profile).
+        self.wire = rollout_weights(cfg.rollout.precision, cfg.quant, cfg.model.path)
+        self.sent: dict[str, torch.Tensor] = {}  # the tensors of the last sync
         self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, bucket_bytes=1 << 20,
-                                   wire_dtype=torch.float32)
+                                   wire_dtype=self.wire.cast_to)
 
     def sync(self, model) -> int:
         """Broadcast ``model``'s weights as the next version and let the worker produce for it."""
         self.version += 1
-        stats = self.sender.sync(self.version, model.named_parameters, worker_incarnations(self.r, self.keys))
+        self.sent, _ = self.wire.prepare(model, self.version)
+        stats = self.sender.sync(self.version, self.sent.items, worker_incarnations(self.r, self.keys),
+                                 self.wire.quant_profile, self.wire.compat)
         assert stats["members"] == 1
         set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running")
         def arrived():

