@@ -75,9 +75,9 @@ def receiver(redis_url: str, run_id: str, worker_id: str, specs, wire: str, repe
 
     torch.set_num_threads(1)
     r, keys = connect(redis_url), Keys(run_id)
-    while read_sync(r, keys).candidate_of(worker_id) is None:
+    while read_sync(r, keys.sync).candidate_of(worker_id) is None:
         time.sleep(0.01)
-    st = read_sync(r, keys)
+    st = read_sync(r, keys.sync)
     manifest = Manifest.from_json(st.manifest)
     recv = WeightReceiver.join(st.master_addr, st.master_port, st.candidate_of(worker_id), st.generation,
                                manifest, 600)

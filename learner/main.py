@@ -34,7 +34,8 @@ def main(cfg: RunConfig) -> int:
     except KeyboardInterrupt:
         log.info("learner stopped at step %d", learner.step)
         if learner.ranks.is_main:
-            learner.sender.drop()
+            for channel in learner.channels.values():
+                channel.sender.drop()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         learner.ranks.close()

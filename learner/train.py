@@ -34,6 +34,7 @@ import torch
 
 from learner import checkpoint
 from learner.batch import collate
+from learner.channels import make_channels
 from learner.dist import Ranks
 from learner.loss import (
     RATIO_AGAINST_MU,
@@ -48,12 +49,10 @@ from learner.loss import (
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, load_policy, token_logprobs
 from learner.schedule import LRSchedule, apply_lr
-from quant.transfer import rollout_weights
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig
 from rlpipe.queue import Entry, TrajectoryQueue, connect
-from weight_sync.sender import WeightSender
 from weight_sync.transport import SyncError
 
 log = logging.getLogger(__name__)
@@ -89,12 +88,9 @@ class Learner:
             self.r = connect(cfg.redis_url)
             self.queue = TrajectoryQueue(self.r, cfg.run_id)
             self.keys = self.queue.keys
-            # What the workers get: cast, or quantized here with the profile (quant/transfer.py).
-            self.rollout_weights = rollout_weights(cfg.rollout.precision, cfg.quant, cfg.model.path)
-            self._prepared: tuple[int, dict] | None = None  # (version, tensors) last sent
-            self.sender = WeightSender(
-                self.r, self.keys, cfg.sync.host, cfg.sync.timeout_s, int(cfg.sync.bucket_mib * 2**20),
-                self.rollout_weights.cast_to)
+            # One sync channel per rollout precision: what its workers get (cast, or quantized
+            # here with the profile) and its generation (learner/channels.py).
+            self.channels = make_channels(cfg, self.r, self.keys)
         self.step = 0
         self.version = 0
         self.dropped_stale_total = 0
@@ -155,7 +151,8 @@ class Learner:
             if self._unacked:  # stopped between checkpoints
                 self.checkpoint()
             self._set_status("done" if self.step >= self.cfg.steps else "stopped")
-            self.sender.drop()
+            for ch in self.channels.values():
+                ch.sender.drop()
             self.lease.release()
 
     def request_stop(self) -> None:
@@ -281,6 +278,8 @@ class Learner:
             "learner_skipped_steps_total": self.scaler.skipped_steps,
             "groups": len(records),
             "groups_by_precision": {p: sum(r.precision == p for r in records) for p in sorted({r.precision for r in records})},
+            "reward_by_precision": {p: rewards[[r.precision == p for r in records]].mean().item()
+                                    for p in sorted({r.precision for r in records})},
             "groups_skipped_equal_reward": int((~informative).sum()),
             "groups_skipped_total": self.groups_skipped_total,
             "tokens": int(batch.mask.sum().item()),
@@ -376,9 +375,6 @@ class Learner:
             os.kill(os.getpid(), signal.SIGKILL)
 
     # -- weight sync ---------------------------------------------------------------------
-    def live_workers(self) -> dict[str, str]:
-        return registry.worker_incarnations(self.r, self.keys)
-
     def maybe_resync(self) -> None:
         """Bring newly joined (or departed) workers into a new generation while waiting."""
         now = time.monotonic()
@@ -386,53 +382,62 @@ class Learner:
             return
         self._last_membership_check = now
         self._publish_state()
-        live = self.live_workers()
-        if self.sender.group is None and len(live) < self.cfg.workers \
+        workers = registry.live_workers(self.r, self.keys)
+        if not any(ch.sender.group for ch in self.channels.values()) and len(workers) < self.cfg.workers \
                 and time.monotonic() - self._monotonic_start < self.cfg.sync.join_timeout_s:
             # The first generation waits (up to join_timeout_s) for the fleet the run was
             # configured with, so no worker fills the first batches alone while the others start.
             return
-        if self.sender.needs_forming(live):
+        if any(ch.sender.needs_forming(ch.live(workers)) for ch in self.channels.values()):
             self.sync_weights()
 
     def sync_weights(self) -> dict:
-        """Bring every live worker to this version; never blocks longer than sync.timeout_s
-        on workers (a dead one is left out, see weight_sync.sender)."""
-        quant_metrics = {}
-        if self._prepared is None or self._prepared[0] != self.version:
-            # Once per version: quantizing (and its monitors) is not repeated for a re-formed generation.
-            tensors, quant_metrics = self.rollout_weights.prepare(self.model, self.step)
-            self._prepared = (self.version, tensors)
-        tensors = self._prepared[1]
-        w = self.rollout_weights
-        try:
-            stats = self.sender.sync(self.version, tensors.items, self.live_workers(), w.quant_profile, w.compat)
-        except SyncError as e:
-            log.warning("weight sync of version %d failed, re-forming next time: %s", self.version, e)
-            self.metrics.sync_failures.inc()
-            return {"weight_sync_failed": 1, "weight_sync_generation": self.sender.state.generation,
-                    "weight_sync_left_out_total": self.sender.left_out_total, **quant_metrics}
-        for phase in ("pack", "transfer"):
-            if f"{phase}_s" in stats:
-                self.metrics.sync_seconds.labels(phase=phase).observe(stats[f"{phase}_s"])
-        self.metrics.sync_bytes.inc(stats.get("bytes", 0) * stats["members"])
-        return {"weight_sync_seconds": stats.get("form_s", 0) + stats.get("sync_s", 0),
-                "weight_sync_pack_seconds": stats.get("pack_s", 0),
-                "weight_sync_transfer_seconds": stats.get("transfer_s", 0),
-                "weight_sync_form_seconds": stats.get("form_s", 0),
-                "weight_sync_members": stats["members"],
-                "weight_sync_generation": stats["generation"],
-                "weight_sync_left_out_total": self.sender.left_out_total, **quant_metrics}
+        """Bring every live worker to this version, each precision on its channel; never
+        blocks longer than sync.timeout_s per channel on workers (a dead one is left out,
+        see weight_sync.sender)."""
+        workers = registry.live_workers(self.r, self.keys)
+        out = {"weight_sync_seconds": 0.0, "weight_sync_pack_seconds": 0.0, "weight_sync_transfer_seconds": 0.0,
+               "weight_sync_form_seconds": 0.0, "weight_sync_members": 0}
+        by_precision = {}
+        for precision, ch in self.channels.items():
+            try:
+                stats, quant_metrics = ch.sync(self.model, self.version, self.step, ch.live(workers))
+            except SyncError as e:
+                log.warning("weight sync of version %d to %s workers failed, re-forming next time: %s", self.version,
+                            precision, e)
+                self.metrics.sync_failures.inc()
+                out["weight_sync_failed"] = out.get("weight_sync_failed", 0) + 1
+                by_precision[precision] = {"failed": str(e)}
+                continue
+            out.update(quant_metrics)
+            for phase in ("pack", "transfer"):
+                if f"{phase}_s" in stats:
+                    self.metrics.sync_seconds.labels(phase=phase).observe(stats[f"{phase}_s"])
+            self.metrics.sync_bytes.inc(stats.get("bytes", 0) * stats["members"])
+            seconds = stats.get("form_s", 0) + stats.get("sync_s", 0)
+            out["weight_sync_seconds"] += seconds
+            out["weight_sync_pack_seconds"] += stats.get("pack_s", 0)
+            out["weight_sync_transfer_seconds"] += stats.get("transfer_s", 0)
+            out["weight_sync_form_seconds"] += stats.get("form_s", 0)
+            out["weight_sync_members"] += stats["members"]
+            by_precision[precision] = {"members": stats["members"], "seconds": seconds, "bytes": stats.get("bytes", 0),
+                                       "generation": stats["generation"]}
+        out["weight_sync_generation"] = max(ch.sender.state.generation for ch in self.channels.values())
+        out["weight_sync_left_out_total"] = sum(ch.sender.left_out_total for ch in self.channels.values())
+        if len(self.channels) > 1:
+            out["weight_sync_by_precision"] = by_precision
+        return out
 
     def workers_status(self) -> dict[str, dict]:
         """Every live worker as the registry has it, and how it stands with weight sync."""
         out = {}
         for w, f in sorted(registry.live_workers(self.r, self.keys).items()):
             version = int(f.get("version", -1))
+            ch = self.channels.get(f.get("precision", "")) or next(iter(self.channels.values()))
             out[w] = {"version": version, "behind": self.version - version,
                       "generation": int(f.get("generation", 0)), "weights": f.get("weights", ""),
-                      "member": w in self.sender.members,
-                      "left_out": self.sender.excluded.get(w) == f.get("incarnation", ""),
+                      "member": w in ch.sender.members,
+                      "left_out": ch.sender.excluded.get(w) == f.get("incarnation", ""),
                       "precision": f.get("precision", ""), "address": f.get("address", ""),
                       "inflight_groups": int(f.get("inflight", 0)),
                       "last_sync": json.loads(f.get("last_sync") or "{}"), "last_error": f.get("last_error", "")}
@@ -488,11 +493,13 @@ class Learner:
             "checkpoint": {"dir": str(self.ckpt_root), "last": self.last_checkpoint,
                            "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self._unacked)},
             "trained_groups_total": self.trained_groups,
-            "sync_generation": self.sender.state.generation if self.sender.group else None,
-            "sync_members": list(self.sender.members),
-            "sync_left_out_total": self.sender.left_out_total,
+            "sync_generation": max((ch.sender.state.generation for ch in self.channels.values() if ch.sender.group),
+                                   default=None),
+            "sync_members": [w for ch in self.channels.values() for w in ch.sender.members],
+            "sync_left_out_total": sum(ch.sender.left_out_total for ch in self.channels.values()),
             "workers": self.workers_status(),
-            "quant": self.rollout_weights.status() if hasattr(self.rollout_weights, "status") else None,
+            # per precision: its profile, and the last monitors with each one's worst linear
+            "quant": {p: ch.wire.status() for p, ch in self.channels.items() if hasattr(ch.wire, "status")},
             "dropped_stale_total": self.dropped_stale_total,
             "last_metrics": self.last_metrics,
         }

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int)
     d.add_argument("--seed", type=int)
     d.add_argument("--workers", type=int)
-    d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8")
+    d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8; a comma-separated "
+                   "list makes a mixed fleet (e.g. int8,bf16: half the workers each)")
     d.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
     d.add_argument("--run-id")
     d.add_argument("--runs-dir", default="runs")
@@ -44,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     r = with_config(sub.add_parser("rollout", help="run one rollout worker"))
     r.add_argument("--worker-id", required=True)
     r.add_argument("--port", type=int)
+    r.add_argument("--precision", help="this worker's precision (overrides rollout.precision)")
     r.add_argument("--address-file", help="write host:port here once bound")
 
     with_config(sub.add_parser("learner", help="run the learner"))
@@ -67,6 +69,9 @@ def _overrides(args) -> dict:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
         out[key.strip()] = yaml.safe_load(value)
+    if "," in (getattr(args, "precision", None) or ""):
+        fleet = [p.strip() for p in args.precision.split(",")]
+        out["rollout.fleet"], args.precision = fleet, fleet[0]
     for flag, key in (("steps", "steps"), ("seed", "seed"), ("workers", "workers"), ("precision", "rollout.precision"),
                       ("is_mode", "learner.is_mode"), ("run_id", "run_id"), ("port", "rollout.port")):
         value = getattr(args, flag, None)

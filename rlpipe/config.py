@@ -80,7 +80,9 @@ class SamplingConfig(Section):
 
 
 class RolloutConfig(Section):
-    precision: Precision = "bf16"
+    precision: Precision = Field("bf16", description="this worker's precision (every worker's without a fleet)")
+    fleet: list[Precision] = Field([], description="a mixed fleet: the launcher runs worker i in precision "
+                                   "fleet[i % len(fleet)], and the learner syncs each precision on its own")
     max_inflight_groups: int = Field(16, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
@@ -288,6 +290,8 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("learner.minibatches: more minibatches than groups per step")
     if cfg.learner.geo_low >= cfg.learner.geo_high:
         problems.append("learner.geo_low: must be below learner.geo_high")
+    if cfg.rollout.fleet and len(cfg.rollout.fleet) > cfg.workers:
+        problems.append("rollout.fleet: lists more precisions than there are workers")
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if problems:

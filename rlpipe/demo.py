@@ -105,7 +105,7 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
         redis_url = redis_server.url
     cfg = cfg.model_copy(deep=True)
     cfg.run_id, cfg.run_dir, cfg.redis_url, cfg.model.path = run_id, str(run_dir), redis_url, model_path
-    if cfg.rollout.precision == "int8":
+    if "int8" in (cfg.rollout.fleet or [cfg.rollout.precision]):
         cfg.quant.profile = resolve_quant_profile(cfg, model_path, log=say)
     if cfg.learner.threads == 0 and cfg.workers >= len(os.sched_getaffinity(0)):
         # Every core already runs a worker: a multi-threaded learner would fight them
@@ -120,7 +120,9 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
     learner_done = False
     try:
         for i in range(cfg.workers):
-            launcher.spawn(f"rollout-{i}", ["rollout", "--config", str(cfg_path), "--worker-id", f"w{i}"], worker_env(i, cfg.workers))
+            precision = cfg.rollout.fleet[i % len(cfg.rollout.fleet)] if cfg.rollout.fleet else cfg.rollout.precision
+            launcher.spawn(f"rollout-{i}", ["rollout", "--config", str(cfg_path), "--worker-id", f"w{i}",
+                                            "--precision", precision], worker_env(i, cfg.workers))
         launcher.spawn("learner", ["learner", "--config", str(cfg_path)])
         learner_done = _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress)
     except KeyboardInterrupt:
@@ -176,10 +178,15 @@ def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: b
     queue = TrajectoryQueue(r, cfg.run_id)
     counters = queue.counters()
     k = min(3, max(1, len(rows) // 4)) if rows else 0
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
     summary = {
         "run_id": cfg.run_id,
         "seed": cfg.seed,
-        "precision": cfg.rollout.precision,
+        "precision": ",".join(cfg.rollout.fleet) or cfg.rollout.precision,
         "is_mode": cfg.learner.is_mode,
         "completed": learner_done,
         "steps": len(rows),
@@ -199,12 +206,24 @@ def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: b
         "groups_unacknowledged": queue.pending(),  # read by the learner, not yet covered by a checkpoint
         "groups_dead": counters["dead"],
     }
+    if "quant_kl_vs_bf16" in (rows[-1] if rows else {}):
+        summary["quant_profile_end"] = rows[-1].get("quant_profile")
+        summary["quant_kl_vs_bf16_mean"] = mean(x.get("quant_kl_vs_bf16") for x in rows)
+        summary["quant_act_clip_fraction_max"] = max(x.get("quant_act_clip_fraction", 0) for x in rows)
+        summary["quant_recalibrations_total"] = rows[-1].get("quant_recalibrations_total", 0)
+    if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
+        for p in sorted(set(cfg.rollout.fleet)):
+            summary[f"reward_start[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[:k])
+            summary[f"reward_end[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[-k:])
+            summary[f"mismatch_kl_mean[{p}]"] = mean(x.get("mismatch_by_precision", {}).get(p, {}).get("mismatch_kl")
+                                                     for x in rows)
+            summary[f"groups[{p}]"] = sum(x.get("groups_by_precision", {}).get(p, 0) for x in rows)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         from rlpipe.plots import plot_run
 
         summary["plot"] = str(plot_run(rows, run_dir / "metrics.png",
-                                       title=f"{cfg.run_id}: {cfg.rollout.precision}, {cfg.learner.is_mode}"))
+                                       title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}"))
     return summary
 
 

@@ -20,6 +20,18 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "") -> Path:
         smooth = [sum(r["reward_mean"] for r in rows[max(0, i - window + 1): i + 1]) / len(rows[max(0, i - window + 1): i + 1])
                   for i in range(len(rows))]
         ax_r.plot(steps, smooth, label=f"moving mean ({window})")
+    precisions = sorted({p for r in rows for p in r.get("reward_by_precision", {})})
+    if len(precisions) > 1:  # a mixed fleet: each precision's reward and mismatch
+        for p in precisions:
+            have = [r for r in rows if p in r.get("reward_by_precision", {})]
+            ax_r.plot([r["step"] for r in have], [r["reward_by_precision"][p] for r in have], alpha=0.7,
+                      label=f"reward, {p} workers")
+            ax_k.plot([r["step"] for r in have], [r["mismatch_by_precision"][p]["mismatch_kl"] for r in have],
+                      alpha=0.7, label=f"KL, {p} workers")
+    if any("quant_kl_vs_bf16" in r for r in rows):  # the learner's own view of the int8 policy
+        have = [r for r in rows if "quant_kl_vs_bf16" in r]
+        ax_k.plot([r["step"] for r in have], [r["quant_kl_vs_bf16"] for r in have], linestyle=":",
+                  label="int8 vs bf16 KL (probe set)")
     ax_r.set_xlabel("learner step")
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(0, 1)

@@ -37,6 +37,11 @@ class Keys:
         # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
         self.counters = self.prefix + "counters"
 
+    def sync_channel(self, precision: str = "") -> str:
+        """The sync rendezvous of the workers of one precision: ``sync`` when every worker
+        runs the same precision, ``sync:<precision>`` in a mixed fleet (``rollout.fleet``)."""
+        return f"{self.sync}:{precision}" if precision else self.sync
+
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}workers:{worker_id}"
 

@@ -64,6 +64,7 @@ class RolloutLoop:
         self.queue = queue
         self.r = queue.r
         self.keys = queue.keys
+        self.sync_key = self.keys.sync_channel(cfg.rollout.precision if cfg.rollout.fleet else "")
         self.task = task
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -236,7 +237,7 @@ class RolloutLoop:
         joined = must_receive = False
         while not self.stopping.is_set():
             try:
-                st = await asyncio.to_thread(read_sync, self.r, self.keys)
+                st = await asyncio.to_thread(read_sync, self.r, self.sync_key)
                 if st.generation > self.generation:
                     self.generation = st.generation
                     joined = must_receive = False

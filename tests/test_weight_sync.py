@@ -79,7 +79,7 @@ def _receiver(redis_url, run_id, worker_id, mode, versions, results):
     results.put((worker_id, "ready"))
     seen, got = 0, 0
     while got < versions:
-        st = read_sync(r, keys)
+        st = read_sync(r, keys.sync)
         if st.generation <= seen or st.candidate_of(worker_id) is None:
             time.sleep(0.02)
             continue
@@ -97,7 +97,7 @@ def _receiver(redis_url, run_id, worker_id, mode, versions, results):
             time.sleep(60)
         version = -1
         while got < versions:  # every version of this generation, until it is replaced
-            st = read_sync(r, keys)
+            st = read_sync(r, keys.sync)
             if st.generation != seen:
                 break
             if st.version <= version:
@@ -154,7 +154,7 @@ def test_broadcast_to_two_receivers_is_bit_exact(redis_server, r):
         assert stats["members"] == 2 and stats["bytes"] == sum(t.numel() * 4 for t in weights.values())
     assert stats["form_s"] == 0  # the second version reused the generation
     assert len(sender.manifest.buckets) >= 2  # "big" (1.2 MB) exceeds a 256 KiB bucket
-    assert read_sync(r, Keys(run_id)).members == ("w0", "w1")
+    assert read_sync(r, Keys(run_id).sync).members == ("w0", "w1")
     stop(procs)
     sender.drop()
 

@@ -1,4 +1,6 @@
-"""The sync rendezvous in Redis: the ``rlpipe:{run}:sync`` hash (DESIGN.md, 'Weight sync').
+"""The sync rendezvous in Redis: the ``rlpipe:{run}:sync`` hash (DESIGN.md, 'Weight sync');
+in a fleet of mixed precisions, one hash per precision (``sync:int8``, ``sync:bf16``, see
+``Keys.sync_channel``), since each precision gets other tensors.
 
 The learner publishes a *generation* (who takes part, where rank 0 listens, the bucket
 manifest) and then each *version* it broadcasts. Workers poll the hash: a new generation
@@ -15,8 +17,6 @@ import json
 from dataclasses import dataclass
 
 import redis
-
-from rlpipe.queue import Keys
 
 
 @dataclass
@@ -35,8 +35,8 @@ class SyncState:
         return self.candidates.index(worker_id) + 1 if worker_id in self.candidates else None
 
 
-def read_sync(r: redis.Redis, keys: Keys) -> SyncState:
-    raw = {k.decode(): v.decode() for k, v in r.hgetall(keys.sync).items()}
+def read_sync(r: redis.Redis, key: str) -> SyncState:
+    raw = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
     if not raw:
         return SyncState()
     return SyncState(
@@ -52,8 +52,8 @@ def read_sync(r: redis.Redis, keys: Keys) -> SyncState:
     )
 
 
-def publish_generation(r: redis.Redis, keys: Keys, state: SyncState) -> None:
-    r.hset(keys.sync, mapping={
+def publish_generation(r: redis.Redis, key: str, state: SyncState) -> None:
+    r.hset(key, mapping={
         "generation": state.generation,
         "master_addr": state.master_addr,
         "master_port": state.master_port,
@@ -66,9 +66,9 @@ def publish_generation(r: redis.Redis, keys: Keys, state: SyncState) -> None:
     })
 
 
-def publish_members(r: redis.Redis, keys: Keys, members: list[str], world_size: int) -> None:
-    r.hset(keys.sync, mapping={"members": json.dumps(members), "world_size": world_size})
+def publish_members(r: redis.Redis, key: str, members: list[str], world_size: int) -> None:
+    r.hset(key, mapping={"members": json.dumps(members), "world_size": world_size})
 
 
-def publish_version(r: redis.Redis, keys: Keys, version: int) -> None:
-    r.hset(keys.sync, "version", version)
+def publish_version(r: redis.Redis, key: str, version: int) -> None:
+    r.hset(key, "version", version)

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
-                 wire_dtype: torch.dtype | None):
+                 wire_dtype: torch.dtype | None, channel: str = ""):
         self.r, self.keys = r, keys
+        self.sync_key = keys.sync_channel(channel)
         self.host, self.timeout_s = host, timeout_s
         self.bucket_bytes, self.wire_dtype = bucket_bytes, wire_dtype
         self.group: GlooGroup | None = None
@@ -106,17 +107,17 @@ class WeightSender:
             self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
         names = list(candidates)
         store = GlooGroup.listen(self.host, self.timeout_s)
-        generation = read_sync(self.r, self.keys).generation + 1
+        generation = read_sync(self.r, self.sync_key).generation + 1
         self.state = SyncState(generation, self.host, store.port, 0, tuple(names), (), version,
                                manifest.to_json(), manifest.hash)
-        publish_generation(self.r, self.keys, self.state)
+        publish_generation(self.r, self.sync_key, self.state)
         log.info("sync generation %d: candidates %s", generation, names)
         admitted, left_out = admit(store, generation, len(names), deadline)
         for candidate, why in left_out.items():
             self._leave_out(names[candidate - 1], candidates[names[candidate - 1]], why)
         members = [names[c - 1] for c in admitted]
         self.state.members, self.state.world_size = tuple(members), 1 + len(members)
-        publish_members(self.r, self.keys, members, self.state.world_size)
+        publish_members(self.r, self.sync_key, members, self.state.world_size)
         if not members:
             raise SyncError(f"generation {generation}: no worker checked in")
         try:
@@ -135,7 +136,7 @@ class WeightSender:
         assert self.group is not None and self.manifest is not None
         group, failed = self.group, {}
         t0 = time.perf_counter()
-        publish_version(self.r, self.keys, version)
+        publish_version(self.r, self.sync_key, version)
 
         def post(buf: torch.Tensor, tag: int) -> dict:
             works = {}
