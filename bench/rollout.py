@@ -81,7 +81,8 @@ def run_offline(args, model: str) -> list[dict]:
     from rollout_service.tasks import make_task
 
     cfg = make_config(args, model)
-    llm = LLM(**RolloutEngine(model, profile_for(args.precision), cfg.rollout, seed=cfg.seed).engine_kwargs())
+    llm = LLM(**RolloutEngine(model, profile_for(args.precision, quant=cfg.quant, model_path=model), cfg.rollout,
+                                 seed=cfg.seed).engine_kwargs())
     tok, task, s = AutoTokenizer.from_pretrained(model), make_task(cfg.task), cfg.sampling
     out = []
     for rep in range(args.repeats + 1):  # the first is the warm-up
@@ -115,7 +116,8 @@ async def _run_rlpipe(args, model: str) -> list[dict]:
 
     redis = EmbeddedRedis(Path(args.workdir) / "redis").start()
     cfg = make_config(args, model, redis.url)
-    engine = RolloutEngine(model, profile_for(args.precision), cfg.rollout, seed=cfg.seed)
+    engine = RolloutEngine(model, profile_for(args.precision, quant=cfg.quant, model_path=model), cfg.rollout,
+                           seed=cfg.seed)
     await engine.start()
     engine.synced, engine.weights_source = True, "learner"  # version 0 is the policy (no learner here)
     tok, r = AutoTokenizer.from_pretrained(model), connect(redis.url)

@@ -28,6 +28,10 @@ class SyncChannel:
         return {w: f.get("incarnation", "") for w, f in workers.items()
                 if not self.mixed or f.get("precision") == self.precision}
 
+    def prepared(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The tensors sent for ``version``, if they were."""
+        return self._prepared[1] if self._prepared and self._prepared[0] == version else None
+
     def sync(self, model, version: int, step: int, live: dict[str, str]) -> tuple[dict, dict]:
         """Send ``version`` to ``live``; returns ``(sync stats, quantization metrics)``.
         Quantizing (and its monitors) runs once per version, not again for a re-formed generation."""

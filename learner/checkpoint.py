@@ -2,7 +2,9 @@
 
 A checkpoint is ``<root>/step_00000010/``: the policy as a Hugging Face model directory
 (safetensors, config and the tokenizer files, so vLLM or a returning worker can load it
-as is) plus ``trainer_state.pt`` (optimizer, LR schedule, loss scaler, RNG states,
+as is), for each quantized rollout precision the tensors its workers load
+(``rollout/<precision>/model.safetensors``, with the profile hash in ``quant.json``: a
+returning int8 worker catches up on the learner's own quantization) plus ``trainer_state.pt`` (optimizer, LR schedule, loss scaler, RNG states,
 counters, and the group ids trained since the previous checkpoint) and ``meta.json``.
 
 It is written to a hidden temporary directory, every file and the directory are
@@ -47,8 +49,10 @@ def _fsync(path: Path) -> None:
 
 
 def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_dir: str | Path | None = None,
-         keep: int = 2, before_publish: Callable[[], None] | None = None) -> Path:
-    """Write checkpoint ``step`` atomically; returns its directory."""
+         keep: int = 2, before_publish: Callable[[], None] | None = None,
+         rollout: dict[str, tuple[str, dict[str, torch.Tensor]]] | None = None) -> Path:
+    """Write checkpoint ``step`` atomically; returns its directory. ``rollout`` maps a
+    precision to ``(quant profile hash, tensors)`` of its workers' quantized weights."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -61,6 +65,16 @@ def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file() and not (tmp / f.name).exists() and not f.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(f, tmp / f.name)
+    for precision, (quant_profile, tensors) in (rollout or {}).items():
+        from safetensors.torch import save_file
+
+        sub = tmp / "rollout" / precision
+        sub.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, sub / "model.safetensors")
+        (sub / "quant.json").write_text(json.dumps({"quant_profile": quant_profile}))
+        for f in sub.iterdir():
+            _fsync(f)
+        _fsync(sub)
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
     for f in tmp.iterdir():

@@ -311,9 +311,12 @@ class Learner:
         }
         meta = {"version": self.version, "trained_groups": self.trained_groups,
                 "trained_digest": str(self.trained_digest), "time": time.time()}
+        # What quantized workers load to catch up: this version's tensors, as last sent.
+        rollout = {p: (ch.wire.quant_profile, ch.prepared(self.version)) for p, ch in self.channels.items()
+                   if ch.wire.cast_to is None and ch.prepared(self.version) is not None}
         path = checkpoint.save(self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
                                self.cfg.learner.checkpoint_keep,
-                               before_publish=lambda: self._crash_point("checkpoint_written"))
+                               before_publish=lambda: self._crash_point("checkpoint_written"), rollout=rollout)
         self._crash_point("checkpointed")
         self.queue.ack([e.entry_id for e in self._unacked])
         self._unacked = []

@@ -199,9 +199,13 @@ class RolloutEngine:
             self.quant_profile = Manifest.from_json(manifest_json).quant_profile or self.quant_profile
         return result
 
-    async def load_checkpoint(self, model_dir: str, version: int) -> dict:
-        """Catch up to a checkpoint's weights (a worker that missed syncs)."""
-        return await self._stage_and_apply(version, "checkpoint", "read", model_dir)
+    async def load_checkpoint(self, model_dir: str, version: int, quant_profile: str | None = None) -> dict:
+        """Catch up to a checkpoint's weights (a worker that missed syncs); a quantized
+        engine's come with the profile they were quantized with."""
+        result = await self._stage_and_apply(version, "checkpoint", "read", model_dir)
+        if result["ok"] and quant_profile:
+            self.quant_profile = quant_profile
+        return result
 
     async def _stage_and_apply(self, version: int, source: str, op: str, *args) -> dict:
         async with self._update_lock:

@@ -271,14 +271,21 @@ class RolloutLoop:
             await asyncio.sleep(0.05)
 
     async def _catch_up(self) -> None:
-        """Load the newest checkpoint on disk if it is newer than the engine's weights."""
+        """Load the newest checkpoint on disk if it is newer than the engine's weights (a
+        quantized engine loads the learner's quantized tensors of its precision from it)."""
         path = await asyncio.to_thread(checkpoints.latest, checkpoints.checkpoint_root(self.cfg))
         if path is None:
             return
         version = int(checkpoints.read_meta(path)["version"])
         if version <= self.engine.version:
             return
-        res = await self.engine.load_checkpoint(str(path), version)
+        quant_profile = None
+        if self.engine.profile.checkpoint:
+            path = path / "rollout" / self.engine.profile.precision
+            if not path.is_dir():  # the learner had not sent this precision yet: wait for its sync
+                return
+            quant_profile = json.loads((path / "quant.json").read_text())["quant_profile"]
+        res = await self.engine.load_checkpoint(str(path), version, quant_profile)
         if res["ok"]:
             log.info("caught up to version %d from %s", version, path)
             self._synced(res, "checkpoint")
