@@ -25,6 +25,7 @@ from quant.profiles import PrecisionProfile
 from rlpipe.config import RolloutConfig
 from rollout_service import vllm_compat
 from rollout_service.worker_ext import EXTENSION_CLS
+from weight_sync.follower import SyncOutcome
 
 log = logging.getLogger(__name__)
 
@@ -186,31 +187,31 @@ class RolloutEngine:
                 return result
 
     async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
-                   timeout_s: float) -> dict:
-        return await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s)
+                   timeout_s: float) -> SyncOutcome:
+        return _outcome(await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s))
 
-    async def update(self, version: int, manifest_json: str) -> dict:
+    async def update(self, version: int, manifest_json: str) -> SyncOutcome:
         """Receive ``version`` while generating, then load it with generation paused. The
         weights carry their quantization profile (a recalibrated one after a recalibration)."""
         result = await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
-        if result["ok"]:
+        if result.ok:
             from weight_sync.manifest import Manifest
 
             self.quant_profile = Manifest.from_json(manifest_json).quant_profile or self.quant_profile
         return result
 
-    async def load_checkpoint(self, model_dir: str, version: int, quant_profile: str | None = None) -> dict:
+    async def load_checkpoint(self, model_dir: str, version: int, quant_profile: str | None = None) -> SyncOutcome:
         """Catch up to a checkpoint's weights (a worker that missed syncs); a quantized
         engine's come with the profile they were quantized with."""
         result = await self._stage_and_apply(version, "checkpoint", "read", model_dir)
-        if result["ok"] and quant_profile:
+        if result.ok and quant_profile:
             self.quant_profile = quant_profile
         return result
 
-    async def _stage_and_apply(self, version: int, source: str, op: str, *args) -> dict:
+    async def _stage_and_apply(self, version: int, source: str, op: str, *args) -> SyncOutcome:
         async with self._update_lock:
             staged = await self._in_worker(op, *args)
-            return {**staged, **await self._apply(version, source)} if staged["ok"] else staged
+            return _outcome({**staged, **await self._apply(version, source)} if staged["ok"] else staged)
 
     async def _apply(self, version: int, source: str) -> dict:
         """Load the staged weights with generation paused ("keep": running requests are
@@ -243,3 +244,9 @@ class RolloutEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+def _outcome(result: dict) -> SyncOutcome:
+    """The engine process's reply (JSON-able, through collective_rpc) as a typed outcome."""
+    return SyncOutcome(bool(result.get("ok")), result.get("error") or "", bool(result.get("refused")),
+                       {k: v for k, v in result.items() if k.endswith("_s")})

@@ -4,7 +4,8 @@ Three asyncio tasks share the engine:
 
 - the dispatcher keeps up to ``max_inflight_groups`` groups generating at once
   (continuous batching happens inside vLLM), within the back-pressure allowance;
-- the sync watcher joins new sync generations and applies new versions in flight;
+- the sync follower (weight_sync/follower.py) joins new sync generations and applies
+  new versions in flight;
 - the heartbeat keeps this worker in the registry.
 
 Redis calls are synchronous (they take well under a millisecond on loopback) and run in
@@ -31,13 +32,9 @@ from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
 from rollout_service.tasks import RewardError, Task
-from weight_sync.rendezvous import read_sync
+from weight_sync.follower import Checkpoint, Synced, WeightFollower
 
 log = logging.getLogger(__name__)
-
-
-def new_incarnation() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def group_seed(run_seed: int, index: int) -> int:
@@ -64,13 +61,15 @@ class RolloutLoop:
         self.queue = queue
         self.r = queue.r
         self.keys = queue.keys
-        self.sync_key = self.keys.sync_channel(cfg.rollout.precision if cfg.rollout.fleet else "")
         self.task = task
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
-        self.generation = 0  # the newest sync generation seen
-        self.incarnation = new_incarnation()  # a new one asks the learner to take this worker back
+        # Weight sync: follows the learner's generations on this precision's channel.
+        self.follower = WeightFollower(
+            self.r, self.keys.sync_channel(cfg.rollout.precision if cfg.rollout.fleet else ""), worker_id, engine,
+            cfg.sync.timeout_s, self._latest_checkpoint, self._synced, self._sync_failed, self._publish_incarnation,
+            fatal=(WeightsCorrupted,))
         self.last_sync: dict = {}
         self.stopping = asyncio.Event()
         self.groups: dict[asyncio.Task, _Group] = {}
@@ -82,7 +81,7 @@ class RolloutLoop:
 
     def start(self) -> None:
         self.dispatcher = asyncio.create_task(self._dispatch())
-        self.tasks = [self.dispatcher] + [asyncio.create_task(c) for c in (self._watch_sync(), self._heartbeat())]
+        self.tasks = [self.dispatcher] + [asyncio.create_task(c) for c in (self._follow_sync(), self._heartbeat())]
 
     async def stop(self, deadline_s: float | None = None) -> None:
         """Graceful shutdown: take no more prompts, give in-flight groups ``deadline_s``
@@ -224,96 +223,51 @@ class RolloutLoop:
         )
 
     # -- weight sync --------------------------------------------------------------------
-    async def _watch_sync(self) -> None:
-        """Follow the learner's sync generations (DESIGN.md, 'Weight sync protocol').
+    @property
+    def generation(self) -> int:
+        return self.follower.generation
 
-        A new generation that lists this worker means check in and join; a higher version
-        means receive it. A worker left out of a generation (it checked in late, a
-        transfer failed, or the learner had not seen it yet) catches up from the newest
-        checkpoint on disk and asks back in by drawing a new incarnation.
-        """
-        scfg = self.cfg.sync
-        await self._catch_up()
-        joined = must_receive = False
-        while not self.stopping.is_set():
-            try:
-                st = await asyncio.to_thread(read_sync, self.r, self.sync_key)
-                if st.generation > self.generation:
-                    self.generation = st.generation
-                    joined = must_receive = False
-                    candidate = st.candidate_of(self.worker_id)
-                    if candidate is None:
-                        await self._ask_back("a generation formed without this worker")
-                    else:
-                        res = await self.engine.join(st.master_addr, st.master_port, candidate, st.generation,
-                                                     st.manifest, scfg.timeout_s)
-                        joined = must_receive = res["ok"]
-                        if not joined:
-                            self._sync_failed(res)
-                            if not res.get("refused"):  # a worker that cannot load these weights stays out
-                                await self._ask_back(res["error"])
-                if joined and (must_receive or st.version > self.engine.version):
-                    res = await self.engine.update(st.version, st.manifest)
-                    if res["ok"]:
-                        must_receive = False
-                        self._synced(res, "learner")
-                    else:
-                        joined = False
-                        self._sync_failed(res)
-                        await self._ask_back(res["error"])
-            except asyncio.CancelledError:
-                raise
-            except WeightsCorrupted as e:
-                self.on_fatal(str(e))
-                return
-            except Exception as e:  # Redis hiccup: keep serving, try again
-                log.warning("sync watcher: %r", e)
-            await asyncio.sleep(0.05)
+    async def _follow_sync(self) -> None:
+        """weight_sync.follower does the following; an engine that cannot serve again stops the worker."""
+        try:
+            await self.follower.run(self.stopping)
+        except WeightsCorrupted as e:
+            self.on_fatal(str(e))
 
-    async def _catch_up(self) -> None:
-        """Load the newest checkpoint on disk if it is newer than the engine's weights (a
-        quantized engine loads the learner's quantized tensors of its precision from it)."""
-        path = await asyncio.to_thread(checkpoints.latest, checkpoints.checkpoint_root(self.cfg))
+    def _latest_checkpoint(self) -> Checkpoint | None:
+        """The newest checkpoint on disk; a quantized engine loads the learner's quantized
+        tensors of its precision from it, or waits for the sync if there are none yet."""
+        path = checkpoints.latest(checkpoints.checkpoint_root(self.cfg))
         if path is None:
-            return
+            return None
         version = int(checkpoints.read_meta(path)["version"])
-        if version <= self.engine.version:
-            return
-        quant_profile = None
-        if self.engine.profile.checkpoint:
-            path = path / "rollout" / self.engine.profile.precision
-            if not path.is_dir():  # the learner had not sent this precision yet: wait for its sync
-                return
-            quant_profile = json.loads((path / "quant.json").read_text())["quant_profile"]
-        res = await self.engine.load_checkpoint(str(path), version, quant_profile)
-        if res["ok"]:
-            log.info("caught up to version %d from %s", version, path)
-            self._synced(res, "checkpoint")
-        else:
-            self._sync_failed(res)
+        if not self.engine.profile.checkpoint:
+            return Checkpoint(str(path), version)
+        path = path / "rollout" / self.engine.profile.precision
+        if not path.is_dir():
+            return None
+        return Checkpoint(str(path), version, json.loads((path / "quant.json").read_text())["quant_profile"])
 
-    async def _ask_back(self, why: str) -> None:
-        log.info("out of the sync generation (%s): catching up from disk, asking back in", why)
-        await self._catch_up()
-        self.incarnation = new_incarnation()
-        await asyncio.to_thread(self._publish)
+    async def _publish_incarnation(self, incarnation: str) -> None:
+        await asyncio.to_thread(self._publish)  # the registry entry carries the follower's incarnation
 
-    def _synced(self, res: dict, source: str) -> None:
-        self.metrics.version.set(self.engine.version)
-        self.metrics.sync_pause_seconds.observe(res["pause_s"])
-        self.metrics.paused_seconds.inc(res["pause_s"])
+    def _synced(self, synced: Synced) -> None:
+        t = synced.timings
+        self.metrics.version.set(synced.version)
+        self.metrics.sync_pause_seconds.observe(t["pause_s"])
+        self.metrics.paused_seconds.inc(t["pause_s"])
         for phase in ("transfer", "read", "load"):
-            if f"{phase}_s" in res:
-                self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(res[f"{phase}_s"])
-        self.metrics.generation.set(self.generation)
-        self.last_sync = {"version": self.engine.version, "source": source, "generation": self.generation,
-                          **{k: round(v, 6) for k, v in res.items() if k.endswith("_s")}}
+            if f"{phase}_s" in t:
+                self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(t[f"{phase}_s"])
+        self.metrics.generation.set(synced.generation)
+        self.last_sync = {"version": synced.version, "source": synced.source, "generation": synced.generation,
+                          **{k: round(v, 6) for k, v in t.items()}}
         self._publish()
 
-    def _sync_failed(self, res: dict) -> None:
+    def _sync_failed(self, error: str) -> None:
         self.metrics.sync_failures.inc()
-        self.last_error = res.get("error")
-        log.warning("weight sync failed, keeping version %d: %s", self.engine.version, res.get("error"))
+        self.last_error = error
+        log.warning("weight sync failed, keeping version %d: %s", self.engine.version, error)
         try:
             self._publish()  # the learner's /status shows why at once, not at the next heartbeat
         except redis.RedisError:
@@ -324,7 +278,7 @@ class RolloutLoop:
         registry.heartbeat_worker(
             self.r, self.keys, self.worker_id, self.cfg.rollout.heartbeat_ttl_s,
             address=self.address, version=self.engine.version, precision=self.engine.profile.precision,
-            inflight=len(self.groups), incarnation=self.incarnation, generation=self.generation,
+            inflight=len(self.groups), incarnation=self.follower.incarnation, generation=self.generation,
             weights=self.engine.weights_source, last_sync=json.dumps(self.last_sync),
             last_error=self.last_error or "")
 

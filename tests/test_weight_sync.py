@@ -3,6 +3,7 @@ processes, and failures that end within the timeout instead of hanging."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import multiprocessing as mp
@@ -64,52 +65,79 @@ def test_wire_dtype_cast_happens_in_packing():
     assert got.dtype == torch.bfloat16 and torch.equal(got, t["w"].to(torch.bfloat16))
 
 
+class ChecksumEngine:
+    """A stand-in for the vLLM engine behind the real ``WeightFollower``: it joins and
+    receives through ``WeightReceiver`` and reports each version's checksum instead of
+    loading it; or misbehaves as ``mode`` says (``refuse`` the manifest, ``hang`` after
+    joining, ``crash`` in the middle of version 3 via RLPIPE_CRASH_AT)."""
+
+    def __init__(self, worker_id, mode, results):
+        self.worker_id, self.mode, self.results = worker_id, mode, results
+        self.version = -1
+        self.receiver = None
+
+    async def join(self, host, port, candidate, generation, manifest_json, timeout_s):
+        from weight_sync.follower import SyncOutcome
+        from weight_sync.receiver import WeightReceiver
+        from weight_sync.transport import LeftOut
+
+        if self.receiver is not None:
+            self.receiver.close()
+        refuse = "incompatible model" if self.mode == "refuse" else None
+        try:
+            self.receiver = await asyncio.to_thread(WeightReceiver.join, host, port, candidate, generation,
+                                                    Manifest.from_json(manifest_json), 5.0, refuse)
+        except (LeftOut, SyncError) as e:
+            self.results.put((self.worker_id, type(e).__name__, generation))
+            return SyncOutcome.failed(str(e), refused=refuse is not None)
+        if self.mode == "hang":
+            await asyncio.sleep(60)
+        return SyncOutcome(True)
+
+    async def update(self, version, manifest_json):
+        from weight_sync.follower import SyncOutcome
+
+        try:
+            weights = await asyncio.to_thread(self.receiver.receive, version, Manifest.from_json(manifest_json))
+        except SyncError as e:
+            return SyncOutcome.failed(str(e))
+        self.version = version
+        self.results.put((self.worker_id, checksum(weights), version))
+        return SyncOutcome(True)
+
+    async def load_checkpoint(self, path, version, quant_profile):
+        raise AssertionError("no checkpoints here")
+
+
 def _receiver(redis_url, run_id, worker_id, mode, versions, results):
-    """A stand-in rollout worker process: follow the generations that list it and receive
-    ``versions`` versions, reporting each one's checksum; or misbehave as ``mode`` says."""
+    """A stand-in rollout worker process: the production follower on a checksum engine,
+    until it has received ``versions`` versions (or refused once)."""
     import os
 
     if mode == "crash":
         os.environ["RLPIPE_CRASH_AT"] = "receiving:3:1"  # dies in the middle of version 3
-    from weight_sync.receiver import WeightReceiver
-    from weight_sync.transport import LeftOut
+    from weight_sync.follower import WeightFollower
 
-    r = connect(redis_url)
-    keys = Keys(run_id)
+    engine = ChecksumEngine(worker_id, mode, results)
+    stopping = asyncio.Event()
+    received = []
+
+    def synced(s):
+        received.append(s.version)
+        if len(received) >= versions:
+            stopping.set()
+
+    def failed(error):
+        if mode == "refuse":
+            stopping.set()
+
+    async def published(incarnation):
+        pass
+
+    follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id, engine, 5.0, lambda: None, synced,
+                              failed, published)
     results.put((worker_id, "ready"))
-    seen, got = 0, 0
-    while got < versions:
-        st = read_sync(r, keys.sync)
-        if st.generation <= seen or st.candidate_of(worker_id) is None:
-            time.sleep(0.02)
-            continue
-        seen = st.generation
-        manifest = Manifest.from_json(st.manifest)
-        try:
-            recv = WeightReceiver.join(st.master_addr, st.master_port, st.candidate_of(worker_id), st.generation,
-                                       manifest, 5.0, refuse="incompatible model" if mode == "refuse" else None)
-        except (LeftOut, SyncError) as e:
-            results.put((worker_id, type(e).__name__, st.generation))
-            if mode == "refuse":
-                return
-            continue
-        if mode == "hang":
-            time.sleep(60)
-        version = -1
-        while got < versions:  # every version of this generation, until it is replaced
-            st = read_sync(r, keys.sync)
-            if st.generation != seen:
-                break
-            if st.version <= version:
-                time.sleep(0.02)
-                continue
-            try:
-                weights = recv.receive(st.version, manifest)
-            except SyncError:
-                break
-            version, got = st.version, got + 1
-            results.put((worker_id, checksum(weights), version))
-        recv.close()
+    asyncio.run(follower.run(stopping, poll_s=0.02))
 
 
 def model_weights(seed: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,156 @@
+"""The rollout worker's side of weight sync, the counterpart of :class:`WeightSender`:
+follow the learner's generations and versions (DESIGN.md, 'Weight sync protocol') and
+drive an engine through the small :class:`SyncEngine` protocol.
+
+- A new generation that lists this worker means: check in and join (or refuse, when the
+  engine cannot load its manifest; a refusing worker stays out, since asking back in
+  would only be refused again).
+- A higher version in the joined generation means: receive it and load it.
+- A worker left out (it checked in late, a transfer failed, or the learner had not seen
+  it yet) catches up from the newest checkpoint on disk and asks back in by drawing a
+  new *incarnation*, the token the learner keys membership on.
+
+The engine protocol is what ``rollout_service.engine.RolloutEngine`` implements for vLLM;
+the weight-sync tests drive the same follower with a stand-in engine over
+:class:`~weight_sync.receiver.WeightReceiver`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol
+
+import redis
+
+from weight_sync.rendezvous import read_sync
+
+log = logging.getLogger(__name__)
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class SyncOutcome:
+    """What one engine operation (join, update, load a checkpoint) came to."""
+
+    ok: bool
+    error: str = ""
+    refused: bool = False  # the engine declined the generation: it cannot load these weights
+    timings: dict[str, float] = field(default_factory=dict)  # transfer_s, read_s, load_s, pause_s
+
+    @classmethod
+    def failed(cls, error: str, refused: bool = False) -> "SyncOutcome":
+        return cls(False, error, refused)
+
+
+@dataclass
+class Synced:
+    """A version the engine now serves, and where it came from."""
+
+    version: int
+    source: str  # "learner" or "checkpoint"
+    generation: int
+    timings: dict[str, float]
+
+
+@dataclass
+class Checkpoint:
+    """The newest checkpoint a worker could catch up from."""
+
+    path: str
+    version: int
+    quant_profile: str | None = None
+
+
+class SyncEngine(Protocol):
+    version: int
+
+    async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
+                   timeout_s: float) -> SyncOutcome: ...
+
+    async def update(self, version: int, manifest_json: str) -> SyncOutcome: ...
+
+    async def load_checkpoint(self, path: str, version: int, quant_profile: str | None) -> SyncOutcome: ...
+
+
+class WeightFollower:
+    """Follows one sync rendezvous (``sync_key``) for ``worker_id``.
+
+    ``latest_checkpoint`` returns what to catch up from (or None); ``on_synced`` and
+    ``on_failed`` report to the worker (metrics, registry); ``on_incarnation`` publishes a
+    new incarnation. Exceptions of the engine that mean it must not serve again propagate
+    out of :meth:`run`; anything else (Redis away for a moment) is logged and retried.
+    """
+
+    def __init__(self, r: redis.Redis, sync_key: str, worker_id: str, engine: SyncEngine, timeout_s: float,
+                 latest_checkpoint: Callable[[], Checkpoint | None],
+                 on_synced: Callable[[Synced], None], on_failed: Callable[[str], None],
+                 on_incarnation: Callable[[str], Awaitable[None]], fatal: tuple[type[Exception], ...] = ()):
+        self.r, self.sync_key, self.worker_id = r, sync_key, worker_id
+        self.engine, self.timeout_s = engine, timeout_s
+        self.latest_checkpoint = latest_checkpoint
+        self.on_synced, self.on_failed, self.on_incarnation = on_synced, on_failed, on_incarnation
+        self.fatal = fatal
+        self.generation = 0  # the newest generation seen
+        self.incarnation = new_incarnation()
+        self.joined = False
+
+    async def run(self, stopping: asyncio.Event, poll_s: float = 0.05) -> None:
+        await self.catch_up()
+        must_receive = False
+        while not stopping.is_set():
+            try:
+                st = await asyncio.to_thread(read_sync, self.r, self.sync_key)
+                if st.generation > self.generation:
+                    self.generation = st.generation
+                    self.joined = must_receive = False
+                    candidate = st.candidate_of(self.worker_id)
+                    if candidate is None:
+                        await self.ask_back("a generation formed without this worker")
+                    else:
+                        res = await self.engine.join(st.master_addr, st.master_port, candidate, st.generation,
+                                                     st.manifest, self.timeout_s)
+                        self.joined = must_receive = res.ok
+                        if not res.ok:
+                            self.on_failed(res.error)
+                            if not res.refused:
+                                await self.ask_back(res.error)
+                if self.joined and (must_receive or st.version > self.engine.version):
+                    res = await self.engine.update(st.version, st.manifest)
+                    if res.ok:
+                        must_receive = False
+                        self.on_synced(Synced(self.engine.version, "learner", self.generation, res.timings))
+                    else:
+                        self.joined = False
+                        self.on_failed(res.error)
+                        await self.ask_back(res.error)
+            except asyncio.CancelledError:
+                raise
+            except self.fatal:
+                raise
+            except Exception as e:  # Redis hiccup: keep serving, try again
+                log.warning("sync follower: %r", e)
+            await asyncio.sleep(poll_s)
+
+    async def catch_up(self) -> None:
+        """Load the newest checkpoint on disk if it is newer than the engine's weights."""
+        ckpt = await asyncio.to_thread(self.latest_checkpoint)
+        if ckpt is None or ckpt.version <= self.engine.version:
+            return
+        res = await self.engine.load_checkpoint(ckpt.path, ckpt.version, ckpt.quant_profile)
+        if res.ok:
+            log.info("caught up to version %d from %s", ckpt.version, ckpt.path)
+            self.on_synced(Synced(self.engine.version, "checkpoint", self.generation, res.timings))
+        else:
+            self.on_failed(res.error)
+
+    async def ask_back(self, why: str) -> None:
+        log.info("out of the sync generation (%s): catching up from disk, asking back in", why)
+        await self.catch_up()
+        self.incarnation = new_incarnation()
+        await self.on_incarnation(self.incarnation)
