@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,38 @@ def test_short_demo_runs_and_stamps_its_records(tmp_path, precision, is_mode, dt
     assert all(r["weight_sync_members"] == 2 for r in rows)
     # The rollout precision is a different function from the learner's, but a close one.
     assert 0 < rows[0]["mismatch_k3_kl"] < 0.05
+
+
+def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
+    """``rlpipe demo --precision int8,bf16``: the launcher calibrates an int8 profile, one
+    worker runs int8 (from the profile's checkpoint, updated with the learner's int8
+    tensors), the other bf16, each on its own sync channel."""
+    from quant.profile import QuantProfile
+    from rlpipe.cli import main as rlpipe_main
+
+    code = rlpipe_main(["demo", "--precision", "int8,bf16", "--steps", "5", "--run-id", "mixed", "--runs-dir",
+                        str(tmp_path), "--set", "learner.groups_per_step=16", "--set", "quant.calibration_samples=48",
+                        "--set", "quant.probe_samples=16"])
+    assert code == 0
+    run_dir = tmp_path / "mixed"
+    cfg = load_config(run_dir / "config.yaml", environ={})
+    profile = QuantProfile.load(cfg.quant.profile)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] and summary["precision"] == "int8,bf16" and len(rows) == 5
+    assert summary["groups[int8]"] > 0 and summary["groups[bf16]"] > 0
+    assert summary["groups_trained"] == summary["groups[int8]"] + summary["groups[bf16]"]
+    # every version reached both workers, each on its channel, with the int8 profile's tensors
+    assert all(r["weight_sync_members"] == 2 and set(r["weight_sync_by_precision"]) == {"int8", "bf16"} for r in rows)
+    assert all(r["quant_profile"] == profile.hash and r["quant_kl_vs_bf16"] < 0.05 for r in rows)
+    int8_rows = [r for r in rows if "int8" in r["mismatch_by_precision"]]
+    assert int8_rows and all(0 < r["mismatch_by_precision"]["int8"]["mismatch_kl"] < 1 for r in int8_rows)
+    assert all(0 <= r["reward_by_precision"]["int8"] <= 1 for r in int8_rows)
+    assert summary["quant_recalibrations_total"] == 0
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the last checkpoint carries the int8 tensors a returning worker catches up on
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert json.loads((last / "rollout" / "int8" / "quant.json").read_text())["quant_profile"] == profile.hash
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])

@@ -218,6 +218,12 @@ def test_scaled_activations_clip_and_auto_recalibration_repairs_them(toy_model_p
         assert m["quant_kl_vs_bf16"] < 0.5 * m["quant_kl_vs_bf16_before_recalibration"]
     _, again = wire.prepare(model, step=3)
     assert again["quant_recalibrations_total"] == 1  # nothing over threshold: no loop
+    status = wire.status()  # what the learner's /status shows under "quant"
+    assert status["profile"]["parent"] == profile.hash and status["last_recalibration_step"] == 2
+    worst = status["monitors"]["quant_worst"]
+    assert set(worst) == {"quant_saturation_fraction", "quant_update_visible_fraction", "quant_act_clip_fraction",
+                          "quant_kl_vs_bf16"}
+    assert all(w["linear"].startswith("model.layers.") for w in worst.values())
 
 
 def test_fp8_tensors_are_per_channel_float8(base):
