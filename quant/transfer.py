@@ -81,9 +81,14 @@ class Int8Weights:
         params = {n: t.detach() for n, t in model.named_parameters()}
         tensors, smoothed = self._quantize(params)
         quant_s = time.perf_counter() - t0
+        metrics = {"quant_seconds": quant_s, "quant_profile": self.profile.hash}
+        if step % self.qcfg.monitor_every and self.previous is not None:  # not a monitored update
+            self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
+            return tensors, metrics
+        t0 = time.perf_counter()
         m = monitor(model, tensors, smoothed, self.profile, self.previous)
+        metrics["quant_monitor_seconds"] = time.perf_counter() - t0
         over = self._over_thresholds(m)
-        metrics = {"quant_seconds": quant_s}
         if over:
             action = self.qcfg.recalibrate
             log.warning("quantized policy over threshold (%s); recalibrate=%s", ", ".join(over), action)

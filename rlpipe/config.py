@@ -194,6 +194,7 @@ class QuantConfig(Section):
                                   "empty = the task's prompts with their answers")
     calibration_samples: int = Field(128, ge=1)
     probe_samples: int = Field(32, ge=1, description="held-out sequences the monitors run on every update")
+    monitor_every: int = Field(1, ge=1, description="run the monitors (two probe-set forwards) every N updates")
     recalibrate: Literal["off", "warn", "auto"] = Field("warn", description="what crossing a threshold does")
     max_act_clip_fraction: float = Field(0.01, gt=0, le=1)
     max_saturation_fraction: float = Field(0.01, gt=0, le=1)
