@@ -134,7 +134,7 @@ def bench_quantize(args, workdir: Path, size: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quant.calibrate import calibrate
-    from quant.int8 import fp8_tensors, int8_tensors
+    from quant.int8 import fp8_tensors
     from quant.monitor import monitor
     from quant.profile import QuantProfile
 
@@ -144,9 +144,9 @@ def bench_quantize(args, workdir: Path, size: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     params = {n: p.detach() for n, p in model.named_parameters()}
     t_cast = timed(lambda: {n: p.to(torch.bfloat16) for n, p in params.items()}, args.repeats)
-    t_int8 = timed(lambda: int8_tensors(params, profile.smoothing, profile.input_scales), args.repeats)
+    t_int8 = timed(lambda: profile.int8_tensors(params), args.repeats)
     t_fp8 = timed(lambda: fp8_tensors(params), args.repeats)
-    tensors, smoothed = int8_tensors(params, profile.smoothing, profile.input_scales)
+    tensors, smoothed = profile.int8_tensors(params)
     t_monitor = timed(lambda: monitor(model, tensors, smoothed, profile, tensors), args.repeats)
     t_recal = timed(lambda: calibrate(model, profile.calibration_ids, profile.probe_ids, profile.alpha,
                                       profile.activations, profile.base_model), 1)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from quant.int8 import int8_tensors, quant_config, quantized_linears, smooth_groups, smoothed_weights, smoothing_vector
+from quant.int8 import quant_config, quantized_linears, smooth_groups, smoothed_weights, smoothing_vector
 from quant.profile import FORMAT, QuantProfile, model_fingerprint, token_fingerprint, write_checkpoint
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,25 @@ def _equal_length_batches(sequences: list[list[int]], batch_size: int = 32) -> l
             for i in range(0, len(group), batch_size)]
 
 
+def int8_scheme(weights: str) -> str:
+    """``quant.int8_weights``: ``full`` int8 weights (``int8-w8a8``), ``7bit`` (``int8-w7a8``),
+    or ``auto``: 7-bit where this machine's int8 GEMM would saturate (a CPU without VNNI or
+    AMX, and no CUDA), full range elsewhere. Calibrate on the kind of machine the rollout
+    workers run on, or set it."""
+    if weights != "auto":
+        return {"full": "int8-w8a8", "7bit": "int8-w7a8"}[weights]
+    if torch.cuda.is_available():
+        return "int8-w8a8"
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    return "int8-w8a8" if flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else "int8-w7a8"
+
+
 def build_profile(params: dict[str, torch.Tensor], act_amax: dict[str, torch.Tensor], alpha: float, activations: str,
                   base_model: str, calibration_ids: list[list[int]], probe_ids: list[list[int]],
-                  parent: str = "", calibrated_on: str = "base") -> QuantProfile:
+                  parent: str = "", calibrated_on: str = "base", scheme: str = "int8-w8a8") -> QuantProfile:
     """The profile of ``params`` given each linear's activation amax: one smoothing vector
     per norm, static input scales of the smoothed inputs, and the smoothed weights'
     calibrated row ranges."""
@@ -111,29 +127,32 @@ def build_profile(params: dict[str, torch.Tensor], act_amax: dict[str, torch.Ten
     return QuantProfile(activations=activations, alpha=alpha, smoothing=smoothing, input_scales=input_scales,
                         weight_amax=weight_amax, base_model=base_model,
                         calibration_set=token_fingerprint(calibration_ids), calibration_ids=calibration_ids,
-                        probe_ids=probe_ids, tools=tool_versions(), parent=parent, calibrated_on=calibrated_on)
+                        probe_ids=probe_ids, tools=tool_versions(), parent=parent, calibrated_on=calibrated_on,
+                        scheme=scheme)
 
 
 def calibrate(model, calibration_ids: list[list[int]], probe_ids: list[list[int]], alpha: float, activations: str,
-              base_model: str, parent: str = "", calibrated_on: str = "base", progress: bool = False) -> QuantProfile:
+              base_model: str, parent: str = "", calibrated_on: str = "base", progress: bool = False,
+              scheme: str = "int8-w8a8") -> QuantProfile:
     """One calibration pass over ``model`` (the base model, or the current policy when re-calibrating)."""
     t0 = time.perf_counter()
     amax = activation_amax(model, calibration_ids, alpha, progress)
     profile = build_profile(dict(model.named_parameters()), amax, alpha, activations, base_model,
-                            calibration_ids, probe_ids, parent, calibrated_on)
+                            calibration_ids, probe_ids, parent, calibrated_on, scheme)
     log.info("calibrated profile %s on %s in %.1fs", profile.hash, calibrated_on, time.perf_counter() - t0)
     return profile
 
 
 def cache_key(base_model: str, calibration_ids: list[list[int]], probe_ids: list[list[int]], alpha: float,
-              activations: str) -> str:
+              activations: str, scheme: str) -> str:
     blob = json.dumps([FORMAT, base_model, token_fingerprint(calibration_ids), token_fingerprint(probe_ids),
-                       alpha, activations])
+                       alpha, activations, scheme])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def ensure_profile(model_dir: str | Path, calibration_ids: list[list[int]], probe_ids: list[list[int]], alpha: float,
-                   activations: str, out_dir: str | Path, progress: bool = False, log_fn=print) -> Path:
+                   activations: str, out_dir: str | Path, progress: bool = False, log_fn=print,
+                   scheme: str = "int8-w8a8") -> Path:
     """Calibrate ``model_dir`` into ``out_dir`` (profile + compressed-tensors checkpoint of the
     base model) unless a complete one is already there; returns ``out_dir``."""
     out_dir = Path(out_dir)
@@ -142,12 +161,11 @@ def ensure_profile(model_dir: str | Path, calibration_ids: list[list[int]], prob
     from transformers import AutoModelForCausalLM
 
     log_fn(f"[calibrate] {model_dir}: {len(calibration_ids)} calibration sequences, alpha {alpha}, "
-           f"{activations} activations")
+           f"{activations} activations, {scheme}")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base = model_fingerprint(model_dir)
-    profile = calibrate(model, calibration_ids, probe_ids, alpha, activations, base, progress=progress)
-    tensors, _ = int8_tensors(dict(model.named_parameters()), profile.smoothing,
-                              profile.input_scales if profile.static else None)
+    profile = calibrate(model, calibration_ids, probe_ids, alpha, activations, base, progress=progress, scheme=scheme)
+    tensors, _ = profile.int8_tensors(dict(model.named_parameters()))
     write_checkpoint(tensors, model_dir, out_dir / "checkpoint", quant_config("int8", profile.static))
     profile.save(out_dir)
     log_fn(f"[calibrate] profile {profile.hash} written to {out_dir}")

@@ -50,7 +50,8 @@ def weight_monitors(tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.
             continue
         q = tensors[lin + ".weight"]
         ref = profile.weight_amax.get(lin)
-        sat = int((w.abs() > ref[:, None] * (127.5 / INT8_MAX)).sum()) if ref is not None else 0
+        qmax = profile.weight_max
+        sat = int((w.abs() > ref[:, None] * ((qmax + 0.5) / qmax)).sum()) if ref is not None else 0
         vis = int((q != previous[lin + ".weight"]).sum()) if previous is not None else q.numel()
         per[lin] = {"saturation": sat / q.numel(), "visible": vis / q.numel()}
         sat_n, vis_n, total = sat_n + sat, vis_n + vis, total + q.numel()

@@ -59,6 +59,19 @@ class QuantProfile:
         return self.activations == "static"
 
     @property
+    def weight_max(self) -> float:
+        from quant.int8 import WEIGHT_MAX
+
+        return WEIGHT_MAX[self.scheme]
+
+    def int8_tensors(self, params: dict[str, torch.Tensor]):
+        """Calibration transfer of ``params`` with this profile (quant/int8.py)."""
+        from quant.int8 import int8_tensors
+
+        return int8_tensors(params, self.smoothing, self.input_scales if self.static else None,
+                            weight_max=self.weight_max)
+
+    @property
     def compat(self) -> str:
         return compat_key(self.scheme, self.activations, self.base_model)
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from quant.int8 import fp8_tensors, int8_tensors
+from quant.int8 import fp8_tensors
 from quant.monitor import monitor
 from quant.profile import QuantProfile, compat_key, model_fingerprint
 
@@ -73,8 +73,7 @@ class Int8Weights:
         return self.profile.compat
 
     def _quantize(self, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        p = self.profile
-        return int8_tensors(params, p.smoothing, p.input_scales if p.static else None)
+        return self.profile.int8_tensors(params)
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         t0 = time.perf_counter()
@@ -123,7 +122,7 @@ class Int8Weights:
         old = self.profile
         t0 = time.perf_counter()
         self.profile = calibrate(model, old.calibration_ids, old.probe_ids, old.alpha, old.activations,
-                                 old.base_model, parent=old.hash, calibrated_on=f"step {step}")
+                                 old.base_model, parent=old.hash, calibrated_on=f"step {step}", scheme=old.scheme)
         self.recalibrations += 1
         self.last_recalibration_step = step
         log.warning("recalibrated at step %d in %.1fs: profile %s -> %s", step, time.perf_counter() - t0, old.hash,

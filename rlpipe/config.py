@@ -189,6 +189,8 @@ class QuantConfig(Section):
     activations: Literal["static", "dynamic"] = Field("dynamic", description="int8 activation scales: the "
                                                       "profile's static per-tensor ones, or per-token")
     alpha: float = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength")
+    int8_weights: Literal["auto", "full", "7bit"] = Field("auto", description="int8 weight range: 7bit where the "
+                                                           "int8 GEMM saturates (CPUs without VNNI), see quant/int8.py")
     quantize_on: Literal["learner", "worker"] = Field("worker", description="fp8: who quantizes the weights")
     calibration_file: str = Field("", description="a text file of calibration sequences, one per line; "
                                   "empty = the task's prompts with their answers")

@@ -76,16 +76,17 @@ def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path |
     cached by the fingerprints of the model, the calibration set and the settings."""
     if out_dir is None and cfg.quant.profile:
         return cfg.quant.profile
-    from quant.calibrate import cache_key, ensure_profile
+    from quant.calibrate import cache_key, ensure_profile, int8_scheme
     from quant.profile import model_fingerprint
     from rlpipe.toy import cache_root
 
     calib, probe = calibration_sequences(cfg, model_path)
     q = cfg.quant
+    scheme = int8_scheme(q.int8_weights)
     if out_dir is None:
-        key = cache_key(model_fingerprint(model_path), calib, probe, q.alpha, q.activations)
+        key = cache_key(model_fingerprint(model_path), calib, probe, q.alpha, q.activations, scheme)
         out_dir = cache_root() / "quant" / f"int8-{key}"
-    return str(ensure_profile(model_path, calib, probe, q.alpha, q.activations, out_dir, progress, log))
+    return str(ensure_profile(model_path, calib, probe, q.alpha, q.activations, out_dir, progress, log, scheme))
 
 
 def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:

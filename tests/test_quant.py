@@ -15,7 +15,6 @@ from torch.func import functional_call
 from quant.calibrate import activation_amax, calibrate
 from quant.int8 import (
     fp8_tensors,
-    int8_tensors,
     quant_config,
     quantized_linears,
     smooth_groups,
@@ -105,12 +104,12 @@ def test_smoothing_fold_preserves_the_function(base, sequences):
 def test_transfer_reproduces_the_calibrated_checkpoint(base, profile_dir, toy_model_path):
     profile = QuantProfile.load(profile_dir)
     ckpt = load_file(f"{profile_dir}/checkpoint/model.safetensors")
-    tensors, _ = int8_tensors(dict(base.named_parameters()), profile.smoothing,
-                              profile.input_scales if profile.static else None)
+    tensors, _ = profile.int8_tensors(dict(base.named_parameters()))
     assert set(tensors) == set(ckpt)
     for name, t in tensors.items():
         assert t.dtype == ckpt[name].dtype and torch.equal(t, ckpt[name]), name
     assert sum(t.dtype == torch.int8 for t in tensors.values()) == 14
+    assert max(int(t.abs().max()) for t in tensors.values() if t.dtype == torch.int8) == profile.weight_max
     assert ("model.layers.0.self_attn.q_proj.input_scale" in ckpt) == profile.static
     config = json.loads(open(f"{profile_dir}/checkpoint/config.json").read())
     assert config["quantization_config"] == quant_config("int8", profile.static)
@@ -161,11 +160,11 @@ def test_bad_quant_settings_name_the_field(profile_dir, toy_model_path, tmp_path
 def test_weight_outlier_raises_saturation(base, profile_dir):
     profile = QuantProfile.load(profile_dir)
     params = {n: p.detach().clone() for n, p in base.named_parameters()}
-    quiet = monitor(base, *int8_tensors(params, profile.smoothing, profile.input_scales), profile, None)
+    quiet = monitor(base, *profile.int8_tensors(params), profile, None)
     assert quiet["quant_saturation_fraction"] == 0.0  # the calibrated weights fit their own range
     w = params["model.layers.1.mlp.up_proj.weight"]
     w[:, 7] *= 20  # an outlier input column: every row outgrows its calibrated range
-    loud = monitor(base, *int8_tensors(params, profile.smoothing, profile.input_scales), profile, None)
+    loud = monitor(base, *profile.int8_tensors(params), profile, None)
     assert loud["quant_saturation_fraction"] > 0
     worst = loud["quant_worst"]["quant_saturation_fraction"]
     assert worst["linear"] == "model.layers.1.mlp.up_proj"
@@ -175,7 +174,7 @@ def test_weight_outlier_raises_saturation(base, profile_dir):
 def test_update_below_half_a_step_is_invisible(base, profile_dir):
     profile = QuantProfile.load(profile_dir)
     params = {n: p.detach().clone() for n, p in base.named_parameters()}
-    first, _ = int8_tensors(params, profile.smoothing, profile.input_scales)
+    first, _ = profile.int8_tensors(params)
     previous = {k: v for k, v in first.items() if v.dtype == torch.int8}
 
     def visible_after(step_fraction: float) -> float:
@@ -184,11 +183,11 @@ def test_update_below_half_a_step_is_invisible(base, profile_dir):
         divisor = {lin: profile.smoothing[g.norm] for g in smooth_groups(params) for lin in g.linears}
         for lin in quantized_linears(params):
             w = params[lin + ".weight"]
-            # one int8 step of W * s, in units of W: (row amax of W * s) / 127 / s
-            step = smoothed[lin].abs().amax(1, keepdim=True) / 127 / divisor.get(lin, torch.ones(w.shape[1]))
+            # one int8 step of W * s, in units of W: (row amax of W * s) / weight_max / s
+            step = smoothed[lin].abs().amax(1, keepdim=True) / profile.weight_max / divisor.get(lin, torch.ones(w.shape[1]))
             sign = torch.sign(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
             moved[lin + ".weight"] = w + step_fraction * step * sign
-        return monitor(base, *int8_tensors(moved, profile.smoothing, profile.input_scales), profile,
+        return monitor(base, *profile.int8_tensors(moved), profile,
                        previous)["quant_update_visible_fraction"]
 
     assert visible_after(0.0) == 0.0
@@ -236,3 +235,14 @@ def test_fp8_tensors_are_per_channel_float8(base):
     err = (w.float() * scale - ref).abs().max() / ref.abs().max()
     assert 0 < err < 0.07
     assert out["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_int8_weight_range_follows_the_machine_unless_set():
+    from quant.calibrate import int8_scheme
+    from quant.int8 import WEIGHT_MAX
+
+    assert int8_scheme("full") == "int8-w8a8" and int8_scheme("7bit") == "int8-w7a8"
+    flags = set(open("/proc/cpuinfo").read().split())
+    vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"}) or torch.cuda.is_available()
+    assert int8_scheme("auto") == ("int8-w8a8" if vnni else "int8-w7a8")
+    assert WEIGHT_MAX == {"int8-w8a8": 127.0, "int8-w7a8": 63.0}
