@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default="runs/int8_tis")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config key for every arm, e.g. --set quant.activations=dynamic")
+    ap.add_argument("--from-runs", action="store_true", help="redo the table and plot from the runs in --out")
     args = ap.parse_args(argv)
     from learner.metrics import read_jsonl
     from rlpipe.config import build_config
@@ -64,13 +65,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for arm in arms:
             run_id = f"{arm.replace('+', '-')}-s{seed}"
             print(f"[int8_tis] {run_id}: {args.steps} steps", file=sys.stderr, flush=True)
-            cfg = build_config({}, environ={}, seed=seed, run_id=run_id, **common, **ARMS[arm])
-            summary = run_demo(cfg, runs_dir=str(out / "runs"), progress=False, timeout_s=7200)
+            if args.from_runs:
+                summary = json.loads((out / "runs" / run_id / "summary.json").read_text())
+            else:
+                cfg = build_config({}, environ={}, seed=seed, run_id=run_id, **common, **ARMS[arm])
+                summary = run_demo(cfg, runs_dir=str(out / "runs"), progress=False, timeout_s=7200)
             metrics = read_jsonl(out / "runs" / run_id / "metrics.jsonl")
             curves[arm].append(metrics)
             rows.append({"arm": arm, "seed": seed, "steps": len(metrics), "reward_start": summary["reward_start"],
                          "reward_end": final(metrics, "reward_mean"),
                          "mismatch_kl_mean": statistics.fmean(r["mismatch_kl"] for r in metrics),
+                         "mismatch_k3_kl_mean": statistics.fmean(r["mismatch_k3_kl"] for r in metrics),
                          "mismatch_kl_fresh_mean": statistics.fmean(
                              [r["mismatch_kl_fresh"] for r in metrics if r.get("mismatch_kl_fresh") is not None] or [0]),
                          "is_truncated_fraction_mean": statistics.fmean(r["is_truncated_fraction"] for r in metrics),
@@ -89,11 +94,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def format_table(rows: list[dict], common: dict) -> str:
     lines = [f"Settings: {', '.join(f'{k}={v}' for k, v in common.items())}; reward_end = mean of the last 5 steps.",
-             "", "| arm | seed | reward start | reward end | mismatch KL (mean) | KL, staleness 0 | "
-             "IS truncated | int8 vs bf16 KL (probe) | RL seconds |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| arm | seed | reward start | reward end | mismatch KL (k1, mean) | k3 KL | KL, staleness 0 | "
+             "IS truncated | int8 vs bf16 KL (probe) | RL seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['seed']} | {r['reward_start']:.3f} | {r['reward_end']:.3f} | "
-                     f"{r['mismatch_kl_mean']:.2e} | {r['mismatch_kl_fresh_mean']:.2e} | "
+                     f"{r['mismatch_kl_mean']:.2e} | {r['mismatch_k3_kl_mean']:.2e} | {r['mismatch_kl_fresh_mean']:.2e} | "
                      f"{r['is_truncated_fraction_mean']:.4f} | {r['quant_kl_vs_bf16_mean']:.2e} | {r['rl_seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -109,15 +114,16 @@ def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
         color = f"C{i}"
         for run in runs:
             ax_r.plot([r["step"] for r in run], [r["reward_mean"] for r in run], color=color, alpha=0.25)
-            ax_k.plot([r["step"] for r in run], [r["mismatch_kl"] for r in run], color=color, alpha=0.25)
+            ax_k.plot([r["step"] for r in run], [r["mismatch_k3_kl"] for r in run], color=color, alpha=0.25)
         n = min(len(run) for run in runs) if runs else 0
         steps = list(range(1, n + 1))
         ax_r.plot(steps, [statistics.fmean(run[j]["reward_mean"] for run in runs) for j in range(n)], color=color,
                   linewidth=2, label=f"{arm} (mean of {len(runs)} seeds)")
-        ax_k.plot(steps, [statistics.fmean(run[j]["mismatch_kl"] for run in runs) for j in range(n)], color=color,
+        ax_k.plot(steps, [statistics.fmean(run[j]["mismatch_k3_kl"] for run in runs) for j in range(n)], color=color,
                   linewidth=2, label=arm)
     ax_r.set(xlabel="learner step", ylabel="mean reward (sampled)", title="reward")
-    ax_k.set(xlabel="learner step", ylabel="mismatch KL per token", title="rollout-training mismatch", yscale="log")
+    ax_k.set(xlabel="learner step", ylabel="mismatch KL per token (k3, never negative)",
+             title="rollout-training mismatch", yscale="log")
     for ax in (ax_r, ax_k):
         ax.grid(alpha=0.3)
         ax.legend()
