@@ -45,11 +45,6 @@ class PrecisionProfile:
         blob = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
-    @property
-    def wire_dtype(self) -> str:
-        """The dtype the learner casts float weights to (quantized wires send their own)."""
-        return self.dtype
-
     def engine_kwargs(self) -> dict:
         kwargs = {"dtype": self.dtype}
         if self.quantization:  # (a compressed-tensors checkpoint names its scheme in its config.json)
