@@ -35,11 +35,10 @@ class SyncChannel:
     def sync(self, model, version: int, step: int, live: dict[str, str]) -> tuple[dict, dict]:
         """Send ``version`` to ``live``; returns ``(sync stats, quantization metrics)``.
         Quantizing (and its monitors) runs once per version, not again for a re-formed generation."""
-        quant_metrics = {}
-        if self._prepared is None or self._prepared[0] != version:
+        tensors, quant_metrics = self.prepared(version), {}
+        if tensors is None:
             tensors, quant_metrics = self.wire.prepare(model, step)
             self._prepared = (version, tensors)
-        tensors = self._prepared[1]
         stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat)
         return stats, quant_metrics
 

@@ -142,6 +142,21 @@ class QuantProfile:
                 "calibrated_on": self.calibrated_on, "tools": self.tools}
 
 
+def load_for_run(quant, model_path: str | Path) -> QuantProfile:
+    """The run's int8 profile (``quant.profile``), checked against the run: it exists, was
+    calibrated for ``model_path`` and for ``quant.activations``. Workers and the learner
+    make the same checks, so a bad profile is refused at start-up by every role."""
+    if quant is None or not quant.profile:
+        raise ProfileError("quant.profile: int8 rollout needs a calibration profile (`rlpipe calibrate`; "
+                           "`rlpipe demo` calibrates one itself)")
+    profile = QuantProfile.load(quant.profile)
+    profile.check_model(model_path)
+    if profile.activations != quant.activations:
+        raise ProfileError(f"quant.activations: {quant.activations!r}, but profile {profile.hash} was "
+                           f"calibrated for {profile.activations!r} activations")
+    return profile
+
+
 def compat_key(scheme: str, activations: str, base_model: str) -> str:
     return f"{scheme}/{activations}/{base_model}"
 

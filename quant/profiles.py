@@ -80,16 +80,9 @@ def profile_for(precision: str, cuda: bool | None = None, quant=None, model_path
         return PrecisionProfile("fp8", "bfloat16", checkpoint=str(fp8_checkpoint(model_path)),
                                 profile_hash=hashlib.sha256(compat.encode()).hexdigest()[:16], compat=compat)
     if precision == "int8":
-        from quant.profile import ProfileError, QuantProfile
+        from quant.profile import load_for_run
 
-        if quant is None or not quant.profile:
-            raise ProfileError("quant.profile: int8 rollout needs a calibration profile (`rlpipe calibrate`; "
-                               "`rlpipe demo` calibrates one itself)")
-        profile = QuantProfile.load(quant.profile)
-        profile.check_model(model_path)
-        if profile.activations != quant.activations:
-            raise ProfileError(f"quant.activations: {quant.activations!r}, but profile {profile.hash} was "
-                               f"calibrated for {profile.activations!r} activations")
+        profile = load_for_run(quant, model_path)
         return PrecisionProfile("int8", "bfloat16", checkpoint=str(Path(quant.profile) / "checkpoint"),
                                 profile_hash=profile.hash, compat=profile.compat)
     raise ValueError(f"rollout.precision: unknown value {precision!r} (fp32, bf16, fp16, fp8, int8)")

@@ -24,7 +24,7 @@ import torch
 
 from quant.int8 import fp8_tensors
 from quant.monitor import monitor
-from quant.profile import QuantProfile, compat_key, model_fingerprint
+from quant.profile import QuantProfile, compat_key, load_for_run, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,16 @@ class Int8Weights:
         t0 = time.perf_counter()
         params = {n: t.detach() for n, t in model.named_parameters()}
         tensors, smoothed = self._quantize(params)
-        quant_s = time.perf_counter() - t0
-        metrics = {"quant_seconds": quant_s, "quant_profile": self.profile.hash}
-        if step % self.qcfg.monitor_every and self.previous is not None:  # not a monitored update
-            self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
-            return tensors, metrics
+        metrics = {"quant_seconds": time.perf_counter() - t0}
+        if step % self.qcfg.monitor_every == 0 or self.previous is None:  # a monitored update
+            tensors = self._monitor(model, params, tensors, smoothed, step, metrics)
+        metrics["quant_profile"] = self.profile.hash  # (a new one after a recalibration)
+        self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
+        return tensors, metrics
+
+    def _monitor(self, model, params, tensors, smoothed, step: int, metrics: dict) -> dict[str, torch.Tensor]:
+        """Run the monitors into ``metrics``; past a threshold warn, or recalibrate and
+        re-quantize. Returns the tensors to send."""
         t0 = time.perf_counter()
         m = monitor(model, tensors, smoothed, self.profile, self.previous)
         metrics["quant_monitor_seconds"] = time.perf_counter() - t0
@@ -102,10 +107,8 @@ class Int8Weights:
             metrics["quant_over_threshold"] = over
         metrics.update(m)
         metrics["quant_recalibrations_total"] = self.recalibrations
-        metrics["quant_profile"] = self.profile.hash
-        self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
         self.last_monitors = {**m, "over_threshold": over}
-        return tensors, metrics
+        return tensors
 
     def _over_thresholds(self, m: dict) -> list[str]:
         q = self.qcfg
@@ -138,10 +141,7 @@ class Int8Weights:
 def rollout_weights(precision: str, qcfg, model_path: str):
     """The wire for workers of ``precision`` (see the module docstring)."""
     if precision == "int8":
-        from quant.profiles import profile_for
-
-        profile_for("int8", quant=qcfg, model_path=model_path)  # the same checks a worker makes
-        return Int8Weights(QuantProfile.load(qcfg.profile), qcfg)
+        return Int8Weights(load_for_run(qcfg, model_path), qcfg)
     if precision == "fp8" and qcfg.quantize_on == "learner":
         return Fp8Weights(model_fingerprint(model_path))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
