@@ -57,7 +57,13 @@ def api(toy_model_path, tmp_path_factory):
             return False
 
     wait_for(ready, 300, interval=0.5, what="standalone worker start-up")
-    yield f"http://{address_file.read_text()}"
+    base = f"http://{address_file.read_text()}"
+    # A fresh engine's first generation builds its kernels: on a slow 2-core CI machine it took longer
+    # than httpx's 5 s default, so warm it once here with a long timeout; the tests then time real requests.
+    warm = httpx.post(f"{base}/v1/generate", json={"prompt": "1+1=", "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
+    assert warm.status_code == 200, warm.text
+    yield base
     proc.terminate()
     try:
         proc.wait(30)
@@ -76,7 +82,7 @@ def test_generate_and_status_need_the_token_health_and_metrics_do_not(api):
         resp = httpx.post(f"{api}/v1/generate", json=body, headers=headers)
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer", (headers, resp.text)
         assert httpx.get(f"{api}/v1/status", headers=headers).status_code == 401
-    ok = httpx.post(f"{api}/v1/generate", json=body, headers=AUTH)
+    ok = httpx.post(f"{api}/v1/generate", json=body, headers=AUTH, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["tokens"]) >= 1
     status = httpx.get(f"{api}/v1/status", headers=AUTH).json()
     assert status["profile"]["precision"] == "fp32" and status["limits"]["max_n"] == 8
@@ -88,7 +94,7 @@ def test_generate_and_status_need_the_token_health_and_metrics_do_not(api):
 def test_limits_come_from_the_config(api):
     """The fixture's config lowered max_n, max_new_tokens and the body size: they bind."""
     def post(body, **kw):
-        return httpx.post(f"{api}/v1/generate", json=body, headers=AUTH, **kw)
+        return httpx.post(f"{api}/v1/generate", json=body, headers=AUTH, **{"timeout": 60, **kw})
 
     resp = post({"prompt": "1+1=", "n": 9})
     assert resp.status_code == 422 and "n" in resp.json()["detail"][0]["loc"]
@@ -122,12 +128,12 @@ def test_multi_turn_prompt_token_ids_are_taken_as_they_are(api, toy_model_path):
 
     tok = AutoTokenizer.from_pretrained(toy_model_path)
     first = httpx.post(f"{api}/v1/generate", json={"prompt": "37+45=", "n": 8, "max_tokens": 8, "seed": 1},
-                       headers=AUTH).json()
+                       headers=AUTH, timeout=60).json()
     history = first["prompt_token_ids"]
     for choice in first["choices"]:
         response = choice["tokens"]
         turn2 = history + response + [tok.unk_token_id] + tok("1+1=")["input_ids"][1:]
-        out = httpx.post(f"{api}/v1/generate", json={"prompt_token_ids": turn2, "max_tokens": 4}, headers=AUTH)
+        out = httpx.post(f"{api}/v1/generate", json={"prompt_token_ids": turn2, "max_tokens": 4}, headers=AUTH, timeout=60)
         assert out.status_code == 200, out.text
         assert out.json()["prompt_token_ids"] == turn2  # never re-encoded from text
 
