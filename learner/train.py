@@ -52,7 +52,8 @@ from learner.schedule import LRSchedule, apply_lr
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig
-from rlpipe.queue import Entry, TrajectoryQueue, connect
+from rlpipe.proc import process_age_s
+from rlpipe.queue import Entry, IndexSet, TrajectoryQueue, connect, outages
 from weight_sync.transport import SyncError
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Learner:
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None)
         if self.ranks.is_main:
-            self.r = connect(cfg.redis_url)
+            self.r = connect(cfg.redis_url, cfg.redis_wait_s)
             self.queue = TrajectoryQueue(self.r, cfg.run_id)
             self.keys = self.queue.keys
             # One sync channel per rollout precision: what its workers get (cast, or quantized
@@ -94,9 +95,13 @@ class Learner:
         self.step = 0
         self.version = 0
         self.dropped_stale_total = 0
+        self.dropped_this_step = 0  # while collecting the next batch: the drop rate per step
         self.groups_skipped_total = 0
         self.trained_groups = 0  # in the lineage of the current weights
         self.trained_digest = 0  # checkpoint.group_digest of their ids
+        # The prompt indices this lineage trained and dropped: a second group for one of them
+        # (a zombie worker's, or one replayed after Redis lost writes) is a duplicate, never trained.
+        self.trained_indices, self.dropped_indices = IndexSet(), IndexSet()
         self.grad_norm_smoothed: float | None = None
         self.dead_seen = 0
         self.last_metrics: dict = {}
@@ -109,6 +114,12 @@ class Learner:
         self._unacked: list[Entry] = []  # trained, waiting for a checkpoint
         self._trained_before_restart: set[str] = set()
         self._last_membership_check = 0.0
+        # Redis outages: the entries this process acknowledged lately (id -> how), to acknowledge
+        # again the same way if a restarted Redis lost the acknowledgement, and when dead
+        # workers' leases may be re-issued again (once live workers had time to heartbeat).
+        self._recent_acks: dict[str, str] = {}
+        self._outages_seen = 0
+        self._reclaim_after = 0.0
         if resume:
             self._restore(resume)
         # The LR of the next step comes from the schedule's state, not from the optimizer's
@@ -132,10 +143,13 @@ class Learner:
             t0 = time.perf_counter()
             step_metrics = self.train_step(records)
             train_s = time.perf_counter() - t0
+            step_metrics["dropped_stale_step"], self.dropped_this_step = self.dropped_this_step, 0
             self.step += 1
             self.version += 1
             apply_lr(self.opt, self.schedule.update(self.step, step_metrics["response_length_mean"]))
             self.trained_groups += len(records)
+            for rec in records:
+                self.trained_indices.add(rec.prompt_index)
             self.trained_digest = (self.trained_digest + checkpoint.group_digest(r.group_id for r in records)) % (1 << 64)
             self._crash_point("trained")
             if self.ranks.is_main:
@@ -167,21 +181,36 @@ class Learner:
         while len(batch) < want:
             if self.stop_requested:
                 return None
+            if outages(self.r) != self._outages_seen:
+                self._after_redis_outage(batch)
             self.maybe_resync()
             if self._backlog:
                 entries, self._backlog = self._backlog[: want - len(batch)], self._backlog[want - len(batch):]
             else:
                 entries = self.queue.read(self.consumer, want - len(batch), self.cfg.learner.read_block_ms)
-            stale, fresh = [], []
+            stale, fresh, duplicate = [], [], []
+            in_batch = {e.record.prompt_index for e in batch}
             for e in entries:
+                index = e.record.prompt_index
+                if index >= 0 and (index in self.trained_indices or index in self.dropped_indices or index in in_batch):
+                    duplicate.append(e)
+                    continue
+                in_batch.add(index)
                 too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
                 (stale if too_old else fresh).append(e)
-            if stale:
+            if stale or duplicate:
                 # A drop is final whatever happens to the weights later: acknowledged at once.
-                self.queue.ack([], [e.entry_id for e in stale])
+                self._ack([], stale, duplicate)
+                for e in stale:
+                    self.dropped_indices.add(e.record.prompt_index)
                 self.dropped_stale_total += len(stale)
+                self.dropped_this_step += len(stale)
                 self.metrics.dropped_stale.inc(len(stale))
-                log.info("dropped %d groups older than %d versions", len(stale), self.cfg.queue.max_staleness)
+                if stale:
+                    log.info("dropped %d groups older than %d versions", len(stale), self.cfg.queue.max_staleness)
+                if duplicate:
+                    log.warning("acknowledged %d duplicate groups (prompts %s already settled) without training them",
+                                len(duplicate), sorted(e.record.prompt_index for e in duplicate))
             batch += fresh
         return batch
 
@@ -308,6 +337,7 @@ class Learner:
                          "groups_skipped_total": self.groups_skipped_total, "trained_groups": self.trained_groups,
                          "trained_digest": self.trained_digest, "grad_norm_smoothed": self.grad_norm_smoothed},
             "unacked_group_ids": [e.record.group_id for e in self._unacked],
+            "prompt_indices": {"trained": self.trained_indices.to_bytes(), "dropped": self.dropped_indices.to_bytes()},
         }
         meta = {"version": self.version, "trained_groups": self.trained_groups,
                 "trained_digest": str(self.trained_digest), "time": time.time()}
@@ -318,11 +348,44 @@ class Learner:
                                self.cfg.learner.checkpoint_keep,
                                before_publish=lambda: self._crash_point("checkpoint_written"), rollout=rollout)
         self._crash_point("checkpointed")
-        self.queue.ack([e.entry_id for e in self._unacked])
+        self._ack(self._unacked)
         self._unacked = []
         self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version,
                                 "seconds": time.perf_counter() - t0, "time": time.time()}
         log.info("checkpoint %s (%.2fs)", path.name, self.last_checkpoint["seconds"])
+
+    def _ack(self, trained: list[Entry], stale: list[Entry] = (), duplicate: list[Entry] = ()) -> None:
+        self.queue.ack([e.entry_id for e in trained], [e.entry_id for e in stale], [e.entry_id for e in duplicate])
+        if len(self._recent_acks) > 20 * self.cfg.learner.groups_per_step:  # well over a second's worth
+            self._recent_acks = dict(list(self._recent_acks.items())[-10 * self.cfg.learner.groups_per_step:])
+        for how, entries in (("trained", trained), ("stale", stale), ("duplicate", duplicate)):
+            self._recent_acks.update((e.entry_id, how) for e in entries)
+
+    def _after_redis_outage(self, batch: list[Entry]) -> None:
+        """Redis went away and came back; if it restarted, the AOF may have lost its last
+        second of writes. Put things back as they were:
+
+        - the weight sync re-forms in a new generation (the sync hash may have gone back);
+        - entries this learner read or acknowledged, whose read or acknowledgement was lost,
+          are pending for it again: acknowledged the same way again, or trained;
+        - the books are re-derived from the lineage and the stream (``lost_writes``);
+        - dead workers' leases wait a heartbeat TTL, so a live worker whose heartbeat was
+          lost is not taken for dead.
+        """
+        self._outages_seen = outages(self.r)
+        self._reclaim_after = time.monotonic() + self.cfg.rollout.heartbeat_ttl_s
+        for ch in self.channels.values():
+            ch.sender.drop()
+        held = {e.entry_id for e in self._unacked + self._backlog + batch}
+        replayed = [e for e in self.queue.claim_pending(self.consumer, min_idle_ms=0) if e.entry_id not in held]
+        again = {how: [e for e in replayed if self._recent_acks.get(e.entry_id) == how]
+                 for how in ("trained", "stale", "duplicate")}
+        self.queue.ack(*([e.entry_id for e in again[how]] for how in ("trained", "stale", "duplicate")))
+        self._backlog += [e for e in replayed if e.entry_id not in self._recent_acks]
+        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups - len(self._unacked))
+        log.warning("after the Redis outage: %d acknowledgements redone, %d entries to read again; "
+                    "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
+                    len(replayed) - sum(map(len, again.values())), was_t, now_t, was_p, now_p)
 
     def _restore(self, path: Path) -> None:
         state = checkpoint.load_state(path)
@@ -336,6 +399,9 @@ class Learner:
         self.trained_groups, self.trained_digest = c["trained_groups"], c["trained_digest"]
         self.grad_norm_smoothed = c["grad_norm_smoothed"]
         self._trained_before_restart = set(state["unacked_group_ids"])
+        indices = state.get("prompt_indices", {})
+        self.trained_indices = IndexSet(indices.get("trained", b""))
+        self.dropped_indices = IndexSet(indices.get("dropped", b""))
         self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
         if self.ranks.is_main:
             published = registry.learner_version(self.r, self.keys)
@@ -368,6 +434,11 @@ class Learner:
         done = [e for e in pending if e.record.group_id in self._trained_before_restart]
         self._backlog = [e for e in pending if e.record.group_id not in self._trained_before_restart]
         self.queue.ack([e.entry_id for e in done])
+        self._outages_seen = outages(self.r)
+        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups)
+        if (was_t, was_p) != (now_t, now_p):
+            log.warning("counters re-derived from the lineage and the stream: trained %d -> %d, produced %d -> %d",
+                        was_t, now_t, was_p, now_p)
         if pending:
             log.info("took over %d pending groups: %d already trained, %d to train", len(pending), len(done),
                      len(self._backlog))
@@ -385,6 +456,9 @@ class Learner:
             return
         self._last_membership_check = now
         self._publish_state()
+        reissued = self.queue.reclaim_dead() if now > self._reclaim_after else 0
+        if reissued:
+            log.warning("re-issued %d prompts leased by workers whose heartbeat expired", reissued)
         workers = registry.live_workers(self.r, self.keys)
         if not any(ch.sender.group for ch in self.channels.values()) and len(workers) < self.cfg.workers \
                 and time.monotonic() - self._monotonic_start < self.cfg.sync.join_timeout_s:
@@ -465,6 +539,9 @@ class Learner:
             "trained_groups_total": self.trained_groups,
             "learner_ranks": self.ranks.world,
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
+            # how long this process took from its start (a restart) to its first trained step
+            **({"learner_start_to_first_step_seconds": process_age_s()}
+               if not self.last_metrics else {}),
             "lr_schedule": self.schedule.state(),
             "time": time.time() - self.started_at,
         })
@@ -479,7 +556,10 @@ class Learner:
         self._publish_state()
 
     def _publish_state(self) -> None:
-        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version)
+        # ``consumed``: the groups this lineage trained, what the workers' back-pressure counts
+        # against (rlpipe.queue.rollout_allowance); a restarted learner publishes its checkpoint's.
+        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version,
+                                   consumed=self.trained_groups)
 
     def snapshot(self) -> dict:
         """What ``GET /status`` returns."""

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging("learner" if args.command == "learner" else f"rollout[{args.worker_id}]")
         exit_with_parent()
         from quant.profile import ProfileError
+        from rlpipe.queue import RedisUnavailable
 
         try:
             if args.command == "learner":
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         except ProfileError as e:  # a missing profile, or one made for another model or scheme
             print(f"rlpipe: error: {e}", file=sys.stderr)
             return 2
+        except RedisUnavailable as e:  # at start, or an outage longer than redis_wait_s: a supervisor restarts us
+            print(f"rlpipe: error: {e}", file=sys.stderr)
+            return 3
 
     if args.command == "calibrate":
         from rlpipe.demo import resolve_model, resolve_quant_profile

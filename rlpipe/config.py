@@ -211,6 +211,9 @@ class RunConfig(Section):
     steps: int = Field(100, ge=1)
     workers: int = Field(2, ge=1)
     redis_url: str = ""
+    redis_wait_s: float = Field(300.0, gt=0, description="how long a service waits for Redis, at start and "
+                                "through any outage, before it exits (password: in redis_url, or "
+                                "RLPIPE_REDIS_PASSWORD / RLPIPE_REDIS_PASSWORD_FILE)")
     allow_unauthenticated: bool = Field(False, description="let HTTP APIs listen on non-loopback "
                                         "addresses without RLPIPE_API_TOKEN (rlpipe/auth.py)")
     model: ModelConfig = ModelConfig()

@@ -67,3 +67,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+def process_start_ticks(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot ('' if there is no such
+    process): with the pid it names one process, even after the pid is reused."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter start-up and imports included)."""
+    uptime = float(open("/proc/uptime").read().split()[0])
+    return uptime - int(process_start_ticks(os.getpid())) / os.sysconf("SC_CLK_TCK")

@@ -1,22 +1,40 @@
-"""Redis keys, the trajectory stream and the shared counters (DESIGN.md, 'Redis keys').
+"""Redis keys, the trajectory stream, prompt leases and the shared counters (DESIGN.md, 'Redis keys').
 
 Delivery is at-least-once through a consumer group: the learner reads with XREADGROUP,
 and an entry leaves the stream (XACK + XDEL) only when the learner says it is done with
-it, in the same transaction that counts it as trained or dropped. So at every moment
+it, in the same transaction that counts it as trained, dropped or a duplicate. So at every moment
 
-    produced == trained + dropped_stale + len(stream)
+    produced == trained + dropped_stale + dead + duplicate + len(stream)
 
-which the end-to-end test checks. Malformed entries go to the dead-letter stream with
+which the end-to-end and chaos tests check. Malformed entries go to the dead-letter stream with
 their reason and are counted in ``dead``; they never crash a reader.
+
+Prompt leases (DESIGN.md, 'Prompt leases'): the cursor hands a prompt index to one worker
+and, in the same script, records it in that worker's ``prompts:leases:{worker}``. A push
+or a give-back clears the lease in the script that does it, and only a leased push is
+accepted: so when a dead worker's leases are re-issued (:meth:`TrajectoryQueue.reclaim_dead`,
+once its registry entry expired), a late push from it (a zombie: paused, partitioned) is
+refused and counted in ``rejected_push``, never trained twice. Every step of this is one
+server-side script, so a retried call after a lost reply cannot apply twice either.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from rlpipe.schema import GroupRecord, SchemaError, decode_group, encode_group
+
+log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "learner"
 
@@ -34,8 +52,17 @@ class Keys:
         # Not in DESIGN.md's table: prompt indices handed out but given back unfinished (a
         # worker shut down, or its reward could not be computed); handed out again first.
         self.returned = self.prefix + "prompts:returned"
+        # Not in DESIGN.md's table: how many times each re-issued prompt index was handed out before.
+        self.attempts = self.prefix + "prompts:attempts"
         # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
         self.counters = self.prefix + "counters"
+
+    def leases(self, worker_id: str) -> str:
+        return f"{self.prefix}prompts:leases:{worker_id}"
+
+    @property
+    def lease_pattern(self) -> str:
+        return f"{self.prefix}prompts:leases:*"
 
     def sync_channel(self, precision: str = "") -> str:
         """The sync rendezvous of the workers of one precision: ``sync`` when every worker
@@ -56,15 +83,172 @@ class Entry:
     record: GroupRecord
 
 
-def connect(url: str) -> redis.Redis:
-    """A client whose every call has a timeout (no call may hang a process forever)."""
-    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10, health_check_interval=30)
+class RedisUnavailable(RuntimeError):
+    """Redis stayed unreachable longer than the process may wait (``redis_wait_s``)."""
 
 
-_NEXT_INDEX = """
-local given_back = redis.call('LPOP', KEYS[1])
-if given_back then return tonumber(given_back) end
-return redis.call('INCR', KEYS[2]) - 1
+PASSWORD_ENV, PASSWORD_FILE_ENV = "RLPIPE_REDIS_PASSWORD", "RLPIPE_REDIS_PASSWORD_FILE"
+
+
+def redis_password() -> str | None:
+    """The password for a ``redis_url`` without one: ``RLPIPE_REDIS_PASSWORD``, or the file
+    named by ``RLPIPE_REDIS_PASSWORD_FILE`` (a mounted Kubernetes secret); None for neither."""
+    if os.environ.get(PASSWORD_ENV):
+        return os.environ[PASSWORD_ENV]
+    if os.environ.get(PASSWORD_FILE_ENV):
+        return Path(os.environ[PASSWORD_FILE_ENV]).read_text().strip()
+    return None
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1]))
+
+
+class OutageRetry(Retry):
+    """Retry every Redis call through an outage (a restart, a failover) until ``wait_s``
+    have passed since it began, with capped exponential backoff; then raise
+    :class:`RedisUnavailable`. It logs once when an outage begins and once when it ends,
+    rather than a traceback per call, and counts outages (``outages``) so the learner and
+    workers know to reconcile what a restarted Redis may have lost.
+
+    redis-py deep-copies the retry policy into every connection; one object per client
+    (``__deepcopy__`` returns itself) is what makes an outage one outage for all of them.
+    """
+
+    def __init__(self, url: str, wait_s: float):
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
+        self.url, self.wait_s = redacted(url), wait_s
+        self.down_since: float | None = None
+        self.outages = 0
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        failures = 0
+        while True:
+            try:
+                result = do()
+            except self._supported_errors as e:
+                if is_retryable and not is_retryable(e):
+                    raise
+                failures += 1
+                fail(e, failures) if with_failure_count else fail(e)
+                self._down(e)
+                time.sleep(self._backoff.compute(failures))
+                continue
+            self._up()
+            return result
+
+    def _down(self, error: Exception) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self.down_since is None:
+                self.down_since = now
+                self.outages += 1
+                log.warning("Redis at %s unreachable (%s): retrying for up to %.0fs", self.url, error, self.wait_s)
+            elif now - self.down_since > self.wait_s:
+                raise RedisUnavailable(f"Redis at {self.url} unreachable for {now - self.down_since:.0f}s "
+                                       f"(redis_wait_s {self.wait_s:g}): {error}") from error
+
+    def _up(self) -> None:
+        if self.down_since is not None:
+            with self._lock:
+                if self.down_since is not None:
+                    log.warning("Redis at %s is back after %.1fs", self.url, time.monotonic() - self.down_since)
+                    self.down_since = None
+
+
+def connect(url: str, wait_s: float = 0.0) -> redis.Redis:
+    """A client whose every call has a timeout (no call may hang a process forever).
+
+    With ``wait_s > 0`` (the services: ``redis_wait_s``) it waits for Redis, at start and
+    through any later outage, up to ``wait_s`` each time (:class:`OutageRetry`); without,
+    a call fails at once (tools, tests). The password comes from the URL or, failing
+    that, :func:`redis_password`.
+    """
+    kwargs = dict(socket_timeout=30, socket_connect_timeout=10, health_check_interval=30)
+    if urlsplit(url).password is None and redis_password() is not None:
+        kwargs["password"] = redis_password()
+    if wait_s > 0:
+        kwargs.update(retry=OutageRetry(url, wait_s), retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    client = redis.Redis.from_url(url, **kwargs)
+    if wait_s > 0:
+        client.ping()  # at start: waits (saying so) up to wait_s, then RedisUnavailable names the URL
+    return client
+
+
+def outages(r: redis.Redis) -> int:
+    """How many outages ``r`` has been through (0 for a client without OutageRetry)."""
+    retry = r.get_retry()
+    return retry.outages if isinstance(retry, OutageRetry) else 0
+
+
+COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "rejected_push", "reissued", "skipped",
+            "lost_writes")
+
+# KEYS: returned, cursor, leases:{worker}, attempts; ARGV: lease time
+_HAND_OUT = """
+local index = redis.call('LPOP', KEYS[1])
+if not index then index = tostring(redis.call('INCR', KEYS[2]) - 1) end
+redis.call('HSET', KEYS[3], index, ARGV[1])
+return {tonumber(index), tonumber(redis.call('HGET', KEYS[4], index) or 0)}
+"""
+
+# KEYS: leases:{worker}, traj, counters; ARGV: index, data
+_LEASED_PUSH = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
+  redis.call('HINCRBY', KEYS[3], 'rejected_push', 1)
+  return false
+end
+local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'produced', 1)
+return id
+"""
+
+# KEYS: leases:{worker}, returned, attempts, counters, workers:{worker}
+# ARGV: 'dead' (only if the registry entry is gone) | 'all' | 'skip' (clear the leases, re-issue nothing);
+#       counter to add to ('' for none); indices (none: all)
+_REISSUE = """
+if ARGV[1] == 'dead' and redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
+local indices = {}
+if #ARGV > 2 then
+  for i = 3, #ARGV do if redis.call('HDEL', KEYS[1], ARGV[i]) == 1 then indices[#indices + 1] = ARGV[i] end end
+else
+  indices = redis.call('HKEYS', KEYS[1])
+  redis.call('DEL', KEYS[1])
+end
+if ARGV[1] ~= 'skip' then
+  for _, index in ipairs(indices) do
+    redis.call('RPUSH', KEYS[2], index)
+    redis.call('HINCRBY', KEYS[3], index, 1)
+  end
+end
+if ARGV[2] ~= '' and #indices > 0 then redis.call('HINCRBY', KEYS[4], ARGV[2], #indices) end
+return #indices
+"""
+
+
+# KEYS: counters, traj; ARGV: the trained count the learner's lineage implies
+_REDERIVE = """
+local c = {}
+for _, k in ipairs({'produced', 'trained', 'dropped_stale', 'dead', 'duplicate'}) do
+  c[k] = tonumber(redis.call('HGET', KEYS[1], k) or 0)
+end
+local trained = tonumber(ARGV[1])
+local produced = trained + c.dropped_stale + c.dead + c.duplicate + redis.call('XLEN', KEYS[2])
+local lost = math.abs(trained - c.trained) + math.abs(produced - c.produced)
+if lost > 0 then
+  redis.call('HSET', KEYS[1], 'trained', trained, 'produced', produced)
+  redis.call('HINCRBY', KEYS[1], 'lost_writes', lost)
+end
+return {c.trained, trained, c.produced, produced}
 """
 
 
@@ -72,30 +256,75 @@ class TrajectoryQueue:
     def __init__(self, r: redis.Redis, run_id: str):
         self.r = r
         self.keys = Keys(run_id)
-        self._next_index = r.register_script(_NEXT_INDEX)
+        self._hand_out = r.register_script(_HAND_OUT)
+        self._leased_push = r.register_script(_LEASED_PUSH)
+        self._reissue = r.register_script(_REISSUE)
+        self._rederive = r.register_script(_REDERIVE)
 
     # -- producer side -------------------------------------------------------------
-    def push(self, rec: GroupRecord) -> str:
-        """Append one group and count it as produced, atomically."""
+    def push(self, rec: GroupRecord, worker_id: str | None = None) -> str | None:
+        """Append one group and count it as produced, atomically. A group for a leased
+        prompt (``worker_id`` given) is only appended while ``worker_id`` still holds the
+        lease, which it clears: returns None, counted in ``rejected_push``, if the prompt
+        was re-issued meanwhile. Without ``worker_id``: groups that never came from the
+        cursor (tests, imported data)."""
         data = encode_group(rec)
+        if worker_id is not None:
+            entry_id = self._leased_push(keys=[self.keys.leases(worker_id), self.keys.traj, self.keys.counters],
+                                         args=[rec.prompt_index, data])
+            return entry_id.decode() if entry_id else None
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.traj, {"data": data})
         pipe.hincrby(self.keys.counters, "produced", 1)
         entry_id, _ = pipe.execute()
         return entry_id.decode()
 
-    def next_prompt_index(self) -> int:
-        """The shared cursor: a given-back index if there is one, else the next new one.
+    def next_prompt_index(self, worker_id: str) -> tuple[int, int]:
+        """Lease the next prompt to ``worker_id``: a given-back index if there is one, else
+        the cursor's next new one; returns ``(index, attempt)``, attempt counting the
+        earlier hand-outs of that index.
 
         One server-side script, so across all workers every index is handed out exactly
         once (and once more for each time it is given back): no duplicates, no skips.
         """
-        return int(self._next_index(keys=[self.keys.returned, self.keys.cursor]))
+        index, attempt = self._hand_out(keys=[self.keys.returned, self.keys.cursor, self.keys.leases(worker_id),
+                                              self.keys.attempts], args=[time.time()])
+        return int(index), int(attempt)
 
-    def give_back(self, indices: list[int]) -> None:
-        """Return prompt indices that were handed out but will not be pushed."""
-        if indices:
-            self.r.rpush(self.keys.returned, *indices)
+    def give_back(self, worker_id: str, indices: list[int], count_as: str = "") -> int:
+        """Re-issue prompt indices ``worker_id`` leased but will not push (only those it
+        still holds: a zombie cannot give back what was re-issued). ``count_as``: a counter
+        to add them to. Returns how many were given back."""
+        if not indices:
+            return 0
+        return int(self._reissue(keys=self._reissue_keys(worker_id), args=["all", count_as, *indices]))
+
+    def skip(self, worker_id: str, index: int) -> None:
+        """Settle a leased prompt this worker cannot generate for (too long; failed twice
+        here) without re-issuing it; counted in ``skipped``."""
+        self._reissue(keys=self._reissue_keys(worker_id), args=["skip", "skipped", index])
+
+    def reissue_all(self, worker_id: str, only_if_dead: bool = False) -> int:
+        """Re-issue every lease of ``worker_id``: a restarted worker's from its previous
+        life, or (``only_if_dead``) those of a worker whose registry entry expired."""
+        return int(self._reissue(keys=self._reissue_keys(worker_id),
+                                 args=["dead" if only_if_dead else "all", "reissued"]))
+
+    def reclaim_dead(self) -> int:
+        """Re-issue the leases of every worker whose heartbeat expired (SIGKILL, OOM, a
+        lost node); the learner calls it while it waits for groups."""
+        n = 0
+        prefix = self.keys.lease_pattern[:-1]
+        for key in self.r.scan_iter(match=self.keys.lease_pattern, count=100):
+            n += self.reissue_all(key.decode()[len(prefix):], only_if_dead=True)
+        return n
+
+    def leased(self, worker_id: str) -> set[int]:
+        return {int(i) for i in self.r.hkeys(self.keys.leases(worker_id))}
+
+    def _reissue_keys(self, worker_id: str) -> list[str]:
+        k = self.keys
+        return [k.leases(worker_id), k.returned, k.attempts, k.counters, k.worker(worker_id)]
 
     # -- consumer side -------------------------------------------------------------
     def ensure_consumer_group(self) -> None:
@@ -141,26 +370,41 @@ class TrajectoryQueue:
         pipe.hincrby(self.keys.counters, "dead", 1)
         pipe.execute()
 
-    def ack(self, trained: list[str], dropped_stale: list[str] = ()) -> None:
-        """Remove finished entries and count them, in one transaction."""
-        ids = list(trained) + list(dropped_stale)
+    def ack(self, trained: list[str], dropped_stale: list[str] = (), duplicate: list[str] = ()) -> None:
+        """Remove finished entries and count them, in one transaction. ``duplicate``: groups
+        for a prompt this run's lineage already settled (replayed after lost writes)."""
+        ids = list(trained) + list(dropped_stale) + list(duplicate)
         if not ids:
             return
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(self.keys.traj, CONSUMER_GROUP, *ids)
         pipe.xdel(self.keys.traj, *ids)
-        if trained:
-            pipe.hincrby(self.keys.counters, "trained", len(trained))
-        if dropped_stale:
-            pipe.hincrby(self.keys.counters, "dropped_stale", len(dropped_stale))
+        for name, group in (("trained", trained), ("dropped_stale", dropped_stale), ("duplicate", duplicate)):
+            if group:
+                pipe.hincrby(self.keys.counters, name, len(group))
         pipe.execute()
 
     # -- accounting ----------------------------------------------------------------
     def counters(self) -> dict[str, int]:
         raw = self.r.hgetall(self.keys.counters)
-        out = {k: 0 for k in ("produced", "trained", "dropped_stale", "dead")}
+        out = dict.fromkeys(COUNTERS, 0)
         out.update({k.decode(): int(v) for k, v in raw.items()})
         return out
+
+    def rederive_counters(self, trained: int) -> tuple[int, int, int, int]:
+        """Make the books agree with what survives: ``trained`` from the learner's lineage
+        (what its checkpoints hold, less what awaits acknowledgement) and ``produced`` from
+        the stream. After a Redis restart that lost writes (AOF everysec: up to about a second)
+        they may not; each difference is added to ``lost_writes``. Returns
+        ``(trained was, trained now, produced was, produced now)``."""
+        was_t, now_t, was_p, now_p = self._rederive(keys=[self.keys.counters, self.keys.traj], args=[trained])
+        return int(was_t), int(now_t), int(was_p), int(now_p)
+
+    def unconsumed(self, consumed: int) -> int:
+        """Groups produced that the learner's lineage has not consumed, given that it
+        consumed (trained) ``consumed``: waiting in the stream, or being trained now."""
+        c = self.counters()
+        return c["produced"] - c["dropped_stale"] - c["dead"] - c["duplicate"] - consumed
 
     def length(self) -> int:
         return int(self.r.xlen(self.keys.traj))
@@ -173,18 +417,51 @@ class TrajectoryQueue:
             return 0
 
 
-def rollout_allowance(
-    counters: dict[str, int], inflight: int, version: int, groups_per_step: int, max_lag: int
-) -> int:
+def rollout_allowance(unconsumed: int, inflight: int, behind: int, groups_per_step: int, max_lag: int) -> int:
     """How many more groups may be started now (back-pressure, DESIGN.md 'Staleness').
 
-    A group started while the weights are at ``version`` is meant for one of the learner
-    steps ``version+1 .. version+1+max_lag``: every group produced or in flight that has
-    not been dropped occupies one of those ``(version + 1 + max_lag) * groups_per_step``
-    places. With ``max_lag = 0`` this is the synchronous baseline: workers produce exactly
-    one step's batch with the current weights and wait for the next version. Dropped
-    groups free their place, so the learner can always fill its batch.
+    A group started now is meant for one of the learner's next ``1 + max_lag`` steps, so
+    the groups the learner has not consumed yet (``unconsumed``: in the stream or in its
+    hands) and those in flight must fit in ``(1 + max_lag) * groups_per_step`` places; a
+    worker ``behind`` the learner's version by some versions has that many steps' places fewer.
+    With ``max_lag = 0`` this is the synchronous baseline: workers produce exactly one
+    step's batch with the current weights and wait for the next version. Dropped groups
+    free their place, so the learner can always fill its batch.
+
+    It counts what the learner *consumed*, not its version: a restored learner labels
+    its weights above every version it published and retrains the steps since its
+    checkpoint, so its version runs ahead of its steps for the rest of the run. An
+    allowance derived from the version was inflated by that gap after every restart
+    (measured: staleness stuck at max_staleness and a quarter of the groups dropped).
     """
-    occupied = counters["produced"] - counters["dropped_stale"] + inflight
-    return (version + 1 + max_lag) * groups_per_step - occupied
+    return (1 + max_lag - behind) * groups_per_step - unconsumed - inflight
+
+
+class IndexSet:
+    """A set of prompt indices as a bitmap (the cursor hands them out densely from 0):
+    the learner's lineage keeps the indices it trained and dropped, 1 bit each, in every checkpoint."""
+
+    def __init__(self, data: bytes = b""):
+        self.bits = bytearray(data)
+
+    def add(self, index: int) -> None:
+        if index < 0:
+            return
+        byte = index >> 3
+        if byte >= len(self.bits):
+            self.bits.extend(bytes(byte + 1 - len(self.bits)))
+        self.bits[byte] |= 1 << (index & 7)
+
+    def __contains__(self, index: int) -> bool:
+        byte = index >> 3
+        return 0 <= index and byte < len(self.bits) and bool(self.bits[byte] >> (index & 7) & 1)
+
+    def __len__(self) -> int:
+        return sum(bin(b).count("1") for b in self.bits)
+
+    def __iter__(self):
+        return (i for i in range(len(self.bits) * 8) if i in self)
+
+    def to_bytes(self) -> bytes:
+        return bytes(self.bits)
 

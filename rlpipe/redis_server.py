@@ -41,10 +41,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """Start with :meth:`start`, stop with :meth:`stop` (or use as a context manager)."""
 
-    def __init__(self, data_dir: str | Path, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, data_dir: str | Path, host: str = "127.0.0.1", port: int = 0, password: str | None = None):
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -61,13 +62,15 @@ class EmbeddedRedis:
             self.proc = subprocess.Popen(
                 [binary, "--port", str(port), "--bind", self.host, "--dir", str(self.data_dir),
                  "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                 "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
+                 "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+                 *(["--requirepass", self.password] if self.password else [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=set_parent_death_signal,  # never outlive the launcher, even a SIGKILLed one
             )
             log.close()
             self.port = port
-            client = redis.Redis(host=self.host, port=port, socket_timeout=2, socket_connect_timeout=1)
+            client = redis.Redis(host=self.host, port=port, password=self.password, socket_timeout=2,
+                                 socket_connect_timeout=1)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
@@ -90,6 +93,14 @@ class EmbeddedRedis:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill would: what the AOF had not written is lost.
+        :meth:`start` brings it back on the same port and directory."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
     def __enter__(self):
         return self.start()

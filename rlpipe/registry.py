@@ -7,12 +7,16 @@ its ``inflight`` count from the back-pressure sum.
 One learner per run: it holds ``rlpipe:{run}:learner:lease`` (a random token with a TTL,
 renewed in the background). A second learner (an impatient restart, a duplicated pod)
 waits until the lease is free instead of consuming the same stream, which would train
-groups twice; a learner that finds its lease taken stops.
+groups twice; a learner that finds its lease taken stops. The lease names its holder
+(host, pid, the process's start time): a learner restarted on the same host takes over
+at once when that process is provably gone, instead of waiting out the TTL.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -20,6 +24,7 @@ from typing import Callable
 
 import redis
 
+from rlpipe.proc import process_start_ticks
 from rlpipe.queue import Keys
 
 log = logging.getLogger(__name__)
@@ -70,8 +75,23 @@ def learner_version(r: redis.Redis, keys: Keys) -> int:
     return int(v) if v is not None else 0
 
 
-_RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"""
+# Renewing also re-creates a lease that vanished (a Redis restart lost its last writes), but
+# never takes one another learner holds.
+_RENEW = """
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+if not holder then return redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+return 0"""
 _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"""
+
+
+def holder_is_dead(holder: str) -> bool:
+    """True only when the lease ``holder`` (``token|host|pid|start``) ran on this host and
+    that process no longer exists; a holder elsewhere may be alive, so it is never dead here."""
+    parts = holder.split("|")
+    if len(parts) != 4 or parts[1] != socket.gethostname():
+        return False
+    return process_start_ticks(int(parts[2])) != parts[3]
 
 
 class LearnerLease:
@@ -81,11 +101,23 @@ class LearnerLease:
 
     def __init__(self, r: redis.Redis, keys: Keys, ttl_s: float):
         self.r, self.key, self.ttl_s = r, keys.learner + ":lease", ttl_s
-        self.token = uuid.uuid4().hex
+        self.token = f"{uuid.uuid4().hex}|{socket.gethostname()}|{os.getpid()}|{process_start_ticks(os.getpid())}"
         self._released = threading.Event()
+        self.took_over_from: str | None = None  # a dead holder whose lease this one took at once
 
     def try_acquire(self) -> bool:
-        return bool(self.r.set(self.key, self.token, nx=True, px=int(self.ttl_s * 1000)))
+        if self.r.set(self.key, self.token, nx=True, px=int(self.ttl_s * 1000)):
+            return True
+        holder = self.r.get(self.key)
+        if holder is not None and holder_is_dead(holder.decode()):
+            # compare-and-delete: only the dead holder's lease, not one a third learner just took
+            if self.r.eval(_RELEASE, 1, self.key, holder) and \
+                    self.r.set(self.key, self.token, nx=True, px=int(self.ttl_s * 1000)):
+                self.took_over_from = holder.decode()
+                log.warning("the previous learner (pid %s on this host) is gone: took its lease without waiting",
+                            holder.decode().split("|")[2])
+                return True
+        return False
 
     def acquire(self, on_wait: Callable[[], None], on_lost: Callable[[], None]) -> None:
         """Block until the lease is ours (``on_wait`` every 2 s meanwhile), then keep it

@@ -57,6 +57,11 @@ class GroupRecord:
     created_at: float = field(default_factory=time.time)
     gen_seconds: float = 0.0
     schema: int = SCHEMA_VERSION
+    # Not in DESIGN.md's field list (optional, so older readers and writers still agree): the
+    # prompt's index from the shared cursor and how many times it had been handed out before.
+    # The learner settles each index once (rlpipe/queue.py, 'Prompt leases'); -1: not from the cursor.
+    prompt_index: int = -1
+    attempt: int = 0
 
     @property
     def rewards(self) -> list[float]:
@@ -98,6 +103,8 @@ def encode_group(rec: GroupRecord) -> bytes:
         "created_at": float(rec.created_at),
         "gen_seconds": float(rec.gen_seconds),
     }
+    if rec.prompt_index >= 0:
+        payload.update(prompt_index=int(rec.prompt_index), attempt=int(rec.attempt))
     data = msgpack.packb(payload, use_bin_type=True)
     decode_group(data)  # the writer holds itself to the reader's rules
     return data
@@ -174,6 +181,10 @@ def decode_group(data: bytes) -> GroupRecord:
         if info is not None and not isinstance(info, dict):
             raise SchemaError(f"{where}reward_info: expected map")
         samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info))
+    for key in ("prompt_index", "attempt"):
+        if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):
+            raise SchemaError(f"{key}: expected a non-negative int, got {m[key]!r}")
+    prompt_index, attempt = m.get("prompt_index", -1), m.get("attempt", 0)
     prompt_tokens = _array(m, "prompt_tokens", I32, "")
     if not len(prompt_tokens):
         raise SchemaError("prompt_tokens: empty prompt")
@@ -192,4 +203,6 @@ def decode_group(data: bytes) -> GroupRecord:
         created_at=float(_need(m, "created_at", (int, float))),
         gen_seconds=float(_need(m, "gen_seconds", (int, float))),
         schema=schema,
+        prompt_index=prompt_index,
+        attempt=attempt,
     )

@@ -114,7 +114,7 @@ def bad_request(field: str, msg: str) -> HTTPException:
     return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg, "type": "value_error"}])
 
 
-def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> FastAPI:
+def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None) -> FastAPI:
     from rollout_service.engine import InvalidRequest, RolloutEngine
     from rollout_service.metrics import RolloutMetrics
 
@@ -142,7 +142,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "") -> Fast
                 app.state.fatal = reason
                 os.kill(os.getpid(), signal.SIGTERM)
 
-            queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
+            queue = TrajectoryQueue(redis_client or connect(cfg.redis_url, cfg.redis_wait_s), cfg.run_id)
             app.state.loop = RolloutLoop(cfg, worker_id, address, engine, queue, make_task(cfg.task),
                                          app.state.tokenizer, metrics, on_fatal)
             app.state.loop.start()

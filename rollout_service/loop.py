@@ -27,7 +27,7 @@ import redis
 
 from rlpipe import checkpoints, registry
 from rlpipe.config import RunConfig
-from rlpipe.queue import TrajectoryQueue, rollout_allowance
+from rlpipe.queue import RedisUnavailable, TrajectoryQueue, outages, rollout_allowance
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
@@ -47,6 +47,7 @@ class _Group:
     """One prompt's group in flight. Until it reaches ``pushing`` it can still be given back."""
 
     index: int
+    attempt: int = 0
     phase: str = "generating"  # generating -> scoring -> pushing, or -> failed (given back by the group itself)
 
 
@@ -78,8 +79,13 @@ class RolloutLoop:
         self.backlog: dict = {}  # what the last back-pressure check saw (for /v1/status)
         self.failed_here: set[int] = set()  # prompt indices whose group failed once on this worker
         self.pause_until = 0.0  # monotonic time before which no group starts (after a reward error)
+        self.outages_seen = 0  # Redis outages reconciled (see _after_redis_outage)
 
     def start(self) -> None:
+        # Prompts leased by this worker id's previous life (killed before it pushed them) go back now.
+        reissued = self.queue.reissue_all(self.worker_id)
+        if reissued:
+            log.warning("re-issued %d prompts my previous run leased and never pushed", reissued)
         self.dispatcher = asyncio.create_task(self._dispatch())
         self.tasks = [self.dispatcher] + [asyncio.create_task(c) for c in (self._follow_sync(), self._heartbeat())]
 
@@ -100,7 +106,7 @@ class RolloutLoop:
         await asyncio.gather(*self.groups, return_exceptions=True)
         if aborted:
             indices = [g.index for _, g in aborted]
-            await asyncio.to_thread(self.queue.give_back, indices)
+            await asyncio.to_thread(self.queue.give_back, self.worker_id, indices)
             self.metrics.prompts_given_back.inc(len(indices))
             log.info("shutdown: gave back %d unfinished prompts %s", len(indices), indices)
         for t in self.tasks:
@@ -120,6 +126,8 @@ class RolloutLoop:
                 await asyncio.sleep(0.02)
                 continue
             try:
+                if outages(self.r) != self.outages_seen:
+                    await asyncio.to_thread(self._after_redis_outage)
                 allowance = await asyncio.to_thread(self._allowance)
                 if allowance <= 0:
                     self.metrics.backpressure_waits.inc()
@@ -128,35 +136,54 @@ class RolloutLoop:
                 for _ in range(min(free, allowance)):
                     if self.stopping.is_set():
                         break
-                    group = _Group(await asyncio.to_thread(self.queue.next_prompt_index))
+                    group = _Group(*await asyncio.to_thread(self.queue.next_prompt_index, self.worker_id))
                     task = asyncio.create_task(self._run_group(group))
                     self.groups[task] = group
                     task.add_done_callback(self._group_done)
                 self.metrics.inflight.set(len(self.groups))
                 await asyncio.to_thread(self._publish)
+            except RedisUnavailable as e:  # away longer than redis_wait_s: exit, a supervisor restarts us
+                self.on_fatal(str(e))
+                return
             except (redis.RedisError, OSError) as e:  # Redis away for a moment: keep the engine, retry
                 log.warning("dispatcher: %r; retrying", e)
                 await asyncio.sleep(1.0)
             await asyncio.sleep(0)
 
+    def _after_redis_outage(self) -> None:
+        """A restarted Redis may have lost its last second of writes (AOF everysec). A lease
+        this worker holds for a prompt it no longer has in flight means its push (or
+        give-back) was lost: the prompt is re-issued and counted in ``lost_writes``. (The
+        opposite, a group in flight whose lease was lost, is refused at push and counted
+        in ``rejected_push``; its prompt was handed out again.) Runs in the dispatcher, the
+        only task that takes leases, so no hand-out is between lease and in-flight here."""
+        self.outages_seen = outages(self.r)
+        orphans = self.queue.leased(self.worker_id) - {g.index for g in self.groups.values()}
+        if orphans:
+            n = self.queue.give_back(self.worker_id, sorted(orphans), count_as="lost_writes")
+            log.warning("after the Redis outage: %d pushes were lost; re-issued prompts %s", n, sorted(orphans))
+
     def _allowance(self) -> int:
         others = registry.live_workers(self.r, self.keys)
         inflight = len(self.groups) + sum(
             int(w.get("inflight", 0)) for wid, w in others.items() if wid != self.worker_id)
-        learner_version = registry.learner_version(self.r, self.keys)
-        counters = self.queue.counters()
-        unconsumed = counters["produced"] - counters["trained"] - counters["dropped_stale"] - counters["dead"]
+        learner = registry.learner_state(self.r, self.keys)
+        learner_version = int(learner.get("version", 0))
+        unconsumed = self.queue.unconsumed(int(learner.get("consumed", 0)))
         self.backlog = {"learner_version": learner_version, "unconsumed_groups": unconsumed,
                         "lag_steps": round(unconsumed / self.cfg.learner.groups_per_step, 3),
                         "fleet_inflight_groups": inflight}
         if self.engine.weights_source != "learner" and self.engine.version < learner_version:
             return 0  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
-        version = min(self.engine.version, learner_version)
-        return rollout_allowance(counters, inflight, version, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
+        behind = learner_version - min(self.engine.version, learner_version)
+        return rollout_allowance(unconsumed, inflight, behind, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
 
     def _group_done(self, task: asyncio.Task) -> None:
         self.groups.pop(task, None)
         self.metrics.inflight.set(len(self.groups))
+        if not task.cancelled() and task.exception() is not None:  # Redis gone past redis_wait_s mid-push
+            self.last_error = repr(task.exception())
+            log.error("group task failed: %r", task.exception())
 
     async def _run_group(self, group: _Group) -> None:
         """Generate, score and push one group. A group that fails before it is pushed
@@ -175,19 +202,24 @@ class RolloutLoop:
                 self.pause_until = time.monotonic() + 2.0  # let the verifier recover
             elif index in self.failed_here:  # failed twice here: a prompt the engine cannot take
                 self.metrics.prompts_skipped.inc()
+                await asyncio.to_thread(self.queue.skip, self.worker_id, index)
                 return
             else:
                 self.failed_here.add(index)
-            await asyncio.to_thread(self.queue.give_back, [index])
+            await asyncio.to_thread(self.queue.give_back, self.worker_id, [index])
             self.metrics.prompts_given_back.inc()
             return
         if record is None:
+            await asyncio.to_thread(self.queue.skip, self.worker_id, index)
             return
         group.phase = "pushing"
-        await asyncio.to_thread(self.queue.push, record)
+        pushed = await asyncio.to_thread(self.queue.push, record, self.worker_id)
         # Leave the in-flight count now, so the registry never counts a pushed group twice.
         self.groups.pop(asyncio.current_task(), None)
         await asyncio.to_thread(self._publish)
+        if pushed is None:
+            log.warning("prompt %d was re-issued while I generated it (my heartbeat had expired): not pushed", index)
+            return
         self.metrics.groups.inc()
         self.metrics.tokens.inc(sum(len(x.tokens) for x in record.samples))
         self.metrics.generate_seconds.observe(record.gen_seconds)
@@ -220,6 +252,7 @@ class RolloutLoop:
             sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                       "max_tokens": s.max_tokens, "seed": seed},
             prompt_tokens=np.asarray(prompt_ids, dtype=np.int32), samples=samples, gen_seconds=gen_seconds,
+            prompt_index=group.index, attempt=group.attempt,
         )
 
     # -- weight sync --------------------------------------------------------------------

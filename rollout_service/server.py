@@ -47,7 +47,12 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
     address = f"{host}:{port}"
     if address_file:
         Path(address_file).write_text(address)
-    app = create_app(cfg, worker_id, address)
+    redis_client = None
+    if cfg.redis_url:  # before the engine starts: waits for Redis (saying so) up to redis_wait_s
+        from rlpipe.queue import connect
+
+        redis_client = connect(cfg.redis_url, cfg.redis_wait_s)
+    app = create_app(cfg, worker_id, address, redis_client)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -6,7 +6,8 @@ import time
 
 import msgpack
 
-from rlpipe.queue import Keys, TrajectoryQueue, connect, rollout_allowance
+from rlpipe import registry
+from rlpipe.queue import IndexSet, Keys, TrajectoryQueue, connect, rollout_allowance
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
 
@@ -60,21 +61,67 @@ def test_malformed_entries_go_to_the_dead_letter_stream(r):
 
 def test_cursor_hands_out_each_index_once(r):
     q = TrajectoryQueue(r, free_run_id("q"))
-    assert [q.next_prompt_index() for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert [q.next_prompt_index("w0")[0] for _ in range(5)] == [0, 1, 2, 3, 4]
     other = TrajectoryQueue(r, q.keys.prefix.split(":")[1])
-    assert other.next_prompt_index() == 5
+    assert other.next_prompt_index("w1") == (5, 0)
+    assert q.leased("w0") == {0, 1, 2, 3, 4} and q.leased("w1") == {5}
 
 
-def test_rollout_allowance_is_version_based():
-    counters = {"produced": 0, "dropped_stale": 0}
+def test_rollout_allowance_counts_what_the_learner_consumed():
     # Synchronous (max_lag 0): one step's batch per version, in flight counted.
-    assert rollout_allowance(counters, inflight=0, version=0, groups_per_step=4, max_lag=0) == 4
-    assert rollout_allowance(counters, inflight=3, version=0, groups_per_step=4, max_lag=0) == 1
-    assert rollout_allowance({"produced": 4, "dropped_stale": 0}, 0, 0, 4, 0) == 0
-    assert rollout_allowance({"produced": 4, "dropped_stale": 0}, 0, 1, 4, 0) == 4
-    # One step ahead (max_lag 1), and dropped groups give their places back.
-    assert rollout_allowance({"produced": 8, "dropped_stale": 0}, 0, 0, 4, 1) == 0
-    assert rollout_allowance({"produced": 8, "dropped_stale": 3}, 0, 0, 4, 1) == 3
+    assert rollout_allowance(unconsumed=0, inflight=0, behind=0, groups_per_step=4, max_lag=0) == 4
+    assert rollout_allowance(unconsumed=0, inflight=3, behind=0, groups_per_step=4, max_lag=0) == 1
+    assert rollout_allowance(4, 0, 0, 4, 0) == 0
+    # One step ahead (max_lag 1); a worker a version behind the learner gets a step less.
+    assert rollout_allowance(4, 0, 0, 4, 1) == 4
+    assert rollout_allowance(4, 0, 1, 4, 1) == 0
+
+
+def test_unconsumed_is_independent_of_the_learner_version(r):
+    """The restart bug: a restored learner's version runs ahead of its steps, its consumed
+    count does not. Dropped, dead and duplicate groups free their places."""
+    q = TrajectoryQueue(r, free_run_id("unconsumed"))
+    ids = [q.push(make_record(group_id=f"g{i}")) for i in range(10)]
+    q.ensure_consumer_group()
+    q.read("learner-0", 10)
+    q.ack(ids[:4], ids[4:6], ids[6:7])
+    assert q.unconsumed(consumed=4) == 10 - 2 - 1 - 4
+    # a learner restored from an earlier checkpoint consumed fewer: those groups count again
+    assert q.unconsumed(consumed=2) == 10 - 2 - 1 - 2
+
+
+def test_a_leased_push_clears_the_lease_and_a_zombie_push_is_refused(r, redis_server):
+    run_id = free_run_id("lease")
+    q = TrajectoryQueue(r, run_id)
+    i0, a0 = q.next_prompt_index("w0")
+    i1, _ = q.next_prompt_index("w0")
+    assert q.push(make_record(group_id="a", prompt_index=i0, attempt=a0), "w0") is not None
+    assert q.leased("w0") == {i1}
+    # w0's heartbeat is gone (it never registered here): its lease is re-issued, once
+    assert q.reclaim_dead() == 1 and q.leased("w0") == set()
+    assert q.next_prompt_index("w1") == (i1, 1)  # the second hand-out of i1
+    assert q.push(make_record(group_id="zombie", prompt_index=i1), "w0") is None  # w0 came back late
+    assert q.push(make_record(group_id="b", prompt_index=i1, attempt=1), "w1") is not None
+    c = q.counters()
+    assert (c["produced"], c["rejected_push"], c["reissued"]) == (2, 1, 1)
+    # a live worker's leases are not touched
+    registry.heartbeat_worker(r, q.keys, "w2", 30)
+    q.next_prompt_index("w2")
+    assert q.reclaim_dead() == 0 and len(q.leased("w2")) == 1
+    # a give-back re-issues only what the worker still holds; a skip settles without re-issuing
+    assert q.give_back("w1", [i1]) == 0
+    i3, _ = q.next_prompt_index("w1")
+    q.skip("w1", i3)
+    assert q.counters()["skipped"] == 1 and q.leased("w1") == set()
+
+
+def test_index_set_round_trips():
+    s = IndexSet()
+    for i in (0, 7, 8, 1000):
+        s.add(i)
+    s.add(-1)  # not from the cursor: ignored
+    t = IndexSet(s.to_bytes())
+    assert list(t) == [0, 7, 8, 1000] and len(t) == 4 and 9 not in t and 5000 not in t
 
 
 def test_keys_follow_the_design(r):
@@ -89,9 +136,9 @@ def _take_indices(url: str, run_id: str, n: int, give_back_every: int, out) -> N
     q = TrajectoryQueue(connect(url), run_id)
     kept = []
     for i in range(n):
-        index = q.next_prompt_index()
+        index, _ = q.next_prompt_index(f"w{give_back_every}")
         if give_back_every and i % give_back_every == 0:
-            q.give_back([index])
+            q.give_back(f"w{give_back_every}", [index])
         else:
             kept.append(index)
     out.put(kept)

@@ -94,3 +94,13 @@ def test_writer_refuses_a_bad_record():
     rec.samples[0].logprobs = rec.samples[0].logprobs[:1]
     with pytest.raises(SchemaError, match="logprobs"):
         encode_group(rec)
+
+
+def test_prompt_index_and_attempt_round_trip_and_are_optional():
+    rec = decode_group(encode_group(make_record(prompt_index=41, attempt=2)))
+    assert (rec.prompt_index, rec.attempt) == (41, 2)
+    assert decode_group(encode_group(make_record())).prompt_index == -1  # a record without one
+    payload = msgpack.unpackb(encode_group(make_record(prompt_index=3)), raw=False)
+    for bad in (-1, "3", True, 1.5):
+        with pytest.raises(SchemaError, match="prompt_index"):
+            decode_group(msgpack.packb({**payload, "prompt_index": bad}, use_bin_type=True))

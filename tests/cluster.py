@@ -1,0 +1,188 @@
+"""A run deployed as a deployment runs it, for the fault tests: its own ``redis-server``
+(AOF everysec, so it can be SIGKILLed and restarted on the same port and directory), N
+``rlpipe rollout`` processes and one ``rlpipe learner`` process, each started, killed and
+restarted by the test as an operator (or a supervisor) would.
+
+:meth:`Cluster.audit` checks the books at the end, from what Redis and the final
+checkpoint hold; :func:`segments` and :func:`steady` read the learner's metrics to tell
+whether the pipeline came back to its steady state after a fault, not only whether it
+lost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from learner import checkpoint
+from rlpipe import registry
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import PASSWORD_FILE_ENV, IndexSet, Keys, TrajectoryQueue, connect
+from rlpipe.redis_server import EmbeddedRedis
+from tests.conftest import ROOT, free_run_id, launch_worker, stop_worker, wait_for
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, model_path: str, workers: int = 2, password: str | None = None,
+                 password_in_url: bool = False, **settings):
+        self.dir = tmp_path
+        self.redis = EmbeddedRedis(tmp_path / "redis", password=password).start()
+        url = self.redis.url.replace("redis://", f"redis://:{password}@") if password and password_in_url \
+            else self.redis.url
+        # Otherwise every process (this one's clients too) reads it from a file, as from a
+        # mounted secret; stop() unsets it.
+        self.password_file = None
+        if password and not password_in_url:
+            self.password_file = tmp_path / "redis-password"
+            self.password_file.write_text(password + "\n")
+            os.environ[PASSWORD_FILE_ENV] = str(self.password_file)
+        base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+        self.cfg = build_config(base, environ={}, run_id=free_run_id("cluster"), run_dir=str(tmp_path),
+                                redis_url=url, workers=workers, **{"model.path": model_path, **settings})
+        self.cfg_path = tmp_path / "config.yaml"
+        dump_config(self.cfg, self.cfg_path)
+        self.keys = Keys(self.cfg.run_id)
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.learner: subprocess.Popen | None = None
+        self.faults: list[str] = []
+
+    def client(self):
+        return connect(self.cfg.redis_url, wait_s=60)
+
+    # -- roles -------------------------------------------------------------------------
+    def start_worker(self, worker_id: str, wait: bool = True) -> None:
+        env = {"RLPIPE_CPU_AFFINITY": str(int(worker_id.lstrip("w") or 0) % os.cpu_count())}
+        self.workers[worker_id], _ = launch_worker(self.cfg, self.cfg_path, worker_id, env=env, wait=wait)
+
+    def start_learner(self) -> None:
+        log = open(self.dir / "learner.log", "a")
+        log.write(f"\n=== learner start {time.strftime('%X')} ===\n")
+        log.flush()
+        self.learner = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(self.cfg_path)],
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_learner(self) -> None:
+        self.faults.append(f"SIGKILL learner at step {self.step()}")
+        os.killpg(self.learner.pid, signal.SIGKILL)
+        self.learner.wait()
+
+    def kill_worker(self, worker_id: str) -> None:
+        self.faults.append(f"SIGKILL worker {worker_id} at step {self.step()}")
+        os.killpg(self.workers[worker_id].pid, signal.SIGKILL)
+        self.workers[worker_id].wait()
+
+    def kill_redis(self, down_s: float = 3.0) -> None:
+        self.faults.append(f"SIGKILL redis-server at step {self.step()}, back after {down_s:g}s")
+        self.redis.kill()
+        time.sleep(down_s)
+        self.redis.start()
+
+    def step(self) -> int:
+        """The learner's step as it published it (0 while Redis is away)."""
+        try:
+            return int(registry.learner_state(connect(self.cfg.redis_url), self.keys).get("step", 0))
+        except Exception:
+            return 0
+
+    def wait_step(self, step: int, timeout: float = 600) -> None:
+        def reached():
+            self.check_alive()
+            return self.step() >= step
+        wait_for(reached, timeout, interval=0.5, what=f"learner step {step}")
+
+    def wait_done(self, timeout: float = 900) -> None:
+        def done():
+            self.check_alive(learner_may_exit=True)
+            return self.learner.poll() is not None
+        wait_for(done, timeout, interval=0.5, what="the learner to finish")
+        assert self.learner.returncode == 0, self.log("learner")
+
+    def check_alive(self, learner_may_exit: bool = False) -> None:
+        for w, proc in self.workers.items():
+            assert proc.poll() is None, f"worker {w} exited: {self.log(w)}"
+        if not learner_may_exit:
+            assert self.learner.poll() is None, f"learner exited: {self.log('learner')}"
+
+    def log(self, role: str, tail: int | None = 4000) -> str:
+        path = self.dir / ("learner.log" if role == "learner" else "worker.log" if role == "w0" else f"{role}.log")
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text[-tail:] if tail else text
+
+    def stop_roles(self) -> None:
+        """Stop the workers as Kubernetes would (SIGTERM: they give back what is in flight)."""
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                stop_worker(proc)
+        if self.learner is not None and self.learner.poll() is None:
+            os.killpg(self.learner.pid, signal.SIGKILL)
+            self.learner.wait()
+
+    def stop(self) -> None:
+        self.stop_roles()
+        self.redis.stop()
+        if self.password_file is not None:
+            os.environ.pop(PASSWORD_FILE_ENV, None)
+
+    # -- what the test checks -----------------------------------------------------------
+    def metrics(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def audit(self) -> dict:
+        """The books at the end (workers stopped, so nothing is in flight or leased):
+
+        - produced == trained + dropped + dead + duplicate + what is left in the stream;
+        - every prompt index below the cursor was trained or dropped by the final lineage,
+          is still in the stream, was given back, or was skipped (and counted);
+        - no prompt was trained twice in the final lineage (its trained count equals the
+          number of distinct prompt indices it trained).
+        """
+        r = self.client()
+        q = TrajectoryQueue(r, self.cfg.run_id)
+        c = q.counters()
+        length = q.length()
+        assert c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + length, (c, length)
+        final = checkpoint.latest(Path(self.cfg.run_dir) / "checkpoints")
+        state = checkpoint.load_state(final)
+        trained = IndexSet(state["prompt_indices"]["trained"])
+        dropped = IndexSet(state["prompt_indices"]["dropped"])
+        in_stream = {e.record.prompt_index for e in q._decode(r.xrange(self.keys.traj))}
+        returned = {int(i) for i in r.lrange(self.keys.returned, 0, -1)}
+        leased = set().union(*(q.leased(w) for w in self.workers))
+        cursor = int(r.get(self.keys.cursor) or 0)
+        accounted = set(trained) | set(dropped) | in_stream | returned | leased
+        missing = set(range(cursor)) - accounted
+        assert len(missing) == c["skipped"], (sorted(missing)[:20], c)
+        trained_groups = state["counters"]["trained_groups"]
+        assert trained_groups == len(trained), (trained_groups, len(trained))
+        return {"counters": c, "stream": length, "cursor": cursor, "trained_groups": trained_groups,
+                "lost": len(missing) - c["skipped"], "trained_twice": trained_groups - len(trained)}
+
+
+def segments(rows: list[dict]) -> list[list[dict]]:
+    """The learner's metrics rows split by process: each process's first row carries
+    ``learner_start_to_first_step_seconds``."""
+    out: list[list[dict]] = []
+    for row in rows:
+        if "learner_start_to_first_step_seconds" in row or not out:
+            out.append([])
+        out[-1].append(row)
+    return out
+
+
+def steady(rows: list[dict]) -> dict:
+    """Staleness and drop rate over ``rows``: mean staleness of the groups trained, and
+    dropped / (trained + dropped) groups."""
+    groups = sum(r["groups"] for r in rows)
+    dropped = sum(r["dropped_stale_step"] for r in rows)
+    return {"steps": len(rows), "staleness": sum(r["staleness_mean"] * r["groups"] for r in rows) / max(1, groups),
+            "staleness_max": max((r["staleness_max"] for r in rows), default=0),
+            "drop_rate": dropped / max(1, groups + dropped)}

@@ -1,0 +1,100 @@
+"""Restarts as a deployment has them, each role its own process (tests/cluster.py): the
+pipeline must come back to its steady state (staleness, drop rate), not only keep its books.
+
+- the learner SIGKILLed twice and restarted by hand: within a few steps of each restart,
+  staleness and the drop rate are back to their levels before the first one (the bug
+  this guards: a restored learner's version runs ahead of its steps, and back-pressure
+  derived from the version left every later step at max_staleness, a quarter dropped);
+  the restarted learner takes over the dead one's lease at once;
+- a worker SIGKILLed with groups in flight: its leased prompts are re-issued once its
+  heartbeat expires, every prompt is accounted for and none is trained twice.
+
+Both run against a password-protected Redis (password from a file, and in the URL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from rlpipe.queue import TrajectoryQueue
+from tests.cluster import Cluster, segments, steady
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = {"steps": 27, "learner.groups_per_step": 8, "learner.checkpoint_every": 3, "learner.lease_ttl_s": 30.0,
+            "learner.threads": 1, "queue.max_lag": 1, "queue.max_staleness": 4, "rollout.heartbeat_ttl_s": 4.0,
+            "rollout.heartbeat_s": 1.0, "rollout.max_inflight_groups": 8}
+SETTLE = 4  # "within a few steps": steps after a restart before it must be steady again
+
+
+def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_model_path):
+    cluster = Cluster(tmp_path, toy_model_path, workers=2, password="s3cret-file", **SETTINGS)
+    try:
+        for w in ("w0", "w1"):
+            cluster.start_worker(w, wait=False)
+        cluster.start_learner()
+        for kill_at in (9, 17):
+            cluster.wait_step(kill_at)
+            cluster.kill_learner()
+            cluster.start_learner()
+        cluster.wait_done()
+        cluster.check_alive(learner_may_exit=True)  # the workers served throughout
+        cluster.stop_roles()
+        books = cluster.audit()
+    finally:
+        cluster.stop()
+    parts = segments(cluster.metrics())
+    assert len(parts) == 3, [len(p) for p in parts]
+    before = steady([r for r in parts[0] if r["step"] > SETTLE])
+    after = [steady(p[SETTLE:]) for p in parts[1:]]
+    report = {"before": before, "after": after, "books": books,
+              "first_step_s": [p[0]["learner_start_to_first_step_seconds"] for p in parts[1:]]}
+    print(report)
+    assert before["steps"] >= 4 and all(a["steps"] >= 3 for a in after), report
+    for a in after:
+        assert a["staleness"] <= before["staleness"] + 0.25, report
+        assert a["staleness_max"] <= SETTINGS["queue.max_lag"] + 1, report
+        assert a["drop_rate"] <= before["drop_rate"], report
+    assert parts[-1][-1]["step"] == SETTINGS["steps"]
+    # each restart found the dead learner's lease and took it without waiting out its 30 s TTL
+    assert cluster.log("learner", tail=None).count("took its lease without waiting") == 2
+    assert books["lost"] == 0 and books["trained_twice"] == 0
+
+
+def test_a_dead_or_paused_worker_loses_no_prompt_and_none_is_trained_twice(tmp_path, toy_model_path):
+    """w1 is paused (SIGSTOP) with groups in flight past its heartbeat TTL: its prompts are
+    re-issued, and when it resumes, its late pushes of them are refused (a zombie). Later
+    it is SIGKILLed with groups in flight and restarted under the same id."""
+    cluster = Cluster(tmp_path, toy_model_path, workers=2, password="s3cret-url", password_in_url=True,
+                      **{**SETTINGS, "steps": 18, "sync.timeout_s": 10.0})
+    try:
+        for w in ("w0", "w1"):
+            cluster.start_worker(w, wait=False)
+        cluster.start_learner()
+        r = cluster.client()
+        q = TrajectoryQueue(r, cluster.cfg.run_id)
+        cluster.wait_step(3)
+        wait_for(lambda: len(q.leased("w1")) >= 2, 60, interval=0.01, what="w1 with groups in flight")
+        os.killpg(cluster.workers["w1"].pid, signal.SIGSTOP)
+        paused_with = q.leased("w1")
+        wait_for(lambda: q.counters()["reissued"] >= len(paused_with), 60, what="w1's prompts re-issued")
+        os.killpg(cluster.workers["w1"].pid, signal.SIGCONT)
+        wait_for(lambda: q.counters()["rejected_push"] >= 1, 60, what="the zombie's late push refused")
+        cluster.wait_step(9)
+        wait_for(lambda: len(q.leased("w1")) >= 2, 60, interval=0.01, what="w1 with groups in flight")
+        cluster.kill_worker("w1")
+        cluster.start_worker("w1")  # the same id: re-issues what its previous life leased
+        cluster.wait_done()
+        cluster.stop_roles()
+        books = cluster.audit()
+    finally:
+        cluster.stop()
+    print(books)
+    c = books["counters"]
+    assert c["reissued"] >= len(paused_with) + 2 and c["rejected_push"] >= 1
+    assert books["lost"] == 0 and books["trained_twice"] == 0
+    assert "re-issued" in cluster.log("w1", tail=None) and "not pushed" in cluster.log("w1", tail=None)
