@@ -76,6 +76,10 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.device = self.ranks.device
         self.ckpt_root = checkpoint_root(cfg)
+        if self.ranks.is_main:  # first: a Redis that is down is reported before minutes of loading
+            self.r = connect(cfg.redis_url, cfg.redis_wait_s)
+            self.queue = TrajectoryQueue(self.r, cfg.run_id)
+            self.keys = self.queue.keys
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
         self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
         self.train_model = self.ranks.wrap(self.model)
@@ -86,9 +90,6 @@ class Learner:
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None)
         if self.ranks.is_main:
-            self.r = connect(cfg.redis_url, cfg.redis_wait_s)
-            self.queue = TrajectoryQueue(self.r, cfg.run_id)
-            self.keys = self.queue.keys
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation (learner/channels.py).
             self.channels = make_channels(cfg, self.r, self.keys)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class OutageRetry(Retry):
     def __init__(self, url: str, wait_s: float):
         super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
         self.url, self.wait_s = redacted(url), wait_s
+        self.address = (urlsplit(url).hostname, urlsplit(url).port or 6379)
         self.down_since: float | None = None
         self.outages = 0
         self._lock = threading.Lock()
@@ -146,6 +148,15 @@ class OutageRetry(Retry):
             self._up()
             return result
 
+    def _reachable(self) -> bool:
+        """A success is not proof Redis is back: redis-py's ``connect()`` succeeds at once on
+        a connection whose socket is still open to the dead server. A fresh TCP connect is."""
+        try:
+            socket.create_connection(self.address, timeout=1.0).close()
+            return True
+        except OSError:
+            return False
+
     def _down(self, error: Exception) -> None:
         with self._lock:
             now = time.monotonic()
@@ -158,7 +169,7 @@ class OutageRetry(Retry):
                                        f"(redis_wait_s {self.wait_s:g}): {error}") from error
 
     def _up(self) -> None:
-        if self.down_since is not None:
+        if self.down_since is not None and self._reachable():
             with self._lock:
                 if self.down_since is not None:
                     log.warning("Redis at %s is back after %.1fs", self.url, time.monotonic() - self.down_since)

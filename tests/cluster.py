@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class Cluster:
         self.workers: dict[str, subprocess.Popen] = {}
         self.learner: subprocess.Popen | None = None
         self.faults: list[str] = []
+        self._aof_sizes: list[tuple[float, int]] = []
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch_aof, daemon=True).start()
 
     def client(self):
         return connect(self.cfg.redis_url, wait_s=60)
@@ -79,11 +83,34 @@ class Cluster:
         os.killpg(self.workers[worker_id].pid, signal.SIGKILL)
         self.workers[worker_id].wait()
 
-    def kill_redis(self, down_s: float = 3.0) -> None:
-        self.faults.append(f"SIGKILL redis-server at step {self.step()}, back after {down_s:g}s")
+    def kill_redis(self, down_s: float = 3.0, lose_s: float = 1.0) -> None:
+        """SIGKILL redis-server and start it again ``down_s`` later, on the same port and
+        directory. A SIGKILLed Redis loses nothing its AOF already wrote (the page cache
+        keeps it); a machine that dies loses up to a second with ``appendfsync everysec``,
+        so the AOF is cut back to its length ``lose_s`` before the kill, as that would."""
+        aof, step = self.redis.data_dir / "appendonly.aof", self.step()
+        self._aof_sizes.append((time.monotonic(), aof.stat().st_size))
+        cut = max((size for t, size in self._aof_sizes if t <= time.monotonic() - lose_s), default=None)
         self.redis.kill()
+        if lose_s and cut is not None:
+            lost = aof.stat().st_size - cut
+            os.truncate(aof, cut)
+        else:
+            lost = 0
+        self.faults.append(f"SIGKILL redis-server at step {step}, back after {down_s:g}s, "
+                           f"its last {lose_s:g}s of AOF ({lost} bytes) lost")
         time.sleep(down_s)
         self.redis.start()
+
+    def _watch_aof(self) -> None:
+        """Note the AOF's length every 50 ms (for kill_redis's lost second)."""
+        aof = self.redis.data_dir / "appendonly.aof"
+        while not self._stopped.wait(0.05):
+            try:
+                self._aof_sizes.append((time.monotonic(), aof.stat().st_size))
+            except OSError:
+                pass
+            del self._aof_sizes[:-200]
 
     def step(self) -> int:
         """The learner's step as it published it (0 while Redis is away)."""
@@ -126,6 +153,7 @@ class Cluster:
             self.learner.wait()
 
     def stop(self) -> None:
+        self._stopped.set()
         self.stop_roles()
         self.redis.stop()
         if self.password_file is not None:

@@ -1,9 +1,20 @@
-"""The embedded Redis: starts on a free loopback port with AOF on, persists, stops."""
+"""The embedded Redis (starts on a free loopback port with AOF on, persists, stops) and
+how the services connect to it: through restarts, before it is up, with a password."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
 import redis
 
+from rlpipe.config import build_config, dump_config
+from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, connect, outages
 from rlpipe.redis_server import EmbeddedRedis
 
 
@@ -18,3 +29,62 @@ def test_embedded_redis_persists_through_a_restart(tmp_path):
     with EmbeddedRedis(tmp_path, port=0) as again:  # a new process reads the append-only file
         assert redis.Redis.from_url(again.url).xlen("s") == 1
     assert server.proc is None and port
+
+
+def test_a_client_rides_out_a_redis_restart_with_one_line_each_way(tmp_path, caplog):
+    """SIGKILL redis-server, bring it back 1.5 s later on the same port and directory: calls
+    made meanwhile wait and succeed; the outage is logged once and counted once."""
+    server = EmbeddedRedis(tmp_path, password="pw-in-env").start()
+    os.environ[PASSWORD_ENV] = "pw-in-env"
+    try:
+        client = connect(server.url, wait_s=30)
+        client.set("k", "before")
+        time.sleep(1.2)  # AOF everysec: on disk by now
+        server.kill()
+        got = []
+
+        def calls():  # meanwhile, in another thread (the server must be started from this one:
+            got.append(client.get("k"))  # it dies with the thread that started it, see redis_server)
+            got.extend(client.incr("n") for _ in range(20))
+
+        with caplog.at_level(logging.WARNING, logger="rlpipe.queue"):
+            caller = threading.Thread(target=calls)
+            caller.start()
+            time.sleep(1.5)
+            assert not got  # still waiting
+            server.start()
+            caller.join(30)
+        assert got == [b"before", *range(1, 21)] and outages(client) == 1  # "k" survived in the AOF
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("unreachable" in m for m in lines) == 1 and sum("is back" in m for m in lines) == 1, lines
+    finally:
+        os.environ.pop(PASSWORD_ENV, None)
+        server.stop()
+
+
+def test_redis_down_at_start_waits_then_names_the_url(tmp_path):
+    """The learner with no Redis: says it is waiting, gives up after redis_wait_s with the
+    URL (password redacted) and exit code 3, no traceback."""
+    cfg = build_config({}, environ={}, run_dir=str(tmp_path), redis_url="redis://:hunter2@127.0.0.1:1/0",
+                       redis_wait_s=2.0, **{"model.path": str(tmp_path)})
+    dump_config(cfg, tmp_path / "config.yaml")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "rlpipe: error: Redis at redis://:***@127.0.0.1:1/0 unreachable" in out.stderr
+    assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - t0 >= 2.0
+
+
+def test_the_password_comes_from_the_url_the_environment_or_a_file(tmp_path, monkeypatch):
+    with EmbeddedRedis(tmp_path / "r", password="from-a-file") as server:
+        with pytest.raises(redis.AuthenticationError):
+            connect(server.url).ping()
+        assert connect(server.url.replace("redis://", "redis://:from-a-file@")).ping()
+        (tmp_path / "secret").write_text("from-a-file\n")
+        monkeypatch.setenv(PASSWORD_FILE_ENV, str(tmp_path / "secret"))
+        assert connect(server.url).ping()
+        monkeypatch.setenv(PASSWORD_ENV, "wrong")  # the variable wins over the file
+        with pytest.raises(redis.AuthenticationError):
+            connect(server.url).ping()
