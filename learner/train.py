@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # learner at that point of that step (points: collected, trained, synced, checkpoint_written,
 # checkpointed). Unset in normal runs.
 CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
+RECENT_ACKS_S = 30.0  # how long the learner remembers what it acknowledged (a lost write is redone)
 
 
 class Learner:
@@ -118,7 +119,7 @@ class Learner:
         # Redis outages: the entries this process acknowledged lately (id -> how), to acknowledge
         # again the same way if a restarted Redis lost the acknowledgement, and when dead
         # workers' leases may be re-issued again (once live workers had time to heartbeat).
-        self._recent_acks: dict[str, str] = {}
+        self._recent_acks: dict[str, tuple[str, float]] = {}
         self._outages_seen = 0
         self._reclaim_after = 0.0
         if resume:
@@ -182,13 +183,15 @@ class Learner:
         while len(batch) < want:
             if self.stop_requested:
                 return None
-            if outages(self.r) != self._outages_seen:
-                self._after_redis_outage(batch)
             self.maybe_resync()
             if self._backlog:
                 entries, self._backlog = self._backlog[: want - len(batch)], self._backlog[want - len(batch):]
             else:
                 entries = self.queue.read(self.consumer, want - len(batch), self.cfg.learner.read_block_ms)
+            if outages(self.r) != self._outages_seen:  # Redis was away meanwhile: these may be replays
+                self._backlog = entries + self._backlog
+                self._after_redis_outage(batch)
+                continue
             stale, fresh, duplicate = [], [], []
             in_batch = {e.record.prompt_index for e in batch}
             for e in entries:
@@ -357,10 +360,10 @@ class Learner:
 
     def _ack(self, trained: list[Entry], stale: list[Entry] = (), duplicate: list[Entry] = ()) -> None:
         self.queue.ack([e.entry_id for e in trained], [e.entry_id for e in stale], [e.entry_id for e in duplicate])
-        if len(self._recent_acks) > 20 * self.cfg.learner.groups_per_step:  # well over a second's worth
-            self._recent_acks = dict(list(self._recent_acks.items())[-10 * self.cfg.learner.groups_per_step:])
+        now = time.monotonic()  # the last RECENT_ACKS_S of them: far more than an AOF can lose
+        self._recent_acks = {k: (how, t) for k, (how, t) in self._recent_acks.items() if now - t < RECENT_ACKS_S}
         for how, entries in (("trained", trained), ("stale", stale), ("duplicate", duplicate)):
-            self._recent_acks.update((e.entry_id, how) for e in entries)
+            self._recent_acks.update((e.entry_id, (how, now)) for e in entries)
 
     def _after_redis_outage(self, batch: list[Entry]) -> None:
         """Redis went away and came back; if it restarted, the AOF may have lost its last
@@ -377,16 +380,30 @@ class Learner:
         self._reclaim_after = time.monotonic() + self.cfg.rollout.heartbeat_ttl_s
         for ch in self.channels.values():
             ch.sender.drop()
-        held = {e.entry_id for e in self._unacked + self._backlog + batch}
-        replayed = [e for e in self.queue.claim_pending(self.consumer, min_idle_ms=0) if e.entry_id not in held]
-        again = {how: [e for e in replayed if self._recent_acks.get(e.entry_id) == how]
+        # Everything the stream would hand this learner now: its backlog, what is pending for
+        # it, and what is new (a lost read makes entries new again), each entry once; less
+        # what it holds trained or in the batch it is collecting.
+        held = {e.entry_id for e in self._unacked + batch}
+        seen: dict[str, Entry] = {}
+        for e in self._backlog + self.queue.claim_pending(self.consumer, min_idle_ms=0) + self._read_all_new():
+            if e.entry_id not in held:
+                seen.setdefault(e.entry_id, e)
+        again = {how: [e.entry_id for e in seen.values() if self._recent_acks.get(e.entry_id, ("",))[0] == how]
                  for how in ("trained", "stale", "duplicate")}
-        self.queue.ack(*([e.entry_id for e in again[how]] for how in ("trained", "stale", "duplicate")))
-        self._backlog += [e for e in replayed if e.entry_id not in self._recent_acks]
+        self.queue.ack(again["trained"], again["stale"], again["duplicate"])
+        self._backlog = [e for e in seen.values() if e.entry_id not in self._recent_acks]
+        # Before anything else is acknowledged: what the lineage trained that Redis forgot
+        # (its push was lost after this learner read it) is counted as produced and trained.
         was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups - len(self._unacked))
-        log.warning("after the Redis outage: %d acknowledgements redone, %d entries to read again; "
+        log.warning("after the Redis outage: %d acknowledgements redone, %d entries to read; "
                     "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
-                    len(replayed) - sum(map(len, again.values())), was_t, now_t, was_p, now_p)
+                    len(self._backlog), was_t, now_t, was_p, now_p)
+
+    def _read_all_new(self) -> list[Entry]:
+        out = []
+        while chunk := self.queue.read(self.consumer, 1000, block_ms=None):
+            out += chunk
+        return out
 
     def _restore(self, path: Path) -> None:
         state = checkpoint.load_state(path)

@@ -263,6 +263,21 @@ return {c.trained, trained, c.produced, produced}
 """
 
 
+# KEYS: traj, counters; ARGV: consumer group, how many trained, dropped_stale, duplicate; their ids
+_ACK = """
+local names, pos = {'trained', 'dropped_stale', 'duplicate'}, 5
+for c = 1, 3 do
+  local removed = 0
+  for i = pos, pos + tonumber(ARGV[1 + c]) - 1 do
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    removed = removed + redis.call('XDEL', KEYS[1], ARGV[i])
+  end
+  pos = pos + tonumber(ARGV[1 + c])
+  if removed > 0 then redis.call('HINCRBY', KEYS[2], names[c], removed) end
+end
+"""
+
+
 class TrajectoryQueue:
     def __init__(self, r: redis.Redis, run_id: str):
         self.r = r
@@ -271,6 +286,7 @@ class TrajectoryQueue:
         self._leased_push = r.register_script(_LEASED_PUSH)
         self._reissue = r.register_script(_REISSUE)
         self._rederive = r.register_script(_REDERIVE)
+        self._ack = r.register_script(_ACK)
 
     # -- producer side -------------------------------------------------------------
     def push(self, rec: GroupRecord, worker_id: str | None = None) -> str | None:
@@ -382,18 +398,14 @@ class TrajectoryQueue:
         pipe.execute()
 
     def ack(self, trained: list[str], dropped_stale: list[str] = (), duplicate: list[str] = ()) -> None:
-        """Remove finished entries and count them, in one transaction. ``duplicate``: groups
-        for a prompt this run's lineage already settled (replayed after lost writes)."""
-        ids = list(trained) + list(dropped_stale) + list(duplicate)
-        if not ids:
-            return
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.keys.traj, CONSUMER_GROUP, *ids)
-        pipe.xdel(self.keys.traj, *ids)
-        for name, group in (("trained", trained), ("dropped_stale", dropped_stale), ("duplicate", duplicate)):
-            if group:
-                pipe.hincrby(self.keys.counters, name, len(group))
-        pipe.execute()
+        """Remove finished entries and count them, atomically. ``duplicate``: groups for a
+        prompt this run's lineage already settled. Only entries still in the stream are
+        counted: after a Redis restart lost an entry's push, the learner may hold it and
+        acknowledge it, and counting it would break the books."""
+        if trained or dropped_stale or duplicate:
+            self._ack(keys=[self.keys.traj, self.keys.counters],
+                      args=[CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate),
+                            *trained, *dropped_stale, *duplicate])
 
     # -- accounting ----------------------------------------------------------------
     def counters(self) -> dict[str, int]:

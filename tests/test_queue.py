@@ -163,3 +163,16 @@ def test_cursor_hands_out_every_index_once_across_processes(redis_server):
     handed = int(q.r.get(q.keys.cursor))
     assert sorted(kept + left) == list(range(handed))
     assert handed < 4 * 300  # given-back indices were handed out again instead of new ones
+
+
+def test_acknowledging_an_entry_redis_lost_counts_nothing(r):
+    """After a Redis restart lost a push, the learner may still hold that entry: acking it
+    must not count it, or the books would no longer balance."""
+    q = TrajectoryQueue(r, free_run_id("lostack"))
+    kept = q.push(make_record(group_id="kept"))
+    q.ensure_consumer_group()
+    q.read("learner-0", 10)
+    q.ack([kept, "1-1"], ["2-2"], ["3-3"])  # the three others were never in this stream
+    c = q.counters()
+    assert (c["produced"], c["trained"], c["dropped_stale"], c["duplicate"]) == (1, 1, 0, 0)
+    assert q.length() == 0 and q.pending() == 0
