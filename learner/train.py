@@ -575,7 +575,7 @@ class Learner:
 
     def _publish_state(self) -> None:
         # ``consumed``: the groups this lineage trained, what the workers' back-pressure counts
-        # against (rlpipe.queue.rollout_allowance); a restarted learner publishes its checkpoint's.
+        # against (rlpipe.queue.TrajectoryQueue.lease_prompts); a restarted learner publishes its checkpoint's.
         registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version,
                                    consumed=self.trained_groups)
 

@@ -201,15 +201,34 @@ def outages(r: redis.Redis) -> int:
     return retry.outages if isinstance(retry, OutageRetry) else 0
 
 
-COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "rejected_push", "reissued", "skipped",
-            "lost_writes")
+COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "leased", "rejected_push", "reissued",
+            "skipped", "lost_writes")
 
-# KEYS: returned, cursor, leases:{worker}, attempts; ARGV: lease time
+# KEYS: returned, cursor, leases:{worker}, attempts, counters, learner
+# ARGV: lease time, how many wanted, then either nothing (no back-pressure) or
+#       the worker's weights version, groups_per_step, max_lag (see lease_prompts)
+# Returns {allowance, index, attempt, index, attempt, ...}
 _HAND_OUT = """
-local index = redis.call('LPOP', KEYS[1])
-if not index then index = tostring(redis.call('INCR', KEYS[2]) - 1) end
-redis.call('HSET', KEYS[3], index, ARGV[1])
-return {tonumber(index), tonumber(redis.call('HGET', KEYS[4], index) or 0)}
+local allowance = tonumber(ARGV[2])
+if #ARGV > 2 then
+  local learner = redis.call('HMGET', KEYS[6], 'version', 'consumed')
+  local version, consumed = tonumber(learner[1] or 0), tonumber(learner[2] or 0)
+  local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'duplicate', 'leased')
+  for i = 1, 5 do c[i] = tonumber(c[i] or 0) end
+  local unconsumed = c[1] - c[2] - c[3] - c[4] - consumed
+  local behind = version - math.min(tonumber(ARGV[3]), version)
+  allowance = (1 + tonumber(ARGV[5]) - behind) * tonumber(ARGV[4]) - unconsumed - c[5]
+end
+local out = {allowance}
+for _ = 1, math.min(tonumber(ARGV[2]), allowance) do
+  local index = redis.call('LPOP', KEYS[1])
+  if not index then index = tostring(redis.call('INCR', KEYS[2]) - 1) end
+  redis.call('HSET', KEYS[3], index, ARGV[1])
+  out[#out + 1] = tonumber(index)
+  out[#out + 1] = tonumber(redis.call('HGET', KEYS[4], index) or 0)
+end
+if #out > 1 then redis.call('HINCRBY', KEYS[5], 'leased', (#out - 1) / 2) end
+return out
 """
 
 # KEYS: leases:{worker}, traj, counters; ARGV: index, data
@@ -218,6 +237,7 @@ if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
   redis.call('HINCRBY', KEYS[3], 'rejected_push', 1)
   return false
 end
+redis.call('HINCRBY', KEYS[3], 'leased', -1)
 local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
 return id
@@ -241,7 +261,10 @@ if ARGV[1] ~= 'skip' then
     redis.call('HINCRBY', KEYS[3], index, 1)
   end
 end
-if ARGV[2] ~= '' and #indices > 0 then redis.call('HINCRBY', KEYS[4], ARGV[2], #indices) end
+if #indices > 0 then
+  redis.call('HINCRBY', KEYS[4], 'leased', -#indices)
+  if ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[2], #indices) end
+end
 return #indices
 """
 
@@ -306,17 +329,40 @@ class TrajectoryQueue:
         entry_id, _ = pipe.execute()
         return entry_id.decode()
 
-    def next_prompt_index(self, worker_id: str) -> tuple[int, int]:
-        """Lease the next prompt to ``worker_id``: a given-back index if there is one, else
-        the cursor's next new one; returns ``(index, attempt)``, attempt counting the
-        earlier hand-outs of that index.
+    def lease_prompts(self, worker_id: str, wanted: int,
+                      backpressure: tuple[int, int, int] | None = None) -> tuple[int, list[tuple[int, int]]]:
+        """Lease up to ``wanted`` prompts to ``worker_id``, given-back indices first, then the
+        cursor's next new ones; returns the allowance and ``(index, attempt)`` pairs, attempt
+        counting the earlier hand-outs of that index.
 
-        One server-side script, so across all workers every index is handed out exactly
-        once (and once more for each time it is given back): no duplicates, no skips.
+        Every index is handed out exactly once (and once more for each time it is given
+        back): no duplicates, no skips.
+
+        ``backpressure = (weights version, groups_per_step, max_lag)`` caps them at the
+        rollout allowance (DESIGN.md 'Staleness'), computed in the same script, so two
+        workers asking at once cannot both take the last places. A group started now is
+        meant for one of the learner's next ``1 + max_lag`` steps, so the groups it has not
+        consumed yet (in the stream or in its hands) and those in flight (the fleet's leases,
+        ``leased``) must fit in ``(1 + max_lag) * groups_per_step`` places; a worker whose
+        weights are some versions behind the learner's has that many steps' places fewer.
+        With ``max_lag = 0`` this is the synchronous baseline. Dropped groups free their
+        place, so the learner can always fill its batch.
+
+        It counts what the learner *consumed* (``consumed`` in the learner hash, the groups
+        its lineage trained), not its version: a restored learner labels its weights above
+        every version it published and retrains the steps since its checkpoint, so its
+        version runs ahead of its steps for the rest of the run. An allowance derived from
+        the version was inflated by that gap after every restart (measured: staleness stuck
+        at max_staleness and a quarter of the groups dropped).
         """
-        index, attempt = self._hand_out(keys=[self.keys.returned, self.keys.cursor, self.keys.leases(worker_id),
-                                              self.keys.attempts], args=[time.time()])
-        return int(index), int(attempt)
+        keys = self.keys
+        raw = self._hand_out(keys=[keys.returned, keys.cursor, keys.leases(worker_id), keys.attempts, keys.counters,
+                                   keys.learner], args=[time.time(), wanted, *(backpressure or ())])
+        return int(raw[0]), [(int(raw[i]), int(raw[i + 1])) for i in range(1, len(raw), 2)]
+
+    def next_prompt_index(self, worker_id: str) -> tuple[int, int]:
+        """One prompt for ``worker_id``, without back-pressure (tools and tests)."""
+        return self.lease_prompts(worker_id, 1)[1][0]
 
     def give_back(self, worker_id: str, indices: list[int], count_as: str = "") -> int:
         """Re-issue prompt indices ``worker_id`` leased but will not push (only those it
@@ -438,26 +484,6 @@ class TrajectoryQueue:
             return int(self.r.xpending(self.keys.traj, CONSUMER_GROUP)["pending"])
         except redis.ResponseError:  # no group yet
             return 0
-
-
-def rollout_allowance(unconsumed: int, inflight: int, behind: int, groups_per_step: int, max_lag: int) -> int:
-    """How many more groups may be started now (back-pressure, DESIGN.md 'Staleness').
-
-    A group started now is meant for one of the learner's next ``1 + max_lag`` steps, so
-    the groups the learner has not consumed yet (``unconsumed``: in the stream or in its
-    hands) and those in flight must fit in ``(1 + max_lag) * groups_per_step`` places; a
-    worker ``behind`` the learner's version by some versions has that many steps' places fewer.
-    With ``max_lag = 0`` this is the synchronous baseline: workers produce exactly one
-    step's batch with the current weights and wait for the next version. Dropped groups
-    free their place, so the learner can always fill its batch.
-
-    It counts what the learner *consumed*, not its version: a restored learner labels
-    its weights above every version it published and retrains the steps since its
-    checkpoint, so its version runs ahead of its steps for the rest of the run. An
-    allowance derived from the version was inflated by that gap after every restart
-    (measured: staleness stuck at max_staleness and a quarter of the groups dropped).
-    """
-    return (1 + max_lag - behind) * groups_per_step - unconsumed - inflight
 
 
 class IndexSet:

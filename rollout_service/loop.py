@@ -27,7 +27,7 @@ import redis
 
 from rlpipe import checkpoints, registry
 from rlpipe.config import RunConfig
-from rlpipe.queue import RedisUnavailable, TrajectoryQueue, outages, rollout_allowance
+from rlpipe.queue import RedisUnavailable, TrajectoryQueue, outages
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
@@ -128,15 +128,13 @@ class RolloutLoop:
             try:
                 if outages(self.r) != self.outages_seen:
                     await asyncio.to_thread(self._after_redis_outage)
-                allowance = await asyncio.to_thread(self._allowance)
-                if allowance <= 0:
+                leased = await asyncio.to_thread(self._lease, free)
+                if not leased:
                     self.metrics.backpressure_waits.inc()
                     await asyncio.sleep(0.05)
                     continue
-                for _ in range(min(free, allowance)):
-                    if self.stopping.is_set():
-                        break
-                    group = _Group(*await asyncio.to_thread(self.queue.next_prompt_index, self.worker_id))
+                for index, attempt in leased:
+                    group = _Group(index, attempt)
                     task = asyncio.create_task(self._run_group(group))
                     self.groups[task] = group
                     task.add_done_callback(self._group_done)
@@ -163,20 +161,20 @@ class RolloutLoop:
             n = self.queue.give_back(self.worker_id, sorted(orphans), count_as="lost_writes")
             log.warning("after the Redis outage: %d pushes were lost; re-issued prompts %s", n, sorted(orphans))
 
-    def _allowance(self) -> int:
-        others = registry.live_workers(self.r, self.keys)
-        inflight = len(self.groups) + sum(
-            int(w.get("inflight", 0)) for wid, w in others.items() if wid != self.worker_id)
+    def _lease(self, free: int) -> list[tuple[int, int]]:
+        """Lease up to ``free`` prompts within the back-pressure allowance (one script with
+        the hand-out: rlpipe.queue.TrajectoryQueue.lease_prompts)."""
         learner = registry.learner_state(self.r, self.keys)
         learner_version = int(learner.get("version", 0))
+        if self.engine.weights_source != "learner" and self.engine.version < learner_version:
+            return []  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
+        allowance, leased = self.queue.lease_prompts(
+            self.worker_id, free, (self.engine.version, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag))
         unconsumed = self.queue.unconsumed(int(learner.get("consumed", 0)))
         self.backlog = {"learner_version": learner_version, "unconsumed_groups": unconsumed,
                         "lag_steps": round(unconsumed / self.cfg.learner.groups_per_step, 3),
-                        "fleet_inflight_groups": inflight}
-        if self.engine.weights_source != "learner" and self.engine.version < learner_version:
-            return 0  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
-        behind = learner_version - min(self.engine.version, learner_version)
-        return rollout_allowance(unconsumed, inflight, behind, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag)
+                        "fleet_inflight_groups": self.queue.counters()["leased"], "allowance": allowance}
+        return leased
 
     def _group_done(self, task: asyncio.Task) -> None:
         self.groups.pop(task, None)

@@ -187,6 +187,7 @@ class Cluster:
         leased = set().union(*(q.leased(w) for w in self.workers))
         cursor = int(r.get(self.keys.cursor) or 0)
         accounted = set(trained) | set(dropped) | in_stream | returned | leased
+        assert c["leased"] == len(leased), (c, leased)  # the fleet's in-flight count is its leases
         missing = set(range(cursor)) - accounted
         assert len(missing) == c["skipped"], (sorted(missing)[:20], c)
         trained_groups = state["counters"]["trained_groups"]
@@ -204,6 +205,14 @@ def segments(rows: list[dict]) -> list[list[dict]]:
             out.append([])
         out[-1].append(row)
     return out
+
+
+def back_to_steady(before: dict, after: dict, max_lag: int) -> bool:
+    """``after`` (a stretch after a fault) is as healthy as ``before`` (one before any):
+    no group beyond ``max_lag`` versions (back-pressure is exact in the steady state),
+    mean staleness within a quarter version, and no more drops."""
+    return (after["staleness_max"] <= max(max_lag, before["staleness_max"])
+            and after["staleness"] <= before["staleness"] + 0.25 and after["drop_rate"] <= before["drop_rate"])
 
 
 def steady(rows: list[dict]) -> dict:

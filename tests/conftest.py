@@ -95,7 +95,9 @@ class WorkerHarness:
         stats = self.sender.sync(self.version, self.sent.items, worker_incarnations(self.r, self.keys),
                                  self.wire.quant_profile, self.wire.compat)
         assert stats["members"] == 1
-        set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running")
+        # the harness consumes one step's groups per version, as a learner would
+        set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running",
+                          consumed=self.version * self.cfg.learner.groups_per_step)
         def arrived():
             status = self.http.get("/v1/status").json()
             return status["synced"] and status["version"] == self.version

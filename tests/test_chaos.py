@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from tests.cluster import Cluster, segments, steady
+from tests.cluster import Cluster, back_to_steady, segments, steady
 from tests.test_restarts import SETTINGS, SETTLE
 
 pytestmark = pytest.mark.slow
@@ -79,8 +79,7 @@ def test_chaos(tmp_path, toy_model_path):
     assert parts[-1][-1]["step"] == STEPS and len(parts) == 1 + sum(k == "learner" for _, k in plan), report
     assert books["lost"] == 0 and books["trained_twice"] == 0, report
     assert before["steps"] >= 3 and after["steps"] >= 3, report
-    assert after["staleness"] <= before["staleness"] + 0.5 and after["staleness_max"] <= SETTINGS["queue.max_lag"] + 1
-    assert after["drop_rate"] <= before["drop_rate"], report
+    assert back_to_steady(before, after, SETTINGS["queue.max_lag"]), report
     for role in ("learner", "w0", "w1"):
         text = cluster.log(role, tail=None)
         assert "Traceback" not in text and "never retrieved" not in text, (role, text[-3000:])

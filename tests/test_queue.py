@@ -7,7 +7,7 @@ import time
 import msgpack
 
 from rlpipe import registry
-from rlpipe.queue import IndexSet, Keys, TrajectoryQueue, connect, rollout_allowance
+from rlpipe.queue import IndexSet, Keys, TrajectoryQueue, connect
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
 
@@ -67,14 +67,48 @@ def test_cursor_hands_out_each_index_once(r):
     assert q.leased("w0") == {0, 1, 2, 3, 4} and q.leased("w1") == {5}
 
 
-def test_rollout_allowance_counts_what_the_learner_consumed():
-    # Synchronous (max_lag 0): one step's batch per version, in flight counted.
-    assert rollout_allowance(unconsumed=0, inflight=0, behind=0, groups_per_step=4, max_lag=0) == 4
-    assert rollout_allowance(unconsumed=0, inflight=3, behind=0, groups_per_step=4, max_lag=0) == 1
-    assert rollout_allowance(4, 0, 0, 4, 0) == 0
-    # One step ahead (max_lag 1); a worker a version behind the learner gets a step less.
-    assert rollout_allowance(4, 0, 0, 4, 1) == 4
-    assert rollout_allowance(4, 0, 1, 4, 1) == 0
+def test_the_hand_out_keeps_within_the_allowance(r):
+    """Back-pressure is computed in the hand-out script from the learner hash and the counters."""
+    q = TrajectoryQueue(r, free_run_id("allow"))
+    registry.set_learner_state(r, q.keys, version=0, consumed=0)
+    allowance, got = q.lease_prompts("w0", 10, (0, 4, 0))  # synchronous: one step's batch
+    assert allowance == 4 and [i for i, _ in got] == [0, 1, 2, 3]
+    assert q.lease_prompts("w0", 10, (0, 4, 0)) == (0, [])  # in flight (leased) count
+    for index, _ in got:
+        q.push(make_record(group_id=f"g{index}", prompt_index=index), "w0")
+    assert q.counters()["leased"] == 0 and q.lease_prompts("w0", 10, (0, 4, 0))[0] == 0  # produced, unconsumed
+    registry.set_learner_state(r, q.keys, version=1, consumed=4)
+    assert q.lease_prompts("w0", 10, (0, 4, 0))[0] == 0  # weights a version behind: a step fewer
+    assert q.lease_prompts("w0", 0, (1, 4, 1))[0] == 8  # max_lag 1: two steps' places
+    # A restored learner: its version runs ahead of the steps it consumed. The places do not grow.
+    registry.set_learner_state(r, q.keys, version=7, consumed=4)
+    assert q.lease_prompts("w0", 0, (7, 4, 1))[0] == 8
+
+
+def _race_for_places(url: str, run_id: str, worker: str, out) -> None:
+    q = TrajectoryQueue(connect(url), run_id)
+    got = []
+    for _ in range(50):
+        got += q.lease_prompts(worker, 3, (0, 25, 0))[1]
+    out.put(len(got))
+
+
+def test_workers_racing_for_the_last_places_never_overshoot(redis_server):
+    """The race the registry-based allowance had: several workers see the same free places
+    and all fill them. With the allowance in the hand-out script, the places are taken once."""
+    import multiprocessing as mp
+
+    run_id = free_run_id("race")
+    registry.set_learner_state(connect(redis_server.url), Keys(run_id), version=0, consumed=0)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_race_for_places, args=(redis_server.url, run_id, f"w{i}", out)) for i in range(4)]
+    for p in procs:
+        p.start()
+    taken = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sum(taken) == 25 and TrajectoryQueue(connect(redis_server.url), run_id).counters()["leased"] == 25
 
 
 def test_unconsumed_is_independent_of_the_learner_version(r):

@@ -20,7 +20,7 @@ import signal
 import pytest
 
 from rlpipe.queue import TrajectoryQueue
-from tests.cluster import Cluster, segments, steady
+from tests.cluster import Cluster, back_to_steady, segments, steady
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -55,10 +55,8 @@ def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_
               "first_step_s": [p[0]["learner_start_to_first_step_seconds"] for p in parts[1:]]}
     print(report)
     assert before["steps"] >= 4 and all(a["steps"] >= 3 for a in after), report
-    for a in after:
-        assert a["staleness"] <= before["staleness"] + 0.25, report
-        assert a["staleness_max"] <= SETTINGS["queue.max_lag"] + 1, report
-        assert a["drop_rate"] <= before["drop_rate"], report
+    assert before["staleness_max"] <= SETTINGS["queue.max_lag"], report
+    assert all(back_to_steady(before, a, SETTINGS["queue.max_lag"]) for a in after), report
     assert parts[-1][-1]["step"] == SETTINGS["steps"]
     # each restart found the dead learner's lease and took it without waiting out its 30 s TTL
     assert cluster.log("learner", tail=None).count("took its lease without waiting") == 2
