@@ -112,7 +112,7 @@ class ScheduleConfig(Section):
     """
 
     kind: Literal["constant", "warmup_cosine", "length_surge"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(5, ge=0, description="linear LR warmup (docs/lr_warmup: 5 removes the step-2 mismatch spike without slowing the reward)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     surge_factor: float = Field(2.0, gt=1)
     surge_window: int = Field(10, ge=1)

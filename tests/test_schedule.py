@@ -37,7 +37,9 @@ def test_constant_with_warmup():
     s = LRSchedule(ScheduleConfig(kind="constant", warmup_steps=4), base_lr=1.0, total_steps=100)
     assert s.next_lr() == pytest.approx(0.25)
     assert [s.update(t, 10.0) for t in range(1, 6)] == pytest.approx([0.5, 0.75, 1.0, 1.0, 1.0])
-    assert LRSchedule(ScheduleConfig(), base_lr=3e-4, total_steps=10).next_lr() == 3e-4
+    assert LRSchedule(ScheduleConfig(warmup_steps=0), base_lr=3e-4, total_steps=10).next_lr() == 3e-4
+    # warmup is on by default (docs/lr_warmup): the first step takes a fifth of the LR
+    assert LRSchedule(ScheduleConfig(), base_lr=3e-4, total_steps=10).next_lr() == pytest.approx(6e-5)
 
 
 def test_warmup_cosine_endpoints_and_midpoint():
@@ -57,7 +59,7 @@ def test_warmup_cosine_endpoints_and_midpoint():
 def test_length_surge_detects_and_halves_on_period():
     # smooth=3: L_19=10, L_20=(10+10+30)/3=16.7 < 20, L_21=(10+30+30)/3=23.3 >= 2*10 -> s=21.
     # decay_period = round(1.8*21) = 38: halvings after steps 38, 76, 114, 152 (the last one floored at 0.1).
-    cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=3, surge_window=10, min_lr_ratio=0.1)
+    cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=3, surge_window=10, min_lr_ratio=0.1, warmup_steps=0)
     s = LRSchedule(cfg, base_lr=1.0, total_steps=400)
     assert s.next_lr() == 1.0
     seq = lrs(s, surge_trace, 20)
@@ -84,7 +86,7 @@ def test_length_surge_explicit_period_and_warmup():
 
 
 def test_length_surge_surge_window_and_no_false_triggers():
-    cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=3, surge_window=10)
+    cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=3, surge_window=10, warmup_steps=0)
     # A flat, noisy trace: 10 +- 2 can never double.
     rng = random.Random(0)
     s = LRSchedule(cfg, base_lr=1.0, total_steps=1000)
@@ -105,7 +107,7 @@ def test_length_surge_surge_window_and_no_false_triggers():
 
 
 def test_length_surge_not_redetected_and_logs(caplog):
-    cfg = ScheduleConfig(kind="length_surge", decay_period=10, min_lr_ratio=0.0)
+    cfg = ScheduleConfig(kind="length_surge", decay_period=10, min_lr_ratio=0.0, warmup_steps=0)
     s = LRSchedule(cfg, base_lr=1.0, total_steps=400)
     with caplog.at_level(logging.INFO, logger="learner.schedule"):
         lrs(s, lambda t: 10.0 * 3 ** (t // 20), 45)  # surges again at 40
@@ -149,7 +151,7 @@ def test_apply_lr_sets_every_param_group():
 @pytest.mark.parametrize("dip, surge", [(10, 20), (9, None)])
 def test_surge_window_is_the_previous_window_steps(dip, surge):
     # smooth=1, window=10: step 20's 20.0 is compared with the minimum of steps 10..19.
-    cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=1, surge_window=10)
+    cfg = ScheduleConfig(kind="length_surge", surge_factor=2.0, surge_smooth=1, surge_window=10, warmup_steps=0)
     s = LRSchedule(cfg, base_lr=1.0, total_steps=100)
     lrs(s, lambda t: 10.0 if t == dip else 20.0 if t == 20 else 15.0, 60)
     assert s.state()["surge_step"] == surge
