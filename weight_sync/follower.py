@@ -4,7 +4,11 @@ drive an engine through the small :class:`SyncEngine` protocol.
 
 - A new generation that lists this worker means: check in and join (or refuse, when the
   engine cannot load its manifest; a refusing worker stays out, since asking back in
-  would only be refused again).
+  would only be refused again). With a sync token the check-in is signed for this
+  worker's id and current incarnation, the generation and its manifest: the follower
+  computes that MAC (:func:`~weight_sync.transport.check_in_slot`) and hands it to the
+  engine as the slot to check in under, so the engine needs no more than the token in
+  its environment (for the learner's gate).
 - A higher version in the joined generation means: receive it and load it.
 - A worker left out (it checked in late, a transfer failed, or the learner had not seen
   it yet) catches up from the newest checkpoint on disk and asks back in by drawing a
@@ -25,7 +29,9 @@ from typing import Awaitable, Callable, Protocol
 
 import redis
 
+from rlpipe.auth import sync_token
 from weight_sync.rendezvous import read_sync
+from weight_sync.transport import check_in_slot
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +76,9 @@ class Checkpoint:
 class SyncEngine(Protocol):
     version: int
 
-    async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
-                   timeout_s: float) -> SyncOutcome: ...
+    async def join(self, host: str, port: int, slot: str, generation: int, manifest_json: str,
+                   timeout_s: float) -> SyncOutcome:
+        """Check in under ``slot`` and join (``WeightReceiver.join``)."""
 
     async def update(self, version: int, manifest_json: str) -> SyncOutcome: ...
 
@@ -98,6 +105,7 @@ class WeightFollower:
         self.fatal = fatal
         self.generation = 0  # the newest generation seen
         self.incarnation = new_incarnation()
+        self.token = sync_token()
         self.joined = False
 
     async def run(self, stopping: asyncio.Event, poll_s: float = 0.05) -> None:
@@ -113,7 +121,9 @@ class WeightFollower:
                     if candidate is None:
                         await self.ask_back("a generation formed without this worker")
                     else:
-                        res = await self.engine.join(st.master_addr, st.master_port, candidate, st.generation,
+                        slot = check_in_slot(self.token, st.generation, candidate, self.worker_id, self.incarnation,
+                                             st.manifest_hash)
+                        res = await self.engine.join(st.master_addr, st.master_port, slot, st.generation,
                                                      st.manifest, self.timeout_s)
                         self.joined = must_receive = res.ok
                         if not res.ok:

@@ -14,6 +14,8 @@ import signal
 
 import torch
 
+from rlpipe.auth import sync_token
+from weight_sync.gate import GateClient
 from weight_sync.manifest import Manifest, header_tensor, unpack_bucket
 from weight_sync.transport import GlooGroup, SyncError, check_in
 
@@ -24,25 +26,35 @@ CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 
 
 class WeightReceiver:
-    def __init__(self, group: GlooGroup, generation: int, manifest: Manifest):
+    def __init__(self, group: GlooGroup, generation: int, manifest: Manifest, relay: GateClient | None = None):
         self.group = group
         self.generation = generation
         self.manifest = manifest
+        self.relay = relay  # the way through the learner's gate, with a sync token
         self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
 
     @classmethod
-    def join(cls, host: str, port: int, candidate: int, generation: int, manifest: Manifest, timeout_s: float,
+    def join(cls, host: str, port: int, slot: int | str, generation: int, manifest: Manifest, timeout_s: float,
              refuse: str | None = None) -> "WeightReceiver":
-        """Check in as ``candidate`` (or refuse, saying why) and join the generation's group.
+        """Check in under ``slot`` (or refuse, saying why) and join the generation's group.
 
+        ``slot`` is what :func:`~weight_sync.transport.check_in_slot` gives the worker's
+        follower: its check-in MAC when there is a sync token (this process proves the same
+        token, from its environment, to the learner's gate), else its candidate number.
         Raises :class:`~weight_sync.transport.LeftOut` when the generation formed without
         this worker, :class:`SyncError` on any other failure, each within ``timeout_s``."""
         try:
-            store = GlooGroup.connect(host, port, timeout_s)
+            store, relay = GlooGroup.connect(host, port, timeout_s, sync_token())
         except Exception as e:
             raise SyncError(f"cannot reach the learner's store at {host}:{port}: {e}") from e
-        rank, world_size = check_in(store, generation, candidate, timeout_s, refuse)
-        return cls(GlooGroup(store, rank, world_size, host, generation, timeout_s, timeout_s), generation, manifest)
+        try:
+            rank, world_size = check_in(store, generation, slot, timeout_s, refuse)
+            group = GlooGroup(store, rank, world_size, host, generation, timeout_s, timeout_s)
+        except BaseException:
+            if relay is not None:
+                relay.close()
+            raise
+        return cls(group, generation, manifest, relay)
 
     def receive(self, version: int, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
         if manifest.hash != self.manifest.hash:
@@ -69,3 +81,5 @@ class WeightReceiver:
 
     def close(self) -> None:
         self.group.close()
+        if self.relay is not None:
+            self.relay.close()

@@ -5,7 +5,8 @@ in a fleet of mixed precisions, one hash per precision (``sync:int8``, ``sync:bf
 The learner publishes a *generation* (who takes part, where rank 0 listens, the bucket
 manifest) and then each *version* it broadcasts. Workers poll the hash: a new generation
 that lists them as ``candidates`` means "check in" (the i-th candidate checks in as
-candidate i+1), a higher version means "receive". Besides DESIGN.md's fields the hash
+candidate i+1; with a sync token, under a MAC of its id and incarnation, see
+weight_sync/transport.py), a higher version means "receive". Besides DESIGN.md's fields the hash
 carries ``candidates``, ``members`` (JSON lists: the workers asked, and those admitted,
 published once the generation formed) and ``manifest_hash``; ``world_size`` is the
 admitted world.

@@ -11,6 +11,12 @@ before the deadline is left out of the generation and stays out until its incarn
 changes, so it never costs the learner a second timeout. A worker whose transfer fails
 (it died in the middle, or stopped reading) is left out the same way while the others
 still get the version; the next sync forms a generation without it.
+
+Each generation's store sits behind a gate that admits only holders of the sync token,
+and a candidate is admitted only on a check-in signed for its id and incarnation in the
+registry, this generation and this manifest (weight_sync/transport.py, 'Authentication').
+Without a token, ``host`` must be a loopback address (checked when the sender is made,
+which is the learner's start).
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from typing import Callable, Iterable, Mapping
 import redis
 import torch
 
+from rlpipe.auth import check_sync_exposure, sync_token
 from rlpipe.queue import Keys
+from weight_sync.gate import Gate
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
 from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
-from weight_sync.transport import GlooGroup, SyncError, admit
+from weight_sync.transport import GlooGroup, SyncError, admit, check_in_slot
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +43,11 @@ class WeightSender:
                  wire_dtype: torch.dtype | None, channel: str = ""):
         self.r, self.keys = r, keys
         self.sync_key = keys.sync_channel(channel)
-        self.host, self.timeout_s = host, timeout_s
+        check_sync_exposure(host)
+        self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
         self.bucket_bytes, self.wire_dtype = bucket_bytes, wire_dtype
         self.group: GlooGroup | None = None
+        self.gate: Gate | None = None  # the current generation's (with a token)
         self.state = SyncState()
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []
@@ -106,13 +116,15 @@ class WeightSender:
             self.manifest = manifest
             self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
         names = list(candidates)
-        store = GlooGroup.listen(self.host, self.timeout_s)
+        store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
         generation = read_sync(self.r, self.sync_key).generation + 1
-        self.state = SyncState(generation, self.host, store.port, 0, tuple(names), (), version,
+        self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
                                manifest.to_json(), manifest.hash)
         publish_generation(self.r, self.sync_key, self.state)
         log.info("sync generation %d: candidates %s", generation, names)
-        admitted, left_out = admit(store, generation, len(names), deadline)
+        slots = [check_in_slot(self.token, generation, c, w, candidates[w], manifest.hash)
+                 for c, w in enumerate(names, 1)]
+        admitted, left_out = admit(store, generation, slots, deadline)
         for candidate, why in left_out.items():
             self._leave_out(names[candidate - 1], candidates[names[candidate - 1]], why)
         members = [names[c - 1] for c in admitted]
@@ -176,5 +188,7 @@ class WeightSender:
     def drop(self) -> None:
         if self.group is not None:
             self.group.close()
-        self.group = None
+        if self.gate is not None:
+            self.gate.close()
+        self.group = self.gate = None
         self._members = {}

@@ -16,6 +16,26 @@ with a reason), the learner waits for them until its deadline, and then tells ea
 whether it is in and under which rank (:func:`admit`, :func:`check_in`). Only the
 admitted ranks build the gloo group, and they are all known to be alive.
 
+Authentication (DESIGN.md, 'Prompt leases and sync authentication'). With a sync token
+(``RLPIPE_SYNC_TOKEN``, by default ``RLPIPE_API_TOKEN``; rlpipe/auth.py) the store is only
+reachable through the token-checking gate of weight_sync/gate.py, and a check-in carries
+``hmac_sha256(token, generation|worker_id|incarnation|manifest_hash)``: the candidate
+checks in *under* that MAC, at ``rlpipe/gen{g}/in/{mac}``, and reads its answer at
+``rlpipe/gen{g}/go/{mac}`` (:func:`check_in_slot`). The learner knows each candidate's id
+and incarnation (the Redis registry) and the manifest, computes the MAC it expects and
+reads that key and no other. So a check-in with any other MAC (a wrong token, another
+generation's replayed, a stale incarnation, another manifest) lands on a key nobody
+reads and is left out as not checked in; and since every candidate has a key of its own
+that only a token holder can name, nothing written first or later under any other key
+can take a candidate's rank or lock it out. (The MAC is the key's name, so no MAC from
+the wire is compared in Python; the gate's handshake is, with ``hmac.compare_digest``.)
+A plain slot (the candidate's number, as before) would not do even behind the gate:
+whoever writes ``in/{c}`` last wins, a stale process of the worker included.
+
+Without any token (a local run on a loopback ``sync.host``; the learner refuses a
+reachable one, rlpipe.auth.check_sync_exposure) candidates check in under their number,
+unauthenticated, on a store that listens on ``sync.host`` only.
+
 On CUDA the same interface would be served by NCCL (vLLM's ``PyNcclCommunicator`` over a
 ``StatelessProcessGroup``); only gloo is implemented and tested here, on CPU.
 """
@@ -23,6 +43,8 @@ On CUDA the same interface would be served by NCCL (vLLM's ``PyNcclCommunicator`
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import time
 
@@ -30,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from weight_sync.gate import Gate, GateClient, listening_socket
 
 
 class SyncError(RuntimeError):
@@ -44,47 +68,74 @@ def _key(generation: int, what: str) -> str:
     return f"rlpipe/gen{generation}/{what}"
 
 
-def admit(store: TCPStore, generation: int, candidates: int, deadline: float) -> tuple[list[int], dict[int, str]]:
-    """The learner's half of forming a generation: wait (until the monotonic ``deadline``)
-    for candidate ranks ``1..candidates`` to check in, then publish who is in.
+def check_in_mac(token: str, generation: int, worker_id: str, incarnation: str, manifest_hash: str) -> str:
+    """DESIGN.md's check-in MAC: ``hmac_sha256(token, generation|worker_id|incarnation|manifest_hash)``, hex."""
+    message = f"{generation}|{worker_id}|{incarnation}|{manifest_hash}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
-    Returns the admitted candidate ranks and, for those left out, why. Admitted candidate
-    ``c`` gets rank ``admitted.index(c) + 1`` in a world of ``1 + len(admitted)``.
+
+def check_in_slot(token: str | None, generation: int, candidate: int, worker_id: str, incarnation: str,
+                  manifest_hash: str) -> str:
+    """Where a candidate checks in and reads its answer: under its check-in MAC with a
+    token, under its candidate number (unauthenticated) without one."""
+    if token is None:
+        return str(candidate)
+    return check_in_mac(token, generation, worker_id, incarnation, manifest_hash)
+
+
+def admit(store: TCPStore, generation: int, slots: list[str], deadline: float) -> tuple[list[int], dict[int, str]]:
+    """The learner's half of forming a generation: wait (until the monotonic ``deadline``)
+    for candidates ``1..len(slots)`` to check in, candidate ``c`` under ``slots[c - 1]``
+    (:func:`check_in_slot`), then answer each one under its slot.
+
+    Returns the admitted candidates and, for those left out, why. Admitted candidate ``c``
+    gets rank ``admitted.index(c) + 1`` in a world of ``1 + len(admitted)``. Keys under any
+    other slot are never read: they cannot admit anyone, delay the answer, or fail it.
     """
-    keys = {c: _key(generation, f"in/{c}") for c in range(1, candidates + 1)}
+    keys = {c: _key(generation, f"in/{slot}") for c, slot in enumerate(slots, 1)}
     try:
         store.wait(list(keys.values()), datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
     except Exception:  # some never checked in: the deadline passed
         pass
     admitted, left_out = [], {}
     for c, key in keys.items():
-        answer = store.get(key).decode() if store.check([key]) else "did not check in before the deadline"
+        if not store.check([key]):
+            left_out[c] = "did not check in before the deadline"
+            continue
+        answer = store.get(key).decode(errors="replace")[:500]  # "ok", or the candidate's refusal
         if answer == "ok":
             admitted.append(c)
         else:
             left_out[c] = answer
-    ranks = {str(c): i + 1 for i, c in enumerate(admitted)}
-    store.set(_key(generation, "go"), json.dumps({"ranks": ranks, "world": 1 + len(admitted)}))
+    world = 1 + len(admitted)
+    for c, slot in enumerate(slots, 1):
+        answer = {"rank": admitted.index(c) + 1, "world": world} if c in admitted else {"left_out": left_out[c]}
+        store.set(_key(generation, f"go/{slot}"), json.dumps(answer))
     return admitted, left_out
 
 
-def check_in(store: TCPStore, generation: int, candidate: int, timeout_s: float,
+def check_in(store: TCPStore, generation: int, slot: int | str, timeout_s: float,
              refuse: str | None = None) -> tuple[int, int]:
-    """A worker's half: check in (or refuse, saying why) and wait for the learner's answer.
+    """A worker's half: check in under ``slot`` (:func:`check_in_slot`; or refuse there,
+    saying why) and wait for the learner's answer there.
 
     Returns ``(rank, world_size)``; raises :class:`LeftOut` when the generation formed
-    without this worker and :class:`SyncError` when the answer did not come in time."""
-    store.set(_key(generation, f"in/{candidate}"), "ok" if refuse is None else refuse)
+    without this worker and :class:`SyncError` when no answer came in time (as happens
+    to a check-in the learner does not expect, e.g. one with a stale incarnation)."""
+    store.set(_key(generation, f"in/{slot}"), "ok" if refuse is None else refuse)
     if refuse is not None:
+        # A set is not answered: a round trip makes sure the refusal reached the store
+        # before the caller closes the connection (and, with a token, its relay).
+        store.check([_key(generation, f"in/{slot}")])
         raise LeftOut(refuse)
     try:
-        store.wait([_key(generation, "go")], datetime.timedelta(seconds=timeout_s))
-        go = json.loads(store.get(_key(generation, "go")))
+        store.wait([_key(generation, f"go/{slot}")], datetime.timedelta(seconds=timeout_s))
+        go = json.loads(store.get(_key(generation, f"go/{slot}")))
     except Exception as e:
         raise SyncError(f"generation {generation} was never confirmed: {e}") from e
-    if str(candidate) not in go["ranks"]:
-        raise LeftOut(f"generation {generation} formed without candidate {candidate} (checked in too late)")
-    return go["ranks"][str(candidate)], go["world"]
+    if "rank" not in go:
+        raise LeftOut(f"generation {generation} formed without this worker: {go['left_out']}")
+    return go["rank"], go["world"]
 
 
 class GlooGroup:
@@ -107,14 +158,33 @@ class GlooGroup:
             raise SyncError(f"forming generation {generation} (rank {rank}/{world_size}) failed: {e}") from e
 
     @staticmethod
-    def listen(host: str, timeout_s: float) -> TCPStore:
-        """The learner's store, on a port the OS picks (published through Redis)."""
-        return TCPStore(host, 0, None, is_master=True,
-                        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    def listen(host: str, timeout_s: float, token: str | None) -> tuple[TCPStore, int, Gate | None]:
+        """The learner's store, on a port the OS picks; returns ``(store, port to publish,
+        gate)``. The store is handed a socket bound to one address (given a port, TCPStore
+        would listen on every interface): loopback behind a :class:`Gate` on ``host`` with
+        a token, ``host`` itself without one (loopback: WeightSender refuses any other)."""
+        sock = listening_socket("127.0.0.1" if token else host)
+        bound, port = sock.getsockname()[:2]
+        store = TCPStore(bound, port, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+        if token is None:
+            return store, port, None
+        gate = Gate(host, port, token)
+        return store, gate.port, gate
 
     @staticmethod
-    def connect(host: str, port: int, timeout_s: float) -> TCPStore:
-        return TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    def connect(host: str, port: int, timeout_s: float, token: str | None) -> tuple[TCPStore, GateClient | None]:
+        """A worker's client of the learner's store, through the gate when there is a token
+        (the caller closes the returned relay after the store)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if token is None:
+            return TCPStore(host, port, None, is_master=False, timeout=timeout), None
+        relay = GateClient(host, port, token, timeout_s)
+        try:
+            return TCPStore("127.0.0.1", relay.port, None, is_master=False, timeout=timeout), relay
+        except Exception:
+            relay.close()
+            raise
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """One collective broadcast (the benchmark's baseline; sync itself uses :meth:`send`)."""

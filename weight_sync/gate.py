@@ -1,0 +1,216 @@
+"""The gate in front of the learner's sync store: only holders of the sync token get through.
+
+torch's ``TCPStore`` authenticates nobody, and its server is not built to face strangers.
+Measured with torch 2.13 (tests/test_sync_auth.py checks the first point):
+
+- any client can list, overwrite and delete every key, so no key name is a secret and a
+  check-in written by a worker can be overwritten after it;
+- it listens on every interface whatever host it is given;
+- its libuv server resolves each new peer's address by reverse DNS on its only thread:
+  here about one connection in 50 (IPv4-mapped peers, not in /etc/hosts) stalled every
+  client of the store for 5 s, and a peer that controls its own reverse zone can make
+  each of its connections do so;
+- it parses a partly received request from its start again on every read: one
+  never-finished 125 MiB multi-key request kept it busy for ~10 minutes, stalling the
+  others by up to 4 s per read (1 GiB is allowed).
+
+So the store listens on IPv4 loopback only (handed a socket bound there, where peers
+resolve from /etc/hosts), and workers reach it through a :class:`Gate` on ``sync.host``.
+The gate sends each new connection a random nonce and forwards it to the store only if
+the reply is ``hmac_sha256(token, "rlpipe-sync-gate|" + nonce)`` (checked with
+``hmac.compare_digest``); anything else is closed unread after at most ``handshake_s``.
+A fresh nonce per connection means a recorded handshake cannot be replayed. On the worker,
+:class:`GateClient` proves the token and relays the one connection its ``TCPStore`` client
+makes. Bytes after the handshake are neither encrypted nor authenticated: the gate keeps
+strangers off the store, it does not protect against someone on the network path, nor
+against local users of the learner's host (the store's loopback port) or of a worker's
+host (the relay's port, open until the worker's store connects, normally microseconds).
+Gloo's own connections, which carry the weights between addresses the members exchange
+through this store, are not gated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import threading
+
+log = logging.getLogger(__name__)
+
+NONCE_BYTES = 32
+ACCEPTED = b"\x01"
+
+
+def proof(token: str, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), b"rlpipe-sync-gate|" + nonce, hashlib.sha256).digest()
+
+
+def listening_socket(host: str, backlog: int = 128) -> socket.socket:
+    """A socket listening on ``host`` only (not every interface), on a port the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, 0), family=family, backlog=backlog)
+
+
+class Gate:
+    """Accepts on ``host`` and forwards connections that prove ``token`` to the store on
+    loopback ``store_port``; everything runs on one asyncio loop in a daemon thread, so a
+    flood of connections costs sockets, not threads. At most ``max_pending`` connections
+    may be mid-handshake; more are closed at once, so a flood cannot take every file
+    descriptor of the learner (a real worker may then be refused, and retries later)."""
+
+    def __init__(self, host: str, store_port: int, token: str, handshake_s: float = 5.0, max_pending: int = 256):
+        self.store_port, self.token = store_port, token
+        self.handshake_s, self.max_pending = handshake_s, max_pending
+        self.pending = self.refused = self.admitted = 0
+        self._closing = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        sock = listening_socket(host)
+        self.port = sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlpipe-sync-gate", daemon=True)
+        self._thread.start()
+        self._server = self._call(asyncio.start_server(self._serve, sock=sock))
+
+    def _call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:
+            writer.close()
+            return
+        self._writers.add(writer)
+        upstream = None
+        try:
+            if not await self._handshake(reader, writer):
+                self.refused += 1
+                return
+            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.store_port)
+            self._writers.add(upstream)
+            self.admitted += 1
+            writer.write(ACCEPTED)
+            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+        except OSError as e:  # the store is gone (the generation was dropped)
+            log.debug("sync gate: %r", e)
+        finally:
+            for w in (writer, upstream):
+                if w is not None:
+                    w.close()
+                    self._writers.discard(w)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if self.pending >= self.max_pending:
+            return False
+        self.pending += 1
+        try:
+            nonce = os.urandom(NONCE_BYTES)
+            writer.write(nonce)
+            reply = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), self.handshake_s)
+            return hmac.compare_digest(reply, proof(self.token, nonce))
+        except (OSError, EOFError, asyncio.TimeoutError):  # closed, reset, or silent past handshake_s
+            return False
+        finally:
+            self.pending -= 1
+
+    def close(self) -> None:
+        """Stop accepting and close every connection, the relayed ones included."""
+        if self._loop.is_closed():
+            return
+
+        async def shut():
+            self._closing = True
+            self._server.close()
+            for w in list(self._writers):
+                w.close()  # each connection's reads then end, and so does its task
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+
+        try:
+            self._call(shut())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+        if self.refused:
+            log.warning("sync gate on port %d refused %d connections that did not prove the sync token",
+                        self.port, self.refused)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()  # the other direction then ends too: the store's protocol never half-closes
+
+
+class GateClient:
+    """A worker's way through the gate at ``host:port``: proves ``token`` at once (raising
+    ``ConnectionError`` if the gate refuses it), then relays the first connection made to
+    its loopback ``port`` (the worker's ``TCPStore`` client makes exactly one) to the store."""
+
+    def __init__(self, host: str, port: int, token: str, timeout_s: float):
+        self.local: socket.socket | None = None
+        self.upstream = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            nonce = _recv_exactly(self.upstream, NONCE_BYTES)
+            self.upstream.sendall(proof(token, nonce))
+            if _recv_exactly(self.upstream, 1) != ACCEPTED:
+                raise ConnectionError("unexpected answer")
+        except OSError as e:  # ConnectionError and timeouts included
+            self.upstream.close()
+            raise ConnectionError(f"the sync gate at {host}:{port} did not let this worker in "
+                                  f"(is RLPIPE_SYNC_TOKEN the learner's?): {e}") from e
+        self.upstream.settimeout(None)  # from here on the store's own timeouts apply
+        self.listener = listening_socket("127.0.0.1", backlog=1)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._relay, name="rlpipe-sync-relay", daemon=True).start()
+
+    def _relay(self) -> None:
+        try:
+            self.local, _ = self.listener.accept()
+        except OSError:  # closed before the store connected
+            return
+        finally:
+            self.listener.close()  # one connection only
+        threading.Thread(target=_pump, args=(self.local, self.upstream), daemon=True).start()
+        _pump(self.upstream, self.local)
+
+    def close(self) -> None:
+        for s in (self.listener, self.local, self.upstream):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed by the gate")
+        data += chunk
+    return data
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            dst.shutdown(socket.SHUT_RDWR)  # wakes the pump of the other direction
+        except OSError:
+            pass
