@@ -394,7 +394,8 @@ class Learner:
         self._backlog = [e for e in seen.values() if e.entry_id not in self._recent_acks]
         # Before anything else is acknowledged: what the lineage trained that Redis forgot
         # (its push was lost after this learner read it) is counted as produced and trained.
-        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups - len(self._unacked))
+        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups,
+                                                                  [e.entry_id for e in self._unacked])
         log.warning("after the Redis outage: %d acknowledgements redone, %d entries to read; "
                     "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
                     len(self._backlog), was_t, now_t, was_p, now_p)

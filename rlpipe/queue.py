@@ -269,13 +269,16 @@ return #indices
 """
 
 
-# KEYS: counters, traj; ARGV: the trained count the learner's lineage implies
+# KEYS: counters, traj; ARGV: the groups the learner's lineage trained, then the ids of those not acknowledged yet
 _REDERIVE = """
 local c = {}
 for _, k in ipairs({'produced', 'trained', 'dropped_stale', 'dead', 'duplicate'}) do
   c[k] = tonumber(redis.call('HGET', KEYS[1], k) or 0)
 end
 local trained = tonumber(ARGV[1])
+for i = 2, #ARGV do  -- trained but not acknowledged yet: counted when they are, if still in the stream
+  if #redis.call('XRANGE', KEYS[2], ARGV[i], ARGV[i]) > 0 then trained = trained - 1 end
+end
 local produced = trained + c.dropped_stale + c.dead + c.duplicate + redis.call('XLEN', KEYS[2])
 local lost = math.abs(trained - c.trained) + math.abs(produced - c.produced)
 if lost > 0 then
@@ -460,13 +463,17 @@ class TrajectoryQueue:
         out.update({k.decode(): int(v) for k, v in raw.items()})
         return out
 
-    def rederive_counters(self, trained: int) -> tuple[int, int, int, int]:
+    def rederive_counters(self, trained: int, unacked: list[str] = ()) -> tuple[int, int, int, int]:
         """Make the books agree with what survives: ``trained`` from the learner's lineage
-        (what its checkpoints hold, less what awaits acknowledgement) and ``produced`` from
-        the stream. After a Redis restart that lost writes (AOF everysec: up to about a second)
-        they may not; each difference is added to ``lost_writes``. Returns
+        (the groups it trained, less those of ``unacked``, trained but awaiting
+        acknowledgement, that are still in the stream) and ``produced`` from the stream.
+        After a Redis restart that lost writes (AOF everysec: up to about a second) they may
+        not agree; each difference is added to ``lost_writes``. A trained group whose push
+        Redis lost counts as produced and trained, so back-pressure, which compares the
+        lineage's consumed count with the counters, stays exact. Returns
         ``(trained was, trained now, produced was, produced now)``."""
-        was_t, now_t, was_p, now_p = self._rederive(keys=[self.keys.counters, self.keys.traj], args=[trained])
+        was_t, now_t, was_p, now_p = self._rederive(keys=[self.keys.counters, self.keys.traj],
+                                                    args=[trained, *unacked])
         return int(was_t), int(now_t), int(was_p), int(now_p)
 
     def unconsumed(self, consumed: int) -> int:

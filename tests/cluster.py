@@ -53,6 +53,7 @@ class Cluster:
         self.workers: dict[str, subprocess.Popen] = {}
         self.learner: subprocess.Popen | None = None
         self.faults: list[str] = []
+        self.fault_rows: list[int] = []
         self._aof_sizes: list[tuple[float, int]] = []
         self._stopped = threading.Event()
         threading.Thread(target=self._watch_aof, daemon=True).start()
@@ -73,13 +74,20 @@ class Cluster:
                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
+    def _fault(self, what: str) -> None:
+        """Note a fault, and how many learner steps (metrics rows) were done before it."""
+        path = self.dir / "metrics.jsonl"
+        rows = len(path.read_text().splitlines()) if path.exists() else 0
+        self.faults.append(what)
+        self.fault_rows.append(rows)
+
     def kill_learner(self) -> None:
-        self.faults.append(f"SIGKILL learner at step {self.step()}")
+        self._fault(f"SIGKILL learner at step {self.step()}")
         os.killpg(self.learner.pid, signal.SIGKILL)
         self.learner.wait()
 
     def kill_worker(self, worker_id: str) -> None:
-        self.faults.append(f"SIGKILL worker {worker_id} at step {self.step()}")
+        self._fault(f"SIGKILL worker {worker_id} at step {self.step()}")
         os.killpg(self.workers[worker_id].pid, signal.SIGKILL)
         self.workers[worker_id].wait()
 
@@ -97,8 +105,8 @@ class Cluster:
             os.truncate(aof, cut)
         else:
             lost = 0
-        self.faults.append(f"SIGKILL redis-server at step {step}, back after {down_s:g}s, "
-                           f"its last {lose_s:g}s of AOF ({lost} bytes) lost")
+        self._fault(f"SIGKILL redis-server at step {step}, back after {down_s:g}s, "
+                    f"its last {lose_s:g}s of AOF ({lost} bytes) lost")
         time.sleep(down_s)
         self.redis.start()
 

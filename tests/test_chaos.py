@@ -30,13 +30,13 @@ STEPS = 30
 FAULTS = ("learner", "learner", "worker", "redis")
 
 
-def schedule(seed: int) -> list[tuple[int, str]]:
+def schedule(seed: int, steps: int = STEPS) -> list[tuple[int, str]]:
     """The faults in a random order at random steps, at least 3 apart, the first after a
     steady stretch and the last early enough to see the run settle again."""
     rng = random.Random(seed)
     kinds = list(FAULTS)
     rng.shuffle(kinds)
-    first, last = SETTLE + 4, STEPS - SETTLE - 5
+    first, last = SETTLE + 4, steps - SETTLE - 5
     while True:
         steps = sorted(rng.sample(range(first, last + 1), len(kinds)))
         if all(b - a >= 3 for a, b in zip(steps, steps[1:])):
