@@ -53,7 +53,7 @@ from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig
 from rlpipe.proc import process_age_s
-from rlpipe.queue import Entry, IndexSet, TrajectoryQueue, connect, outages
+from rlpipe.queue import Entry, IndexSet, RestartWatch, TrajectoryQueue, connect
 from weight_sync.transport import SyncError
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Learner:
             self.r = connect(cfg.redis_url, cfg.redis_wait_s)
             self.queue = TrajectoryQueue(self.r, cfg.run_id)
             self.keys = self.queue.keys
+            self.redis_restarts = RestartWatch(self.r)
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
         self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
         self.train_model = self.ranks.wrap(self.model)
@@ -101,8 +102,9 @@ class Learner:
         self.groups_skipped_total = 0
         self.trained_groups = 0  # in the lineage of the current weights
         self.trained_digest = 0  # checkpoint.group_digest of their ids
-        # The prompt indices this lineage trained and dropped: a second group for one of them
-        # (a zombie worker's, or one replayed after Redis lost writes) is a duplicate, never trained.
+        # The prompt indices this lineage trained (in every checkpoint) and the run dropped (in
+        # Redis, see queue.ack): a second group for one of them (a zombie worker's, or one
+        # replayed after Redis lost writes) is a duplicate, never trained.
         self.trained_indices, self.dropped_indices = IndexSet(), IndexSet()
         self.grad_norm_smoothed: float | None = None
         self.dead_seen = 0
@@ -116,11 +118,10 @@ class Learner:
         self._unacked: list[Entry] = []  # trained, waiting for a checkpoint
         self._trained_before_restart: set[str] = set()
         self._last_membership_check = 0.0
-        # Redis outages: the entries this process acknowledged lately (id -> how), to acknowledge
+        # Redis restarts: the entries this process acknowledged lately (id -> how), to acknowledge
         # again the same way if a restarted Redis lost the acknowledgement, and when dead
         # workers' leases may be re-issued again (once live workers had time to heartbeat).
         self._recent_acks: dict[str, tuple[str, float]] = {}
-        self._outages_seen = 0
         self._reclaim_after = 0.0
         if resume:
             self._restore(resume)
@@ -180,6 +181,7 @@ class Learner:
         (None if a stop was requested meanwhile; what was read stays pending)."""
         want = self.cfg.learner.groups_per_step
         batch: list[Entry] = []
+        deferred: list[Entry] = []
         while len(batch) < want:
             if self.stop_requested:
                 return None
@@ -188,20 +190,26 @@ class Learner:
                 entries, self._backlog = self._backlog[: want - len(batch)], self._backlog[want - len(batch):]
             else:
                 entries = self.queue.read(self.consumer, want - len(batch), self.cfg.learner.read_block_ms)
-            if outages(self.r) != self._outages_seen:  # Redis was away meanwhile: these may be replays
+            if self.redis_restarts.restarted():  # Redis restarted meanwhile: these may be replays
                 self._backlog = entries + self._backlog
-                self._after_redis_outage(batch)
+                self._after_redis_restart(batch)
                 continue
             stale, fresh, duplicate = [], [], []
             in_batch = {e.record.prompt_index for e in batch}
             for e in entries:
                 index = e.record.prompt_index
-                if index >= 0 and (index in self.trained_indices or index in self.dropped_indices or index in in_batch):
+                if index >= 0 and index in in_batch:  # its twin is not trained yet: decided after this batch
+                    deferred.append(e)
+                elif index >= 0 and (index in self.trained_indices or index in self.dropped_indices):
                     duplicate.append(e)
-                    continue
-                in_batch.add(index)
-                too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
-                (stale if too_old else fresh).append(e)
+                else:
+                    in_batch.add(index)
+                    too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
+                    (stale if too_old else fresh).append(e)
+            if any(e.record.prompt_index in {u.record.prompt_index for u in self._unacked} for e in duplicate):
+                # A twin trained since the last checkpoint may be the prompt's only copy (Redis lost
+                # its push): make it durable before the duplicate goes.
+                self.checkpoint()
             if stale or duplicate:
                 # A drop is final whatever happens to the weights later: acknowledged at once.
                 self._ack([], stale, duplicate)
@@ -216,6 +224,7 @@ class Learner:
                     log.warning("acknowledged %d duplicate groups (prompts %s already settled) without training them",
                                 len(duplicate), sorted(e.record.prompt_index for e in duplicate))
             batch += fresh
+        self._backlog = list({e.entry_id: e for e in deferred + self._backlog}.values())
         return batch
 
     def train_step(self, records) -> dict:
@@ -341,7 +350,7 @@ class Learner:
                          "groups_skipped_total": self.groups_skipped_total, "trained_groups": self.trained_groups,
                          "trained_digest": self.trained_digest, "grad_norm_smoothed": self.grad_norm_smoothed},
             "unacked_group_ids": [e.record.group_id for e in self._unacked],
-            "prompt_indices": {"trained": self.trained_indices.to_bytes(), "dropped": self.dropped_indices.to_bytes()},
+            "prompt_indices": {"trained": self.trained_indices.to_bytes()},
         }
         meta = {"version": self.version, "trained_groups": self.trained_groups,
                 "trained_digest": str(self.trained_digest), "time": time.time()}
@@ -359,15 +368,15 @@ class Learner:
         log.info("checkpoint %s (%.2fs)", path.name, self.last_checkpoint["seconds"])
 
     def _ack(self, trained: list[Entry], stale: list[Entry] = (), duplicate: list[Entry] = ()) -> None:
-        self.queue.ack([e.entry_id for e in trained], [e.entry_id for e in stale], [e.entry_id for e in duplicate])
+        self.queue.ack([e.entry_id for e in trained], stale, [e.entry_id for e in duplicate])
         now = time.monotonic()  # the last RECENT_ACKS_S of them: far more than an AOF can lose
         self._recent_acks = {k: (how, t) for k, (how, t) in self._recent_acks.items() if now - t < RECENT_ACKS_S}
         for how, entries in (("trained", trained), ("stale", stale), ("duplicate", duplicate)):
             self._recent_acks.update((e.entry_id, (how, now)) for e in entries)
 
-    def _after_redis_outage(self, batch: list[Entry]) -> None:
-        """Redis went away and came back; if it restarted, the AOF may have lost its last
-        second of writes. Put things back as they were:
+    def _after_redis_restart(self, batch: list[Entry]) -> None:
+        """Redis restarted: its AOF may have lost the last second of writes (everysec).
+        Put things back as they were:
 
         - the weight sync re-forms in a new generation (the sync hash may have gone back);
         - entries this learner read or acknowledged, whose read or acknowledgement was lost,
@@ -376,7 +385,6 @@ class Learner:
         - dead workers' leases wait a heartbeat TTL, so a live worker whose heartbeat was
           lost is not taken for dead.
         """
-        self._outages_seen = outages(self.r)
         self._reclaim_after = time.monotonic() + self.cfg.rollout.heartbeat_ttl_s
         for ch in self.channels.values():
             ch.sender.drop()
@@ -388,15 +396,15 @@ class Learner:
         for e in self._backlog + self.queue.claim_pending(self.consumer, min_idle_ms=0) + self._read_all_new():
             if e.entry_id not in held:
                 seen.setdefault(e.entry_id, e)
-        again = {how: [e.entry_id for e in seen.values() if self._recent_acks.get(e.entry_id, ("",))[0] == how]
+        again = {how: [e for e in seen.values() if self._recent_acks.get(e.entry_id, ("",))[0] == how]
                  for how in ("trained", "stale", "duplicate")}
-        self.queue.ack(again["trained"], again["stale"], again["duplicate"])
+        self.queue.ack([e.entry_id for e in again["trained"]], again["stale"], [e.entry_id for e in again["duplicate"]])
         self._backlog = [e for e in seen.values() if e.entry_id not in self._recent_acks]
         # Before anything else is acknowledged: what the lineage trained that Redis forgot
         # (its push was lost after this learner read it) is counted as produced and trained.
         was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups,
                                                                   [e.entry_id for e in self._unacked])
-        log.warning("after the Redis outage: %d acknowledgements redone, %d entries to read; "
+        log.warning("Redis restarted: %d acknowledgements redone, %d entries to read; "
                     "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
                     len(self._backlog), was_t, now_t, was_p, now_p)
 
@@ -418,9 +426,7 @@ class Learner:
         self.trained_groups, self.trained_digest = c["trained_groups"], c["trained_digest"]
         self.grad_norm_smoothed = c["grad_norm_smoothed"]
         self._trained_before_restart = set(state["unacked_group_ids"])
-        indices = state.get("prompt_indices", {})
-        self.trained_indices = IndexSet(indices.get("trained", b""))
-        self.dropped_indices = IndexSet(indices.get("dropped", b""))
+        self.trained_indices = IndexSet(state.get("prompt_indices", {}).get("trained", b""))
         self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
         if self.ranks.is_main:
             published = registry.learner_version(self.r, self.keys)
@@ -453,7 +459,7 @@ class Learner:
         done = [e for e in pending if e.record.group_id in self._trained_before_restart]
         self._backlog = [e for e in pending if e.record.group_id not in self._trained_before_restart]
         self.queue.ack([e.entry_id for e in done])
-        self._outages_seen = outages(self.r)
+        self.dropped_indices = self.queue.dropped_indices()
         was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups)
         if (was_t, was_p) != (now_t, now_p):
             log.warning("counters re-derived from the lineage and the stream: trained %d -> %d, produced %d -> %d",

@@ -53,6 +53,8 @@ class Keys:
         # Not in DESIGN.md's table: prompt indices handed out but given back unfinished (a
         # worker shut down, or its reward could not be computed); handed out again first.
         self.returned = self.prefix + "prompts:returned"
+        # Not in DESIGN.md's table: a bitmap of the prompt indices whose group was dropped as stale.
+        self.dropped = self.prefix + "prompts:dropped"
         # Not in DESIGN.md's table: how many times each re-issued prompt index was handed out before.
         self.attempts = self.prefix + "prompts:attempts"
         # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
@@ -195,6 +197,31 @@ def connect(url: str, wait_s: float = 0.0) -> redis.Redis:
     return client
 
 
+class RestartWatch:
+    """Whether the Redis server behind ``r`` restarted since the last look: its ``run_id``
+    changed. Only a restart can lose writes Redis acknowledged (a network outage loses
+    none), and a process may never see the outage itself: redis-py quietly reconnects a
+    pooled connection whose server went away while the process made no call (the learner
+    in a long weight sync). So the run_id, not an error, is what tells it to reconcile."""
+
+    def __init__(self, r: redis.Redis, every_s: float = 0.0):
+        self.r, self.every_s = r, every_s
+        self.run_id = self._run_id()
+        self.checked = time.monotonic()
+
+    def _run_id(self) -> str:
+        return self.r.info("server")["run_id"]
+
+    def restarted(self) -> bool:
+        """True once per restart (at most one look per ``every_s``)."""
+        if time.monotonic() - self.checked < self.every_s:
+            return False
+        self.checked = time.monotonic()
+        run_id = self._run_id()
+        changed, self.run_id = run_id != self.run_id, run_id
+        return changed
+
+
 def outages(r: redis.Redis) -> int:
     """How many outages ``r`` has been through (0 for a client without OutageRetry)."""
     retry = r.get_retry()
@@ -290,13 +317,19 @@ return {c.trained, trained, c.produced, produced}
 
 
 # KEYS: traj, counters; ARGV: consumer group, how many trained, dropped_stale, duplicate; their ids
+# then the prompt indices of the dropped ones (marked in the prompts:dropped bitmap)
 _ACK = """
 local names, pos = {'trained', 'dropped_stale', 'duplicate'}, 5
+local dropped_at = 5 + tonumber(ARGV[2]) + tonumber(ARGV[3]) + tonumber(ARGV[4])
 for c = 1, 3 do
   local removed = 0
   for i = pos, pos + tonumber(ARGV[1 + c]) - 1 do
     redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    removed = removed + redis.call('XDEL', KEYS[1], ARGV[i])
+    local gone = redis.call('XDEL', KEYS[1], ARGV[i])
+    removed = removed + gone
+    if c == 2 and gone == 1 and tonumber(ARGV[dropped_at + i - pos]) >= 0 then
+      redis.call('SETBIT', KEYS[3], ARGV[dropped_at + i - pos], 1)
+    end
   end
   pos = pos + tonumber(ARGV[1 + c])
   if removed > 0 then redis.call('HINCRBY', KEYS[2], names[c], removed) end
@@ -446,15 +479,21 @@ class TrajectoryQueue:
         pipe.hincrby(self.keys.counters, "dead", 1)
         pipe.execute()
 
-    def ack(self, trained: list[str], dropped_stale: list[str] = (), duplicate: list[str] = ()) -> None:
-        """Remove finished entries and count them, atomically. ``duplicate``: groups for a
-        prompt this run's lineage already settled. Only entries still in the stream are
+    def ack(self, trained: list[str], dropped_stale: list[Entry] = (), duplicate: list[str] = ()) -> None:
+        """Remove finished entries and count them, atomically; a dropped group's prompt is
+        marked in the ``prompts:dropped`` bitmap, the run's durable record of drops (they
+        are final at once, between the learner's checkpoints). ``duplicate``: groups for a
+        prompt the learner's lineage already settled. Only entries still in the stream are
         counted: after a Redis restart lost an entry's push, the learner may hold it and
         acknowledge it, and counting it would break the books."""
         if trained or dropped_stale or duplicate:
-            self._ack(keys=[self.keys.traj, self.keys.counters],
-                      args=[CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate),
-                            *trained, *dropped_stale, *duplicate])
+            self._ack(keys=[self.keys.traj, self.keys.counters, self.keys.dropped],
+                      args=[CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate), *trained,
+                            *(e.entry_id for e in dropped_stale), *duplicate,
+                            *(e.record.prompt_index for e in dropped_stale)])
+
+    def dropped_indices(self) -> "IndexSet":
+        return IndexSet(self.r.get(self.keys.dropped) or b"")
 
     # -- accounting ----------------------------------------------------------------
     def counters(self) -> dict[str, int]:
@@ -494,8 +533,9 @@ class TrajectoryQueue:
 
 
 class IndexSet:
-    """A set of prompt indices as a bitmap (the cursor hands them out densely from 0):
-    the learner's lineage keeps the indices it trained and dropped, 1 bit each, in every checkpoint."""
+    """A set of prompt indices as a bitmap (the cursor hands them out densely from 0), bit
+    order as Redis's SETBIT (most significant bit first): the learner's lineage keeps the
+    indices it trained, 1 bit each, in every checkpoint; Redis keeps those dropped."""
 
     def __init__(self, data: bytes = b""):
         self.bits = bytearray(data)
@@ -506,11 +546,11 @@ class IndexSet:
         byte = index >> 3
         if byte >= len(self.bits):
             self.bits.extend(bytes(byte + 1 - len(self.bits)))
-        self.bits[byte] |= 1 << (index & 7)
+        self.bits[byte] |= 0x80 >> (index & 7)
 
     def __contains__(self, index: int) -> bool:
         byte = index >> 3
-        return 0 <= index and byte < len(self.bits) and bool(self.bits[byte] >> (index & 7) & 1)
+        return 0 <= index and byte < len(self.bits) and bool(self.bits[byte] & (0x80 >> (index & 7)))
 
     def __len__(self) -> int:
         return sum(bin(b).count("1") for b in self.bits)

@@ -27,7 +27,7 @@ import redis
 
 from rlpipe import checkpoints, registry
 from rlpipe.config import RunConfig
-from rlpipe.queue import RedisUnavailable, TrajectoryQueue, outages
+from rlpipe.queue import RedisUnavailable, RestartWatch, TrajectoryQueue
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
@@ -79,7 +79,7 @@ class RolloutLoop:
         self.backlog: dict = {}  # what the last back-pressure check saw (for /v1/status)
         self.failed_here: set[int] = set()  # prompt indices whose group failed once on this worker
         self.pause_until = 0.0  # monotonic time before which no group starts (after a reward error)
-        self.outages_seen = 0  # Redis outages reconciled (see _after_redis_outage)
+        self.redis_restarts = RestartWatch(self.r, every_s=0.25)  # see _after_redis_restart
 
     def start(self) -> None:
         # Prompts leased by this worker id's previous life (killed before it pushed them) go back now.
@@ -126,8 +126,8 @@ class RolloutLoop:
                 await asyncio.sleep(0.02)
                 continue
             try:
-                if outages(self.r) != self.outages_seen:
-                    await asyncio.to_thread(self._after_redis_outage)
+                if await asyncio.to_thread(self.redis_restarts.restarted):
+                    await asyncio.to_thread(self._after_redis_restart)
                 leased = await asyncio.to_thread(self._lease, free)
                 if not leased:
                     self.metrics.backpressure_waits.inc()
@@ -148,18 +148,17 @@ class RolloutLoop:
                 await asyncio.sleep(1.0)
             await asyncio.sleep(0)
 
-    def _after_redis_outage(self) -> None:
+    def _after_redis_restart(self) -> None:
         """A restarted Redis may have lost its last second of writes (AOF everysec). A lease
         this worker holds for a prompt it no longer has in flight means its push (or
         give-back) was lost: the prompt is re-issued and counted in ``lost_writes``. (The
         opposite, a group in flight whose lease was lost, is refused at push and counted
         in ``rejected_push``; its prompt was handed out again.) Runs in the dispatcher, the
         only task that takes leases, so no hand-out is between lease and in-flight here."""
-        self.outages_seen = outages(self.r)
         orphans = self.queue.leased(self.worker_id) - {g.index for g in self.groups.values()}
         if orphans:
             n = self.queue.give_back(self.worker_id, sorted(orphans), count_as="lost_writes")
-            log.warning("after the Redis outage: %d pushes were lost; re-issued prompts %s", n, sorted(orphans))
+            log.warning("Redis restarted and lost %d of my pushes: re-issued prompts %s", n, sorted(orphans))
 
     def _lease(self, free: int) -> list[tuple[int, int]]:
         """Lease up to ``free`` prompts within the back-pressure allowance (one script with

@@ -176,7 +176,7 @@ class Cluster:
         """The books at the end (workers stopped, so nothing is in flight or leased):
 
         - produced == trained + dropped + dead + duplicate + what is left in the stream;
-        - every prompt index below the cursor was trained or dropped by the final lineage,
+        - every prompt index below the cursor was trained by the final lineage or dropped,
           is still in the stream, was given back, or was skipped (and counted);
         - no prompt was trained twice in the final lineage (its trained count equals the
           number of distinct prompt indices it trained).
@@ -189,7 +189,7 @@ class Cluster:
         final = checkpoint.latest(Path(self.cfg.run_dir) / "checkpoints")
         state = checkpoint.load_state(final)
         trained = IndexSet(state["prompt_indices"]["trained"])
-        dropped = IndexSet(state["prompt_indices"]["dropped"])
+        dropped = q.dropped_indices()
         in_stream = {e.record.prompt_index for e in q._decode(r.xrange(self.keys.traj))}
         returned = {int(i) for i in r.lrange(self.keys.returned, 0, -1)}
         leased = set().union(*(q.leased(w) for w in self.workers))

@@ -7,7 +7,7 @@ import time
 import msgpack
 
 from rlpipe import registry
-from rlpipe.queue import IndexSet, Keys, TrajectoryQueue, connect
+from rlpipe.queue import Entry, IndexSet, Keys, TrajectoryQueue, connect
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
 
@@ -20,7 +20,7 @@ def test_push_read_ack_keeps_the_books(r):
     assert [e.entry_id for e in got] == ids[:3]
     assert [e.record.group_id for e in got] == ["g0", "g1", "g2"]
     assert q.pending() == 3
-    q.ack([got[0].entry_id, got[1].entry_id], dropped_stale=[got[2].entry_id])
+    q.ack([got[0].entry_id, got[1].entry_id], dropped_stale=[got[2]])
     c = q.counters()
     assert (c["produced"], c["trained"], c["dropped_stale"]) == (5, 2, 1)
     assert q.pending() == 0 and q.length() == 2  # acknowledged entries leave the stream
@@ -117,8 +117,8 @@ def test_unconsumed_is_independent_of_the_learner_version(r):
     q = TrajectoryQueue(r, free_run_id("unconsumed"))
     ids = [q.push(make_record(group_id=f"g{i}")) for i in range(10)]
     q.ensure_consumer_group()
-    q.read("learner-0", 10)
-    q.ack(ids[:4], ids[4:6], ids[6:7])
+    got = q.read("learner-0", 10)
+    q.ack(ids[:4], got[4:6], ids[6:7])
     assert q.unconsumed(consumed=4) == 10 - 2 - 1 - 4
     # a learner restored from an earlier checkpoint consumed fewer: those groups count again
     assert q.unconsumed(consumed=2) == 10 - 2 - 1 - 2
@@ -206,7 +206,8 @@ def test_acknowledging_an_entry_redis_lost_counts_nothing(r):
     kept = q.push(make_record(group_id="kept"))
     q.ensure_consumer_group()
     q.read("learner-0", 10)
-    q.ack([kept, "1-1"], ["2-2"], ["3-3"])  # the three others were never in this stream
+    q.ack([kept, "1-1"], [Entry("2-2", make_record(prompt_index=5))], ["3-3"])  # never in this stream
+    assert 5 not in q.dropped_indices()
     c = q.counters()
     assert (c["produced"], c["trained"], c["dropped_stale"], c["duplicate"]) == (1, 1, 0, 0)
     assert q.length() == 0 and q.pending() == 0
@@ -226,3 +227,13 @@ def test_counters_are_re_derived_from_the_lineage_and_the_stream(r):
     q.ack([ids[2], "9-9"])
     c = q.counters()
     assert c["trained"] == 5 and c["produced"] == c["trained"] + q.length() and c["lost_writes"] == 6
+
+
+def test_a_drop_is_recorded_for_good_in_redis(r):
+    q = TrajectoryQueue(r, free_run_id("dropbits"))
+    for i in (3, 17):
+        q.push(make_record(group_id=f"g{i}", prompt_index=i))
+    q.ensure_consumer_group()
+    q.ack([], q.read("learner-0", 10))
+    assert list(q.dropped_indices()) == [3, 17] and q.counters()["dropped_stale"] == 2
+    assert r.getbit(q.keys.dropped, 17) == 1  # the same bit order as Redis's own bitmaps

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, connect, outages
+from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, RestartWatch, connect, outages
 from rlpipe.redis_server import EmbeddedRedis
 
 
@@ -88,3 +88,16 @@ def test_the_password_comes_from_the_url_the_environment_or_a_file(tmp_path, mon
         monkeypatch.setenv(PASSWORD_ENV, "wrong")  # the variable wins over the file
         with pytest.raises(redis.AuthenticationError):
             connect(server.url).ping()
+
+
+def test_a_restart_is_seen_even_by_a_client_that_made_no_call_meanwhile(tmp_path):
+    """redis-py reconnects a pooled connection whose server went away without raising, so
+    only the server's run_id tells a process that was busy elsewhere that Redis restarted."""
+    with EmbeddedRedis(tmp_path) as server:
+        client = connect(server.url, wait_s=30)
+        watch = RestartWatch(client)
+        assert not watch.restarted()
+        server.kill()
+        server.start()
+        assert client.ping() and outages(client) == 0  # no call failed...
+        assert watch.restarted() and not watch.restarted()  # ...but the restart is seen, once

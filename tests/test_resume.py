@@ -121,7 +121,7 @@ def test_a_second_learner_waits_for_the_first_to_let_go(run):
     cfg, queue, ids, start, no_loss = run
     r = connect(cfg.redis_url)
     for e in queue.r.xrange(queue.keys.traj)[2 * GROUPS_PER_STEP:]:  # 2 steps' worth, then the first waits
-        queue.ack([], [e[0].decode()])
+        queue.ack([], queue._decode([e]))
     first = start()
     wait_for(lambda: registry.learner_state(r, queue.keys).get("step") == "2", timeout=120, what="two steps")
     second = start()
@@ -146,7 +146,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_acknowledges(run):
     r = connect(cfg.redis_url)
     # Leave only 2 steps' worth of groups in the stream: the learner trains them and waits.
     for e in queue.r.xrange(queue.keys.traj)[2 * GROUPS_PER_STEP:]:
-        queue.ack([], [e[0].decode()])
+        queue.ack([], queue._decode([e]))
     proc = start()
     wait_for(lambda: registry.learner_state(r, queue.keys).get("step") == "2", timeout=120, what="two steps")
     address = registry.learner_state(r, queue.keys)["address"]
