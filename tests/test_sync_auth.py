@@ -196,6 +196,40 @@ def _worker(redis_url, run_id, worker_id, results):
     asyncio.run(follower.run(asyncio.Event(), poll_s=0.02))
 
 
+def test_a_worker_listed_with_the_incarnation_it_just_left_checks_in_at_once(redis_server, r, token):
+    """A worker that starts after the learner first sees a generation formed without it and
+    redraws its incarnation; a learner that read the registry just before that lists the
+    old one. The worker signs for the incarnation listed (it held it): it gets in at once,
+    as before check-ins were signed, instead of costing the learner its deadline."""
+    run_id = free_run_id("auth")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(redis_server.url, run_id, "w0", results), daemon=True)]
+    procs[0].start()
+    _, _, w0 = results.get(timeout=120)
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=10, bucket_bytes=256 << 10, wire_dtype=None)
+    try:
+        assert sender.sync(1, model_weights(1).items, {"w0": w0})["members"] == 1  # w1 does not exist yet
+        assert results.get(timeout=30)[2] == 1
+        procs.append(ctx.Process(target=_worker, args=(redis_server.url, run_id, "w1", results), daemon=True))
+        procs[1].start()
+        first = results.get(timeout=120)
+        redrawn = results.get(timeout=30)  # generation 1 formed without it: it asks back in
+        assert first[:2] == redrawn[:2] == ("w1", "incarnation") and first[2] != redrawn[2]
+        t0 = time.monotonic()
+        stats = sender.sync(2, model_weights(2).items, {"w0": w0, "w1": first[2]})  # the registry, read before
+        assert stats["members"] == 2 and time.monotonic() - t0 < 5  # not the 10 s deadline
+        assert sorted(results.get(timeout=30) for _ in range(2)) == [
+            ("w0", checksum(model_weights(2).items()), 2), ("w1", checksum(model_weights(2).items()), 2)]
+        stats = sender.sync(3, model_weights(3).items, {"w0": w0, "w1": redrawn[2]})  # the registry, now
+        assert stats["members"] == 2 and stats["form_s"] > 0 and sender.left_out_total == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        sender.drop()
+
+
 def _blob(b: bytes) -> bytes:
     return struct.pack("<Q", len(b)) + b
 

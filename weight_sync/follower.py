@@ -5,10 +5,15 @@ drive an engine through the small :class:`SyncEngine` protocol.
 - A new generation that lists this worker means: check in and join (or refuse, when the
   engine cannot load its manifest; a refusing worker stays out, since asking back in
   would only be refused again). With a sync token the check-in is signed for this
-  worker's id and current incarnation, the generation and its manifest: the follower
-  computes that MAC (:func:`~weight_sync.transport.check_in_slot`) and hands it to the
-  engine as the slot to check in under, so the engine needs no more than the token in
-  its environment (for the learner's gate).
+  worker's id and incarnation, the generation and its manifest: the follower computes
+  that MAC (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as
+  the slot to check in under, so the engine needs no more than the token in its
+  environment (for the learner's gate). It signs for the incarnation the learner lists
+  when that is one this follower has held: the learner may have read the registry just
+  before a redraw (a restarted worker redraws as soon as it sees a generation formed
+  without it), and it then admits the process it listed, as it did before check-ins
+  were signed, instead of waiting out its deadline; the next sync sees the new
+  incarnation and re-forms.
 - A higher version in the joined generation means: receive it and load it.
 - A worker left out (it checked in late, a transfer failed, or the learner had not seen
   it yet) catches up from the newest checkpoint on disk and asks back in by drawing a
@@ -105,6 +110,7 @@ class WeightFollower:
         self.fatal = fatal
         self.generation = 0  # the newest generation seen
         self.incarnation = new_incarnation()
+        self.held = {self.incarnation}  # every incarnation this follower has had
         self.token = sync_token()
         self.joined = False
 
@@ -121,8 +127,9 @@ class WeightFollower:
                     if candidate is None:
                         await self.ask_back("a generation formed without this worker")
                     else:
-                        slot = check_in_slot(self.token, st.generation, candidate, self.worker_id, self.incarnation,
-                                             st.manifest_hash)
+                        listed = st.incarnation_of(self.worker_id)
+                        slot = check_in_slot(self.token, st.generation, candidate, self.worker_id,
+                                             listed if listed in self.held else self.incarnation, st.manifest_hash)
                         res = await self.engine.join(st.master_addr, st.master_port, slot, st.generation,
                                                      st.manifest, self.timeout_s)
                         self.joined = must_receive = res.ok
@@ -163,4 +170,5 @@ class WeightFollower:
         log.info("out of the sync generation (%s): catching up from disk, asking back in", why)
         await self.catch_up()
         self.incarnation = new_incarnation()
+        self.held.add(self.incarnation)
         await self.on_incarnation(self.incarnation)

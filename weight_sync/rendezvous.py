@@ -7,9 +7,10 @@ manifest) and then each *version* it broadcasts. Workers poll the hash: a new ge
 that lists them as ``candidates`` means "check in" (the i-th candidate checks in as
 candidate i+1; with a sync token, under a MAC of its id and incarnation, see
 weight_sync/transport.py), a higher version means "receive". Besides DESIGN.md's fields the hash
-carries ``candidates``, ``members`` (JSON lists: the workers asked, and those admitted,
-published once the generation formed) and ``manifest_hash``; ``world_size`` is the
-admitted world.
+carries ``candidates``, ``incarnations`` (the incarnation the learner expects of each
+candidate, which a worker's check-in must be signed for), ``members`` (JSON lists: the
+workers asked, and those admitted, published once the generation formed) and
+``manifest_hash``; ``world_size`` is the admitted world.
 """
 
 from __future__ import annotations
@@ -31,9 +32,14 @@ class SyncState:
     version: int = -1
     manifest: str = ""
     manifest_hash: str = ""
+    incarnations: tuple[str, ...] = ()  # of each candidate
 
     def candidate_of(self, worker_id: str) -> int | None:
         return self.candidates.index(worker_id) + 1 if worker_id in self.candidates else None
+
+    def incarnation_of(self, worker_id: str) -> str:
+        c = self.candidate_of(worker_id)
+        return self.incarnations[c - 1] if c is not None and c <= len(self.incarnations) else ""
 
 
 def read_sync(r: redis.Redis, key: str) -> SyncState:
@@ -50,6 +56,7 @@ def read_sync(r: redis.Redis, key: str) -> SyncState:
         version=int(raw.get("version", -1)),
         manifest=raw.get("manifest", ""),
         manifest_hash=raw.get("manifest_hash", ""),
+        incarnations=tuple(json.loads(raw.get("incarnations", "[]"))),
     )
 
 
@@ -64,6 +71,7 @@ def publish_generation(r: redis.Redis, key: str, state: SyncState) -> None:
         "version": state.version,
         "manifest": state.manifest,
         "manifest_hash": state.manifest_hash,
+        "incarnations": json.dumps(list(state.incarnations)),
     })
 
 

@@ -119,7 +119,7 @@ class WeightSender:
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
         generation = read_sync(self.r, self.sync_key).generation + 1
         self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
-                               manifest.to_json(), manifest.hash)
+                               manifest.to_json(), manifest.hash, tuple(candidates.values()))
         publish_generation(self.r, self.sync_key, self.state)
         log.info("sync generation %d: candidates %s", generation, names)
         slots = [check_in_slot(self.token, generation, c, w, candidates[w], manifest.hash)
