@@ -26,6 +26,8 @@ import queue
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -129,6 +131,34 @@ def test_the_gate_lets_only_token_holders_through():
         assert gate.admitted == 1 and gate.refused >= 6  # the TCPStore client may try more than once
         assert store.num_keys() == 1  # nothing else got in
     finally:
+        gate.close()
+
+
+STRANGER = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.sendall(bytes(64))
+try:
+    print("closed" if s.recv(1) == b"" else "answered")
+except ConnectionResetError:
+    print("closed")
+"""
+
+
+def test_a_workers_relay_serves_its_own_store_client_only():
+    """The relay's loopback port is open to every local process: one that connects first
+    is turned away, and the worker's own store client still gets through."""
+    store, port, gate = GlooGroup.listen("127.0.0.1", 5.0, TOKEN)
+    relay = GateClient("127.0.0.1", port, TOKEN, 5.0)
+    stranger = subprocess.Popen([sys.executable, "-c", STRANGER, str(relay.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stranger.communicate(timeout=20)[0].strip() == "closed"  # turned away, unanswered
+        client = TCPStore("127.0.0.1", relay.port, None, is_master=False, timeout=datetime.timedelta(seconds=5))
+        client.set("mine", "yes")
+        assert store.get("mine") == b"yes" and store.num_keys() == 1
+    finally:
+        stranger.kill()
+        relay.close()
         gate.close()
 
 

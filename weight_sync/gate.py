@@ -21,12 +21,15 @@ the reply is ``hmac_sha256(token, "rlpipe-sync-gate|" + nonce)`` (checked with
 ``hmac.compare_digest``); anything else is closed unread after at most ``handshake_s``.
 A fresh nonce per connection means a recorded handshake cannot be replayed. On the worker,
 :class:`GateClient` proves the token and relays the one connection its ``TCPStore`` client
-makes. Bytes after the handshake are neither encrypted nor authenticated: the gate keeps
+makes, and only that one: its loopback port is open to every local process, and one that
+connected first would get the authenticated pipe (it happened in tests/test_sync_auth.py:
+the flood's connection to a just-closed gate's port reached a relay that had been given
+the same port number), so it checks that the peer is a socket of its own process.
+Bytes after the handshake are neither encrypted nor authenticated: the gate keeps
 strangers off the store, it does not protect against someone on the network path, nor
-against local users of the learner's host (the store's loopback port) or of a worker's
-host (the relay's port, open until the worker's store connects, normally microseconds).
-Gloo's own connections, which carry the weights between addresses the members exchange
-through this store, are not gated.
+against local users of the learner's host (the store's loopback port). Gloo's own
+connections, which carry the weights between addresses the members exchange through
+this store, are not gated.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import logging
 import os
 import socket
 import threading
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +180,13 @@ class GateClient:
 
     def _relay(self) -> None:
         try:
-            self.local, _ = self.listener.accept()
+            while True:
+                conn, _ = self.listener.accept()
+                if _from_this_process(conn):
+                    self.local = conn
+                    break
+                log.warning("sync relay: refused a connection from another local process")
+                conn.close()
         except OSError:  # closed before the store connected
             return
         finally:
@@ -191,6 +202,13 @@ class GateClient:
                 except OSError:
                     pass
                 s.close()
+
+
+def _from_this_process(conn: socket.socket) -> bool:
+    """Whether the peer of a loopback connection is a socket of this process."""
+    host, port = conn.getpeername()[:2]
+    return any(c.laddr and c.laddr.port == port and c.laddr.ip.removeprefix("::ffff:") == host
+               for c in psutil.Process().net_connections("tcp"))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
