@@ -5,17 +5,25 @@ its output in ``runs/<id>/logs/<name>.log`` and its command line in
 ``runs/<id>/commands.txt``. Children are stopped by process group (SIGTERM, then SIGKILL
 after a grace period), which takes vLLM's engine processes with them; and each child
 stops itself if the launcher dies (``RLPIPE_PARENT_PID``, see rlpipe.proc).
+
+Weight sync between the children is authenticated: a run started without a sync token
+(``RLPIPE_SYNC_TOKEN`` or ``RLPIPE_API_TOKEN``, rlpipe/auth.py) gets a random one of its
+own, in its children's environment only (never in commands.txt), so even a local run's
+learner admits only its own workers.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rlpipe.auth import SYNC_TOKEN_ENV, sync_token
 
 # Environment every role gets: no hub, no telemetry, quiet vLLM.
 ROLE_ENV = {
@@ -39,10 +47,11 @@ class Launcher:
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.sync_env = {} if sync_token() else {SYNC_TOKEN_ENV: secrets.token_hex(32)}
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "rlpipe.cli", *args]
-        full_env = {**os.environ, **ROLE_ENV, **(env or {}), "RLPIPE_PARENT_PID": str(os.getpid())}
+        full_env = {**os.environ, **ROLE_ENV, **self.sync_env, **(env or {}), "RLPIPE_PARENT_PID": str(os.getpid())}
         with open(self.log_dir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True, cwd=os.getcwd())
