@@ -39,7 +39,8 @@ def run(redis_server, toy_model_path, tmp_path):
                        steps=STEPS, workers=1, **{
                            "model.path": toy_model_path, "learner.groups_per_step": GROUPS_PER_STEP,
                            "learner.checkpoint_every": 2, "learner.ppo_epochs": 1, "learner.lr": 1e-4,
-                           "learner.threads": 1, "learner.lease_ttl_s": 1.0, "queue.max_staleness": 1000, "sync.join_timeout_s": 0.1})
+                           "learner.threads": 1, "learner.lease_ttl_s": 1.0, "queue.max_staleness": 1000, "sync.join_timeout_s": 0.1,
+                           "learner.schedule.warmup_steps": 0})
     dump_config(cfg, tmp_path / "config.yaml")
     queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
     groups = synthetic_groups(load_policy(toy_model_path), STEPS * GROUPS_PER_STEP, seed=11)
