@@ -312,7 +312,7 @@ def _flood(redis_url, run_id, token, total, results):
                  "plain_slots": [str(c) for c in range(1, len(st.candidates) + 1)]}[kind]
         relay = GateClient(st.master_addr, st.master_port, token, 5.0)
         try:
-            store = TCPStore("127.0.0.1", relay.port, None, is_master=False, timeout=datetime.timedelta(seconds=2))
+            store = TCPStore("127.0.0.1", relay.port, None, is_master=False, timeout=datetime.timedelta(seconds=1))
             for slot in slots:  # "ok" to get in; a refusal, to lock the real worker out
                 store.set(f"rlpipe/gen{g}/in/{slot}", "ok" if kind != "plain_slots" else "refused: forged")
                 store.set(f"rlpipe/gen{g}/go/{slot}", json.dumps({"rank": 1, "world": 2}))
@@ -432,7 +432,7 @@ def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(
             expected = checksum(weights.items())
             assert got == {"w0": ("w0", expected, version), "w1": ("w1", expected, version)}
             assert durations[-1] < 8, durations  # never a deadline's wait (10 s), never a stall
-            time.sleep(0.25)  # let each generation's gate live a little: more of the flood hits a live one
+            time.sleep(0.5)  # let each generation's gate live a little: more of the flood hits a live one
         flood.join(30)
         assert flood.exitcode == 0
     finally:
