@@ -65,7 +65,8 @@ class Gate:
     loopback ``store_port``; everything runs on one asyncio loop in a daemon thread, so a
     flood of connections costs sockets, not threads. At most ``max_pending`` connections
     may be mid-handshake; more are closed at once, so a flood cannot take every file
-    descriptor of the learner (a real worker may then be refused, and retries later)."""
+    descriptor of the learner (a real worker may then be refused too: it is left out of that
+    generation and asks back in)."""
 
     def __init__(self, host: str, store_port: int, token: str, handshake_s: float = 5.0, max_pending: int = 256):
         self.store_port, self.token = store_port, token
