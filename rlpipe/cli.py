@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         return 2
 
-    from rlpipe.auth import check_exposure
+    from rlpipe.auth import check_exposure, check_sync_exposure
     from rlpipe.proc import exit_with_parent, setup_logging
 
     try:
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             check_exposure(cfg.rollout.host, "rollout.host", cfg.allow_unauthenticated)
         if args.command == "learner":
             check_exposure(cfg.learner.host, "learner.host", cfg.allow_unauthenticated)
+            check_sync_exposure(cfg.sync.host)
     except ConfigError as e:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         return 2

@@ -451,3 +451,19 @@ def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(
         assert flood_counts.get(kind, 0) >= 10, flood_counts
     assert sum(g.refused for g in gates) >= flood_counts["random"] + flood_counts["truncated"] // 2
     assert forged_in_store >= 10  # they got that far, and were not admitted
+
+
+def test_the_learner_command_refuses_a_reachable_sync_host_without_a_token(tmp_path):
+    """Said before anything starts, as a CLI error naming the field (exit 2), not a traceback."""
+    import subprocess
+    import sys
+
+    from rlpipe.config import build_config, dump_config
+
+    cfg = build_config({}, environ={}, run_dir=str(tmp_path), **{"sync.host": "0.0.0.0", "model.path": str(tmp_path)})
+    dump_config(cfg, tmp_path / "config.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("RLPIPE_SYNC_TOKEN", "RLPIPE_API_TOKEN")}
+    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "rlpipe: error: sync.host: '0.0.0.0'" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
