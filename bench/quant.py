@@ -219,6 +219,9 @@ def sync_rows(args, workdir: Path, size: str, redis_url: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    # Sender and receivers run here on loopback and check in by candidate number: no sync token.
+    for var in ("RLPIPE_SYNC_TOKEN", "RLPIPE_API_TOKEN"):
+        os.environ.pop(var, None)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="rollout,quantize,sync")
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"quantize and sync: comma-separated, from {list(SIZES)}")

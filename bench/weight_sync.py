@@ -25,6 +25,7 @@ are reported with the ratio raw_time / time (1.0 = as fast as the raw broadcast)
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import multiprocessing as mp
 import statistics
@@ -156,6 +157,9 @@ def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: st
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    # Sender and receivers run here on loopback and check in by candidate number: no sync token.
+    for var in ("RLPIPE_SYNC_TOKEN", "RLPIPE_API_TOKEN"):
+        os.environ.pop(var, None)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {list(SIZES)}")
     ap.add_argument("--receivers", type=int, default=2)
