@@ -34,17 +34,7 @@ def run(seed: int, steps: int, work: Path) -> tuple[dict, list[dict], list[tuple
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
-        for step, kind in plan:
-            cluster.wait_step(step)
-            print(f"step {step}: {kind}", flush=True)
-            if kind == "learner":
-                cluster.kill_learner()
-                cluster.start_learner()
-            elif kind == "worker":
-                cluster.kill_worker("w1")
-                cluster.start_worker("w1", wait=False)
-            else:
-                cluster.kill_redis(down_s=3.0)
+        cluster.inject(plan, log=print)
         cluster.wait_done()
         cluster.stop_roles()
         books = cluster.audit()

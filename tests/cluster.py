@@ -110,6 +110,22 @@ class Cluster:
         time.sleep(down_s)
         self.redis.start()
 
+    def inject(self, plan: list[tuple[int, str]], log=lambda message: None) -> None:
+        """At each ``(step, kind)`` of ``plan``, as a supervisor would see it: SIGKILL the
+        learner and start it again, SIGKILL worker w1 and start it again under the same
+        id, or SIGKILL redis-server and bring it back (see :meth:`kill_redis`)."""
+        for step, kind in plan:
+            self.wait_step(step)
+            log(f"step {step}: {kind}")
+            if kind == "learner":
+                self.kill_learner()
+                self.start_learner()
+            elif kind == "worker":
+                self.kill_worker("w1")
+                self.start_worker("w1", wait=False)
+            else:
+                self.kill_redis(down_s=3.0)
+
     def _watch_aof(self) -> None:
         """Note the AOF's length every 50 ms (for kill_redis's lost second)."""
         aof = self.redis.data_dir / "appendonly.aof"

@@ -52,16 +52,7 @@ def test_chaos(tmp_path, toy_model_path):
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
-        for step, kind in plan:
-            cluster.wait_step(step)
-            if kind == "learner":
-                cluster.kill_learner()
-                cluster.start_learner()
-            elif kind == "worker":
-                cluster.kill_worker("w1")
-                cluster.start_worker("w1", wait=False)
-            else:
-                cluster.kill_redis(down_s=3.0)
+        cluster.inject(plan)
         cluster.wait_done()
         cluster.check_alive(learner_may_exit=True)
         cluster.stop_roles()
