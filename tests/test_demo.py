@@ -136,7 +136,8 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     assert all(r["weight_sync_members"] == 2 and set(r["weight_sync_by_precision"]) == {"int8", "bf16"} for r in rows)
     assert all(r["quant_profile"] == profile.hash and r["quant_kl_vs_bf16"] < 0.05 for r in rows)
     int8_rows = [r for r in rows if "int8" in r["mismatch_by_precision"]]
-    assert int8_rows and all(0 < r["mismatch_by_precision"]["int8"]["mismatch_kl"] < 1 for r in int8_rows)
+    # k3, not k1: k1 (mean log-ratio) is unbiased but can dip below zero on one small step
+    assert int8_rows and all(0 < r["mismatch_by_precision"]["int8"]["mismatch_k3_kl"] < 1 for r in int8_rows)
     assert all(0 <= r["reward_by_precision"]["int8"] <= 1 for r in int8_rows)
     assert summary["quant_recalibrations_total"] == 0
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

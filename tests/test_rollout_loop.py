@@ -47,7 +47,7 @@ def test_workers_share_the_cursor_and_sigterm_gives_unfinished_prompts_back(redi
 
     cfg = build_config({}, environ={}, run_id=free_run_id("drain"), run_dir=str(tmp_path), redis_url=redis_server.url,
                        **{"model.path": toy_model_path, "rollout.precision": "fp32", "learner.groups_per_step": 100_000,
-                          "queue.max_lag": 0, "rollout.max_inflight_groups": 8, "sampling.max_tokens": 8,
+                          "queue.max_lag": 0, "rollout.max_inflight_groups": 8, "sampling.max_tokens": 16,
                           # big groups, so some are still generating when SIGTERM arrives
                           "sampling.n": 128})
     dump_config(cfg, tmp_path / "config.yaml")
@@ -67,6 +67,12 @@ def test_workers_share_the_cursor_and_sigterm_gives_unfinished_prompts_back(redi
             return Counter(rec.worker_id for rec in stream_records(q))
 
         wait_for(lambda: min(produced_by().get(w, 0) for w in ("w0", "w1")) >= 5, 120, what="both producing")
+        # SIGTERM just after w0 leases a new prompt, so at least that group is still generating.
+        # (Its groups run in lockstep: at a random moment all of them may be pushing, and a
+        # pushing group is always finished, so there would be nothing to give back.)
+        leased_before = set(r.hkeys(keys.leases("w0")))
+        wait_for(lambda: set(r.hkeys(keys.leases("w0"))) - leased_before, 60, interval=0.005,
+                 what="w0 starting a new group")
         both_running_until = time.time()
         w0.send_signal(signal.SIGTERM)
         assert w0.wait(60) == 0
