@@ -20,36 +20,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.cluster import Cluster, segments, steady  # noqa: E402
-from tests.conftest import TOY_SPEC  # noqa: E402
-from tests.test_chaos import SETTINGS, SETTLE, schedule  # noqa: E402
 from rlpipe.toy import ensure_toy_model  # noqa: E402
+from tests.conftest import TOY_SPEC  # noqa: E402
+from tests.test_chaos import run_chaos  # noqa: E402
 
 
 def run(seed: int, steps: int, work: Path) -> tuple[dict, list[dict], list[tuple[int, str]]]:
-    plan = schedule(seed, steps)
-    cluster = Cluster(work, str(ensure_toy_model(TOY_SPEC, log=print)), workers=2, password="bench-pw",
-                      **{**SETTINGS, "steps": steps, "sync.timeout_s": 10.0})
-    try:
-        for w in ("w0", "w1"):
-            cluster.start_worker(w, wait=False)
-        cluster.start_learner()
-        cluster.inject(plan, log=print)
-        cluster.wait_done()
-        cluster.stop_roles()
-        books = cluster.audit()
-    finally:
-        cluster.stop()
-    rows = cluster.metrics()
-    parts = segments(rows)
+    chaos = run_chaos(work, str(ensure_toy_model(TOY_SPEC, log=print)), seed, steps, password="bench-pw", log=print)
+    cluster, books, parts = chaos.cluster, chaos.books, chaos.parts
     report = {
         "seed": seed, "faults": cluster.faults, "groups_lost": books["lost"], "groups_trained_twice": books["trained_twice"],
-        "counters": books["counters"],
-        "before_first_fault": steady([r for r in parts[0] if SETTLE < r["step"] <= plan[0][0]]),
-        "after_last_fault": steady([r for r in parts[-1] if r["step"] > plan[-1][0] + SETTLE]),
+        "counters": books["counters"], "before_first_fault": chaos.before, "after_last_fault": chaos.after,
         "restart_to_first_step_s": [round(p[0]["learner_start_to_first_step_seconds"], 1) for p in parts[1:]],
     }
-    return report, rows, list(zip(cluster.fault_rows, cluster.faults))
+    return report, chaos.rows, list(zip(cluster.fault_rows, cluster.faults))
 
 
 def plot(rows: list[dict], marks: list[tuple[int, str]], out: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import NamedTuple
 
 import pytest
 
@@ -43,16 +44,29 @@ def schedule(seed: int, steps: int = STEPS) -> list[tuple[int, str]]:
             return list(zip(steps, kinds))
 
 
-def test_chaos(tmp_path, toy_model_path):
-    seed = int(os.environ.get("RLPIPE_CHAOS_SEED", "12"))
-    plan = schedule(seed)
-    cluster = Cluster(tmp_path, toy_model_path, workers=2, password="chaos-pw",
-                      **{**SETTINGS, "steps": STEPS, "sync.timeout_s": 10.0})
+class ChaosRun(NamedTuple):
+    plan: list[tuple[int, str]]
+    cluster: Cluster  # stopped; its faults, fault_rows and logs remain
+    books: dict  # Cluster.audit()
+    rows: list[dict]  # metrics.jsonl
+    parts: list[list[dict]]  # rows split by learner process
+    before: dict  # steady() before the first fault
+    after: dict  # and after the last
+
+
+def run_chaos(work, model_path: str, seed: int, steps: int = STEPS, password: str = "chaos-pw",
+              log=lambda message: None) -> ChaosRun:
+    """One seeded run with its faults injected (the test below, and bench/faults.py): the
+    plan, the cluster (its faults and logs), the books, the metrics rows split by learner
+    process, and the steady state before the first fault and after the last."""
+    plan = schedule(seed, steps)
+    cluster = Cluster(work, model_path, workers=2, password=password,
+                      **{**SETTINGS, "steps": steps, "sync.timeout_s": 10.0})
     try:
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
-        cluster.inject(plan)
+        cluster.inject(plan, log=log)
         cluster.wait_done()
         cluster.check_alive(learner_may_exit=True)
         cluster.stop_roles()
@@ -61,9 +75,14 @@ def test_chaos(tmp_path, toy_model_path):
         cluster.stop()
     rows = cluster.metrics()
     parts = segments(rows)
-    first_fault, last_fault = plan[0][0], plan[-1][0]
-    before = steady([r for r in parts[0] if SETTLE < r["step"] <= first_fault])
-    after = steady([r for r in parts[-1] if r["step"] > last_fault + SETTLE])
+    return ChaosRun(plan, cluster, books, rows, parts,
+                    before=steady([r for r in parts[0] if SETTLE < r["step"] <= plan[0][0]]),
+                    after=steady([r for r in parts[-1] if r["step"] > plan[-1][0] + SETTLE]))
+
+
+def test_chaos(tmp_path, toy_model_path):
+    seed = int(os.environ.get("RLPIPE_CHAOS_SEED", "12"))
+    plan, cluster, books, _, parts, before, after = run_chaos(tmp_path, toy_model_path, seed)
     report = {"seed": seed, "faults": cluster.faults, "books": books, "before": before, "after": after,
               "restart_to_first_step_s": [p[0]["learner_start_to_first_step_seconds"] for p in parts[1:]]}
     print(report)
