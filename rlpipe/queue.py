@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -234,19 +235,19 @@ COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "leased
 # KEYS: returned, cursor, leases:{worker}, attempts, counters, learner
 # ARGV: lease time, how many wanted, then either nothing (no back-pressure) or
 #       the worker's weights version, groups_per_step, max_lag (see lease_prompts)
-# Returns {allowance, index, attempt, index, attempt, ...}
+# Returns {allowance, unconsumed, leased after the hand-out, index, attempt, index, attempt, ...}
 _HAND_OUT = """
+local learner = redis.call('HMGET', KEYS[6], 'version', 'consumed')
+local version, consumed = tonumber(learner[1] or 0), tonumber(learner[2] or 0)
+local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'duplicate', 'leased')
+for i = 1, 5 do c[i] = tonumber(c[i] or 0) end
+local unconsumed = c[1] - c[2] - c[3] - c[4] - consumed
 local allowance = tonumber(ARGV[2])
 if #ARGV > 2 then
-  local learner = redis.call('HMGET', KEYS[6], 'version', 'consumed')
-  local version, consumed = tonumber(learner[1] or 0), tonumber(learner[2] or 0)
-  local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'duplicate', 'leased')
-  for i = 1, 5 do c[i] = tonumber(c[i] or 0) end
-  local unconsumed = c[1] - c[2] - c[3] - c[4] - consumed
   local behind = version - math.min(tonumber(ARGV[3]), version)
   allowance = (1 + tonumber(ARGV[5]) - behind) * tonumber(ARGV[4]) - unconsumed - c[5]
 end
-local out = {allowance}
+local out = {allowance, unconsumed, c[5]}
 for _ = 1, math.min(tonumber(ARGV[2]), allowance) do
   local index = redis.call('LPOP', KEYS[1])
   if not index then index = tostring(redis.call('INCR', KEYS[2]) - 1) end
@@ -254,7 +255,10 @@ for _ = 1, math.min(tonumber(ARGV[2]), allowance) do
   out[#out + 1] = tonumber(index)
   out[#out + 1] = tonumber(redis.call('HGET', KEYS[4], index) or 0)
 end
-if #out > 1 then redis.call('HINCRBY', KEYS[5], 'leased', (#out - 1) / 2) end
+if #out > 3 then
+  out[3] = c[5] + (#out - 3) / 2
+  redis.call('HINCRBY', KEYS[5], 'leased', (#out - 3) / 2)
+end
 return out
 """
 
@@ -337,6 +341,15 @@ end
 """
 
 
+class Lease(NamedTuple):
+    """What one hand-out (:meth:`TrajectoryQueue.lease_prompts`) returns, all read in its script."""
+
+    allowance: int  # places left before this hand-out (``wanted`` without back-pressure)
+    prompts: list[tuple[int, int]]  # (index, attempt): attempt counts the earlier hand-outs of that index
+    unconsumed: int  # groups produced that the learner's lineage has not consumed: in the stream, or being trained
+    fleet_leased: int  # prompts in flight across the fleet, after this hand-out
+
+
 class TrajectoryQueue:
     def __init__(self, r: redis.Redis, run_id: str):
         self.r = r
@@ -365,11 +378,9 @@ class TrajectoryQueue:
         entry_id, _ = pipe.execute()
         return entry_id.decode()
 
-    def lease_prompts(self, worker_id: str, wanted: int,
-                      backpressure: tuple[int, int, int] | None = None) -> tuple[int, list[tuple[int, int]]]:
+    def lease_prompts(self, worker_id: str, wanted: int, backpressure: tuple[int, int, int] | None = None) -> Lease:
         """Lease up to ``wanted`` prompts to ``worker_id``, given-back indices first, then the
-        cursor's next new ones; returns the allowance and ``(index, attempt)`` pairs, attempt
-        counting the earlier hand-outs of that index.
+        cursor's next new ones (see :class:`Lease` for what comes back).
 
         Every index is handed out exactly once (and once more for each time it is given
         back): no duplicates, no skips.
@@ -394,11 +405,12 @@ class TrajectoryQueue:
         keys = self.keys
         raw = self._hand_out(keys=[keys.returned, keys.cursor, keys.leases(worker_id), keys.attempts, keys.counters,
                                    keys.learner], args=[time.time(), wanted, *(backpressure or ())])
-        return int(raw[0]), [(int(raw[i]), int(raw[i + 1])) for i in range(1, len(raw), 2)]
+        return Lease(allowance=int(raw[0]), prompts=[(int(raw[i]), int(raw[i + 1])) for i in range(3, len(raw), 2)],
+                     unconsumed=int(raw[1]), fleet_leased=int(raw[2]))
 
     def next_prompt_index(self, worker_id: str) -> tuple[int, int]:
         """One prompt for ``worker_id``, without back-pressure (tools and tests)."""
-        return self.lease_prompts(worker_id, 1)[1][0]
+        return self.lease_prompts(worker_id, 1).prompts[0]
 
     def give_back(self, worker_id: str, indices: list[int], count_as: str = "") -> int:
         """Re-issue prompt indices ``worker_id`` leased but will not push (only those it
@@ -514,12 +526,6 @@ class TrajectoryQueue:
         was_t, now_t, was_p, now_p = self._rederive(keys=[self.keys.counters, self.keys.traj],
                                                     args=[trained, *unacked])
         return int(was_t), int(now_t), int(was_p), int(now_p)
-
-    def unconsumed(self, consumed: int) -> int:
-        """Groups produced that the learner's lineage has not consumed, given that it
-        consumed (trained) ``consumed``: waiting in the stream, or being trained now."""
-        c = self.counters()
-        return c["produced"] - c["dropped_stale"] - c["dead"] - c["duplicate"] - consumed
 
     def length(self) -> int:
         return int(self.r.xlen(self.keys.traj))

@@ -167,13 +167,12 @@ class RolloutLoop:
         learner_version = int(learner.get("version", 0))
         if self.engine.weights_source != "learner" and self.engine.version < learner_version:
             return []  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
-        allowance, leased = self.queue.lease_prompts(
+        lease = self.queue.lease_prompts(
             self.worker_id, free, (self.engine.version, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag))
-        unconsumed = self.queue.unconsumed(int(learner.get("consumed", 0)))
-        self.backlog = {"learner_version": learner_version, "unconsumed_groups": unconsumed,
-                        "lag_steps": round(unconsumed / self.cfg.learner.groups_per_step, 3),
-                        "fleet_inflight_groups": self.queue.counters()["leased"], "allowance": allowance}
-        return leased
+        self.backlog = {"learner_version": learner_version, "unconsumed_groups": lease.unconsumed,
+                        "lag_steps": round(lease.unconsumed / self.cfg.learner.groups_per_step, 3),
+                        "fleet_inflight_groups": lease.fleet_leased, "allowance": lease.allowance}
+        return lease.prompts
 
     def _group_done(self, task: asyncio.Task) -> None:
         self.groups.pop(task, None)

@@ -71,9 +71,11 @@ def test_the_hand_out_keeps_within_the_allowance(r):
     """Back-pressure is computed in the hand-out script from the learner hash and the counters."""
     q = TrajectoryQueue(r, free_run_id("allow"))
     registry.set_learner_state(r, q.keys, version=0, consumed=0)
-    allowance, got = q.lease_prompts("w0", 10, (0, 4, 0))  # synchronous: one step's batch
-    assert allowance == 4 and [i for i, _ in got] == [0, 1, 2, 3]
-    assert q.lease_prompts("w0", 10, (0, 4, 0)) == (0, [])  # in flight (leased) count
+    lease = q.lease_prompts("w0", 10, (0, 4, 0))  # synchronous: one step's batch
+    got = lease.prompts
+    assert lease.allowance == 4 and [i for i, _ in got] == [0, 1, 2, 3]
+    assert lease.fleet_leased == 4 == q.counters()["leased"] and lease.unconsumed == 0
+    assert q.lease_prompts("w0", 10, (0, 4, 0))[:2] == (0, [])  # in flight (leased) count
     for index, _ in got:
         q.push(make_record(group_id=f"g{index}", prompt_index=index), "w0")
     assert q.counters()["leased"] == 0 and q.lease_prompts("w0", 10, (0, 4, 0))[0] == 0  # produced, unconsumed
@@ -89,7 +91,7 @@ def _race_for_places(url: str, run_id: str, worker: str, out) -> None:
     q = TrajectoryQueue(connect(url), run_id)
     got = []
     for _ in range(50):
-        got += q.lease_prompts(worker, 3, (0, 25, 0))[1]
+        got += q.lease_prompts(worker, 3, (0, 25, 0)).prompts
     out.put(len(got))
 
 
@@ -119,9 +121,11 @@ def test_unconsumed_is_independent_of_the_learner_version(r):
     q.ensure_consumer_group()
     got = q.read("learner-0", 10)
     q.ack(ids[:4], got[4:6], ids[6:7])
-    assert q.unconsumed(consumed=4) == 10 - 2 - 1 - 4
+    registry.set_learner_state(r, q.keys, version=7, consumed=4)
+    assert q.lease_prompts("w0", 0).unconsumed == 10 - 2 - 1 - 4
     # a learner restored from an earlier checkpoint consumed fewer: those groups count again
-    assert q.unconsumed(consumed=2) == 10 - 2 - 1 - 2
+    registry.set_learner_state(r, q.keys, version=7, consumed=2)
+    assert q.lease_prompts("w0", 0).unconsumed == 10 - 2 - 1 - 2
 
 
 def test_a_leased_push_clears_the_lease_and_a_zombie_push_is_refused(r, redis_server):
