@@ -25,9 +25,9 @@ are reported with the ratio raw_time / time (1.0 = as fast as the raw broadcast)
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile

@@ -206,7 +206,8 @@ class Learner:
                     in_batch.add(index)
                     too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
                     (stale if too_old else fresh).append(e)
-            if any(e.record.prompt_index in {u.record.prompt_index for u in self._unacked} for e in duplicate):
+            unacked_indices = {u.record.prompt_index for u in self._unacked} if duplicate else set()
+            if any(e.record.prompt_index in unacked_indices for e in duplicate):
                 # A twin trained since the last checkpoint may be the prompt's only copy (Redis lost
                 # its push): make it durable before the duplicate goes.
                 self.checkpoint()
@@ -398,7 +399,7 @@ class Learner:
                 seen.setdefault(e.entry_id, e)
         again = {how: [e for e in seen.values() if self._recent_acks.get(e.entry_id, ("",))[0] == how]
                  for how in ("trained", "stale", "duplicate")}
-        self.queue.ack([e.entry_id for e in again["trained"]], again["stale"], [e.entry_id for e in again["duplicate"]])
+        self._ack(again["trained"], again["stale"], again["duplicate"])
         self._backlog = [e for e in seen.values() if e.entry_id not in self._recent_acks]
         # Before anything else is acknowledged: what the lineage trained that Redis forgot
         # (its push was lost after this learner read it) is counted as produced and trained.

@@ -188,8 +188,9 @@ def connect(url: str, wait_s: float = 0.0) -> redis.Redis:
     that, :func:`redis_password`.
     """
     kwargs = dict(socket_timeout=30, socket_connect_timeout=10, health_check_interval=30)
-    if urlsplit(url).password is None and redis_password() is not None:
-        kwargs["password"] = redis_password()
+    password = redis_password() if urlsplit(url).password is None else None
+    if password is not None:
+        kwargs["password"] = password
     if wait_s > 0:
         kwargs.update(retry=OutageRetry(url, wait_s), retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     client = redis.Redis.from_url(url, **kwargs)
