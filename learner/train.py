@@ -191,7 +191,7 @@ class Learner:
             else:
                 entries = self.queue.read(self.consumer, want - len(batch), self.cfg.learner.read_block_ms)
             if self.redis_restarts.restarted():  # Redis restarted meanwhile: these may be replays
-                self._backlog = entries + self._backlog
+                self._backlog, deferred = entries + deferred + self._backlog, []
                 self._after_redis_restart(batch)
                 continue
             stale, fresh, duplicate = [], [], []
@@ -401,13 +401,24 @@ class Learner:
                  for how in ("trained", "stale", "duplicate")}
         self._ack(again["trained"], again["stale"], again["duplicate"])
         self._backlog = [e for e in seen.values() if e.entry_id not in self._recent_acks]
+        # What this learner holds untrained (the batch it is collecting, its backlog) whose
+        # stream entry Redis lost goes back into the stream and is read again like any other
+        # entry. Trained from memory, its acknowledgement would count nothing while the
+        # lineage's consumed count grew: one back-pressure place too many for the rest of
+        # the run (measured: a group at staleness max_lag + 1 in every later step).
+        lost = self.queue.missing([e.entry_id for e in batch + self._backlog])
+        for e in batch + self._backlog:
+            if e.entry_id in lost:
+                self.queue.push(e.record)
+        batch[:] = [e for e in batch if e.entry_id not in lost]
+        self._backlog = [e for e in self._backlog if e.entry_id not in lost]
         # Before anything else is acknowledged: what the lineage trained that Redis forgot
         # (its push was lost after this learner read it) is counted as produced and trained.
         was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups,
                                                                   [e.entry_id for e in self._unacked])
-        log.warning("Redis restarted: %d acknowledgements redone, %d entries to read; "
+        log.warning("Redis restarted: %d acknowledgements redone, %d entries to read, %d it lost pushed again; "
                     "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
-                    len(self._backlog), was_t, now_t, was_p, now_p)
+                    len(self._backlog), len(lost), was_t, now_t, was_p, now_p)
 
     def _read_all_new(self) -> list[Entry]:
         out = []

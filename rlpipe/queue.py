@@ -505,6 +505,13 @@ class TrajectoryQueue:
                             *(e.entry_id for e in dropped_stale), *duplicate,
                             *(e.record.prompt_index for e in dropped_stale)])
 
+    def missing(self, entry_ids: list[str]) -> set[str]:
+        """Those of ``entry_ids`` no longer in the stream (after a Redis restart: pushes it lost)."""
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xrange(self.keys.traj, entry_id, entry_id)
+        return {entry_id for entry_id, found in zip(entry_ids, pipe.execute()) if not found}
+
     def dropped_indices(self) -> "IndexSet":
         return IndexSet(self.r.get(self.keys.dropped) or b"")
 

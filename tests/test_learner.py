@@ -36,6 +36,30 @@ def test_collect_drops_and_counts_groups_older_than_max_staleness(learner):
     assert c["produced"] == c["trained"] + c["dropped_stale"] + learner.queue.length()
 
 
+def test_groups_held_when_redis_lost_their_push_go_back_to_the_stream(learner):
+    """After a Redis restart that lost writes, groups the learner had read but not trained
+    (in its batch, in its backlog) may be gone from the stream. Trained from memory, they
+    would never count as produced while the lineage's consumed count grew, and the
+    back-pressure allowance would keep one place too many for each, for good."""
+    q = learner.queue
+    ids = [q.push(make_record(group_id=f"g{i}", prompt_index=i)) for i in range(6)]
+    read = q.read(learner.consumer, 4)
+    batch, learner._backlog = read[:2], read[2:]
+    r = q.r
+    r.xdel(q.keys.traj, ids[0], ids[2])  # the restart lost these pushes (and their counts)
+    r.hset(q.keys.counters, "produced", 4)
+    learner._after_redis_restart(batch)
+    assert [e.entry_id for e in batch] == [ids[1]]
+    # every group not trained yet takes a back-pressure place: the 6, not the 4 left in the stream
+    learner._publish_state()
+    assert q.lease_prompts("w0", 0).unconsumed == 6
+    c = q.counters()
+    assert c["produced"] == c["trained"] + q.length() == 6
+    q.push(make_record(group_id="g6", prompt_index=6))
+    rest = learner.collect() + learner.collect()  # the backlog, then the two pushed again and a new one
+    assert sorted(e.record.prompt_index for e in batch + rest) == list(range(7))
+
+
 def test_a_step_widens_the_margin_of_rewarded_over_unrewarded_responses(learner):
     # Adam's first step moves every parameter by about +-lr (the sign of its gradient), so
     # only the first-order effect is predictable: keep the step small.

@@ -233,6 +233,13 @@ def test_counters_are_re_derived_from_the_lineage_and_the_stream(r):
     assert c["trained"] == 5 and c["produced"] == c["trained"] + q.length() and c["lost_writes"] == 6
 
 
+def test_missing_names_the_entries_no_longer_in_the_stream(r):
+    q = TrajectoryQueue(r, free_run_id("missing"))
+    ids = [q.push(make_record(group_id=f"g{i}")) for i in range(3)]
+    r.xdel(q.keys.traj, ids[1])
+    assert q.missing(ids + ["9-9"]) == {ids[1], "9-9"} and q.missing([]) == set()
+
+
 def test_a_drop_is_recorded_for_good_in_redis(r):
     q = TrajectoryQueue(r, free_run_id("dropbits"))
     for i in (3, 17):
