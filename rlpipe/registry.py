@@ -131,8 +131,10 @@ class LearnerLease:
         threading.Thread(target=self._renew, args=(on_lost,), name="learner-lease", daemon=True).start()
 
     def renew(self) -> bool:
-        """False if the lease was lost (expired and taken by another learner)."""
-        return bool(self.r.eval(_RENEW, 1, self.key, self.token, int(self.ttl_s * 1000)))
+        """False if the lease was lost (expired and taken by another learner). A lease that
+        names a dead holder is taken again: a restarted Redis that lost the last second of
+        writes may hold the lease this learner took over from its dead predecessor."""
+        return bool(self.r.eval(_RENEW, 1, self.key, self.token, int(self.ttl_s * 1000))) or self.try_acquire()
 
     def _renew(self, on_lost: Callable[[], None]) -> None:
         while not self._released.wait(self.ttl_s / 3):
