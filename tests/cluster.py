@@ -195,7 +195,8 @@ class Cluster:
         - every prompt index below the cursor was trained by the final lineage or dropped,
           is still in the stream, was given back, or was skipped (and counted);
         - no prompt was trained twice in the final lineage (its trained count equals the
-          number of distinct prompt indices it trained).
+          number of distinct prompt indices it trained), and the ``trained`` counter equals
+          that count.
         """
         r = self.client()
         q = TrajectoryQueue(r, self.cfg.run_id)
@@ -216,6 +217,8 @@ class Cluster:
         assert len(missing) == c["skipped"], (sorted(missing)[:20], c)
         trained_groups = state["counters"]["trained_groups"]
         assert trained_groups == len(trained), (trained_groups, len(trained))
+        # and the books agree with it: every group it trained was counted as trained, once
+        assert c["trained"] == trained_groups, (c, trained_groups)
         return {"counters": c, "stream": length, "cursor": cursor, "trained_groups": trained_groups,
                 "lost": len(missing) - c["skipped"], "trained_twice": trained_groups - len(trained)}
 
