@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 from rlpipe import registry
 from rlpipe.config import RunConfig
@@ -31,6 +32,10 @@ def main(cfg: RunConfig) -> int:
         log.info("learner serving /status at http://%s", address)
     try:
         learner.run()
+        if cfg.learner.on_done == "serve" and learner.status == "done" and learner.ranks.is_main:
+            log.info("all %d steps trained: serving /metrics until SIGTERM", cfg.steps)
+            while not learner.stop_requested:
+                time.sleep(0.5)
     except KeyboardInterrupt:
         log.info("learner stopped at step %d", learner.step)
         if learner.ranks.is_main:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Keys that are not gauges: counters exported by their own collectors, and bookkeeping.
 NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total", "weight_sync_seconds"}
@@ -24,6 +24,9 @@ class LearnerMetrics:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_start_time_seconds: restarts show as its changes
+        self.done = Gauge("rlpipe_learner_done", "1 once the learner has trained its configured steps "
+                          "(a stalled-learner alert must not fire then)", registry=self.registry)
         self.gauges: dict[str, Gauge] = {}
         self.by_precision: dict[str, Gauge] = {}
         self.staleness = Histogram("rlpipe_staleness_versions", "versions between sampling and training, per group",
@@ -43,6 +46,11 @@ class LearnerMetrics:
         if name not in table:
             table[name] = Gauge(f"rlpipe_{name}", name.replace("_", " "), labels, registry=self.registry)
         return table[name]
+
+    def set(self, **values: float) -> None:
+        """Set gauges outside a step (at start: a restored learner shows its step at once)."""
+        for name, value in values.items():
+            self._gauge(name).set(value)
 
     def record(self, step_metrics: dict) -> None:
         for name, value in step_metrics.items():

@@ -135,6 +135,7 @@ class Learner:
             self._acquire_lease()
             self._take_over_pending()
             self._set_status("running")
+            self.metrics.set(learner_step=self.step, learner_version=self.version)
         while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None
@@ -168,6 +169,7 @@ class Learner:
             if self._unacked:  # stopped between checkpoints
                 self.checkpoint()
             self._set_status("done" if self.step >= self.cfg.steps else "stopped")
+            self.metrics.done.set(float(self.step >= self.cfg.steps))
             for ch in self.channels.values():
                 ch.sender.drop()
             self.lease.release()

@@ -173,6 +173,11 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             app.state.loop.stopping.set()
 
     app.state.drain = drain
+
+    def ready() -> bool:
+        return app.state.ready and not app.state.draining and engine.synced and not engine.errored
+
+    metrics.ready.set_function(lambda: float(ready()))
     token = api_token()
     authorized = [require_token(token)]
     LimitedRequest = request_model(limits)
@@ -199,7 +204,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     @app.get("/readyz", responses={503: ERRORS[503]})
     async def readyz():
         """Ready to serve: engine up, weights of a known version, not draining."""
-        if not app.state.ready or app.state.draining or not engine.synced or engine.errored:
+        if not ready():
             return JSONResponse({"ready": False, "version": engine.version, "draining": app.state.draining},
                                 status_code=503)
         return {"ready": True, "version": engine.version}

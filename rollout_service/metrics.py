@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 class RolloutMetrics:
@@ -22,6 +22,8 @@ class RolloutMetrics:
         self.generate_seconds = Histogram(
             "rlpipe_rollout_generate_seconds", "wall time to generate one group", list(labels),
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r).labels(**labels)
+        ProcessCollector(registry=r)  # process_start_time_seconds: restarts show as its changes
+        self.ready = gauge("rollout_ready", "1 while /readyz answers 200 (alerts: no workers ready)")
         self.version = gauge("rollout_policy_version", "weights version in the engine")
         self.paused_seconds = counter("rollout_paused_seconds", "time generation was paused for weight updates")
         self.inflight = gauge("rollout_inflight_groups", "groups being generated now")
