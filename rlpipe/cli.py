@@ -6,6 +6,8 @@
     rlpipe calibrate --config run.yaml [--out DIR]        int8: calibrate the base model once, write a profile
     rlpipe build-model [--seed S]                         build/cache the toy model, print its path
     rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
+    rlpipe up --config run.yaml                           the roles of deploy/k8s on this machine, supervised
+    rlpipe status | restart ROLE | scale ROLE N           act on a running `rlpipe up` (rlpipe/up.py)
 
 Arguments are parsed and the config validated before anything heavy (torch, vLLM) is
 imported, so ``--help`` and config errors are instant.
@@ -59,6 +61,23 @@ def _parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="draw metrics.png for a run directory")
     pl.add_argument("run_dir")
+
+    u = with_config(sub.add_parser("up", help="run the learner and workers on this machine, restarted when they "
+                                   "crash, as the Kubernetes manifests run them"))
+    u.add_argument("--workers", type=int)
+    u.add_argument("--steps", type=int)
+    u.add_argument("--run-id")
+    u.add_argument("--runs-dir", default="runs")
+    for name, text in (("status", "print the roles, versions, lag, queue and sync of a running `rlpipe up`"),
+                       ("restart", "restart a role of a running `rlpipe up` (SIGTERM, then start it again)"),
+                       ("scale", "set how many of a role a running `rlpipe up` runs")):
+        sp = sub.add_parser(name, help=text)
+        if name != "status":
+            sp.add_argument("role", choices=["learner", "rollout"])
+        if name == "scale":
+            sp.add_argument("replicas", type=int)
+        sp.add_argument("--run-dir", help="the run's directory (default: the newest running `up` under --runs-dir)")
+        sp.add_argument("--runs-dir", default="runs")
     return p
 
 
@@ -83,7 +102,8 @@ def _overrides(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(getattr(args, "config", None), **_overrides(args)) if args.command != "plot" else None
+        cfg = load_config(getattr(args, "config", None), **_overrides(args)) \
+            if args.command not in ("plot", "status", "restart", "scale") else None
     except (ConfigError, OSError) as e:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         return 2
@@ -101,7 +121,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         return 2
 
-    if args.command == "demo":
+    if args.command in ("status", "restart", "scale"):
+        from rlpipe import up
+
+        try:
+            run_dir = up.find_run(args.run_dir, args.runs_dir)
+            if args.command == "status":
+                print(up.status_table(run_dir))
+            else:
+                print(up.request(run_dir, args.role, args.replicas if args.command == "scale" else None))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"rlpipe: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    if args.command in ("demo", "up"):
         import signal
 
         from rlpipe.demo import format_summary, run_demo
@@ -110,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, on_term)
+        if args.command == "up":
+            from rlpipe.up import run_up
+
+            try:
+                return run_up(cfg, runs_dir=args.runs_dir)
+            except (ConfigError, FileNotFoundError) as e:
+                print(f"rlpipe: error: {e}", file=sys.stderr)
+                return 2
         try:
             summary = run_demo(cfg, runs_dir=args.runs_dir, timeout_s=args.timeout)
         except KeyboardInterrupt:

@@ -89,15 +89,15 @@ def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path |
     return str(ensure_profile(model_path, calib, probe, q.alpha, q.activations, out_dir, progress, log, scheme))
 
 
-def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
+def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, EmbeddedRedis | None]:
+    """Resolve a run for local roles (``rlpipe demo``, ``rlpipe up``): its directory, the
+    model, Redis (embedded unless ``REDIS_URL`` is set), the int8 profile; write the
+    config every role reads to ``<run_dir>/config.yaml``."""
     validate_run(cfg)
     run_id = cfg.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{cfg.seed}"
     run_dir = Path(runs_dir).resolve() / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-
-    say(f"rlpipe demo: run {run_id} in {run_dir}")
+    say(f"rlpipe: run {run_id} in {run_dir}")
     model_path = resolve_model(cfg, log=say)
     redis_server = None
     redis_url = os.environ.get("REDIS_URL", "")
@@ -112,18 +112,27 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
         # Every core already runs a worker: a multi-threaded learner would fight them
         # (OpenMP threads wait on each other at every barrier) and run slower than one.
         cfg.learner.threads = 1
-    cfg_path = run_dir / "config.yaml"
-    dump_config(cfg, cfg_path)
+    dump_config(cfg, run_dir / "config.yaml")
+    return cfg, run_dir, redis_server
 
+
+def worker_precision(cfg: RunConfig, index: int) -> str:
+    return cfg.rollout.fleet[index % len(cfg.rollout.fleet)] if cfg.rollout.fleet else cfg.rollout.precision
+
+
+def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
+    t_start = time.time()
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
+    cfg_path = run_dir / "config.yaml"
     launcher = Launcher(run_dir)
-    r = connect(redis_url)
-    keys = Keys(run_id)
+    r = connect(cfg.redis_url)
+    keys = Keys(cfg.run_id)
     learner_done = False
     try:
         for i in range(cfg.workers):
-            precision = cfg.rollout.fleet[i % len(cfg.rollout.fleet)] if cfg.rollout.fleet else cfg.rollout.precision
             launcher.spawn(f"rollout-{i}", ["rollout", "--config", str(cfg_path), "--worker-id", f"w{i}",
-                                            "--precision", precision], worker_env(i, cfg.workers))
+                                            "--precision", worker_precision(cfg, i)], worker_env(i, cfg.workers))
         launcher.spawn("learner", ["learner", "--config", str(cfg_path)])
         learner_done = _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress)
     except KeyboardInterrupt:

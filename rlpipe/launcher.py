@@ -95,11 +95,11 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
         for proc in procs:
-            _kill_group(proc, signal.SIGKILL)
+            kill_group(proc, signal.SIGKILL)
             proc.wait()
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+def kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # the child leads its own session: this reaches its whole tree
     except (ProcessLookupError, PermissionError):

@@ -22,6 +22,20 @@ fi
 # and its runtime dependencies without the resolver (nothing else changes).
 "$PY" -m pip install --quiet --no-deps nvidia-modelopt==0.47.0 nvidia-ml-py==13.615.71 pulp==3.3.2 \
     scipy==1.17.1 omegaconf==2.4.0
+# The deploy tests' tools: promtool and a real Prometheus server, from Debian's prometheus
+# package unpacked into the venv (no service is installed or started). kubectl comes with
+# the machine. Without them those tests skip, except under CI (RLPIPE_REQUIRE_OPS_TOOLS=1).
+BIN="$(dirname "$PY")"
+if [ ! -x "$BIN/promtool" ] && command -v apt-get >/dev/null && command -v dpkg >/dev/null; then
+    tmp="$(mktemp -d)"
+    if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }; }); then
+        dpkg -x "$tmp"/prometheus_*.deb "$tmp/x" && cp "$tmp/x/usr/bin/prometheus" "$tmp/x/usr/bin/promtool" "$BIN/"
+    else
+        echo "warning: could not fetch Debian's prometheus package: the alert and live-Prometheus tests will skip" >&2
+    fi
+    rm -rf "$tmp"
+fi
 "$PY" - <<'PY'
 import torch, vllm, transformers
 import modelopt.torch.quantization  # noqa: F401 (calibration)

@@ -189,38 +189,43 @@ class Cluster:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def audit(self) -> dict:
-        """The books at the end (workers stopped, so nothing is in flight or leased):
+        return audit(self.client(), self.cfg, list(self.workers))
 
-        - produced == trained + dropped + dead + duplicate + what is left in the stream;
-        - every prompt index below the cursor was trained by the final lineage or dropped,
-          is still in the stream, was given back, or was skipped (and counted);
-        - no prompt was trained twice in the final lineage (its trained count equals the
-          number of distinct prompt indices it trained), and the ``trained`` counter equals
-          that count.
-        """
-        r = self.client()
-        q = TrajectoryQueue(r, self.cfg.run_id)
-        c = q.counters()
-        length = q.length()
-        assert c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + length, (c, length)
-        final = checkpoint.latest(Path(self.cfg.run_dir) / "checkpoints")
-        state = checkpoint.load_state(final)
-        trained = IndexSet(state["prompt_indices"]["trained"])
-        dropped = q.dropped_indices()
-        in_stream = {e.record.prompt_index for e in q._decode(r.xrange(self.keys.traj))}
-        returned = {int(i) for i in r.lrange(self.keys.returned, 0, -1)}
-        leased = set().union(*(q.leased(w) for w in self.workers))
-        cursor = int(r.get(self.keys.cursor) or 0)
-        accounted = set(trained) | set(dropped) | in_stream | returned | leased
-        assert c["leased"] == len(leased), (c, leased)  # the fleet's in-flight count is its leases
-        missing = set(range(cursor)) - accounted
-        assert len(missing) == c["skipped"], (sorted(missing)[:20], c)
-        trained_groups = state["counters"]["trained_groups"]
-        assert trained_groups == len(trained), (trained_groups, len(trained))
-        # and the books agree with it: every group it trained was counted as trained, once
-        assert c["trained"] == trained_groups, (c, trained_groups)
-        return {"counters": c, "stream": length, "cursor": cursor, "trained_groups": trained_groups,
-                "lost": len(missing) - c["skipped"], "trained_twice": trained_groups - len(trained)}
+
+def audit(r, cfg, worker_ids) -> dict:
+    """The books at the end (workers stopped, so nothing is in flight or leased):
+
+    - produced == trained + dropped + dead + duplicate + what is left in the stream;
+    - every prompt index below the cursor was trained by the final lineage or dropped,
+      is still in the stream, was given back, or was skipped (and counted);
+    - no prompt was trained twice in the final lineage (its trained count equals the
+      number of distinct prompt indices it trained), and the ``trained`` counter equals
+      that count.
+    """
+    q = TrajectoryQueue(r, cfg.run_id)
+    c = q.counters()
+    length = q.length()
+    assert c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + length, (c, length)
+    final = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
+    state = checkpoint.load_state(final)
+    trained = IndexSet(state["prompt_indices"]["trained"])
+    dropped = q.dropped_indices()
+    in_stream = {e.record.prompt_index for e in q._decode(r.xrange(Keys(cfg.run_id).traj))}
+    returned = {int(i) for i in r.lrange(Keys(cfg.run_id).returned, 0, -1)}
+    leased = set().union(*(q.leased(w) for w in worker_ids))
+    cursor = int(r.get(Keys(cfg.run_id).cursor) or 0)
+    accounted = set(trained) | set(dropped) | in_stream | returned | leased
+    assert c["leased"] == len(leased), (c, leased)  # the fleet's in-flight count is its leases
+    missing = set(range(cursor)) - accounted
+    assert len(missing) == c["skipped"], (sorted(missing)[:20], c)
+    trained_groups = state["counters"]["trained_groups"]
+    assert trained_groups == len(trained), (trained_groups, len(trained))
+    # and the books agree with it: every group it trained was counted as trained, once
+    assert c["trained"] == trained_groups, (c, trained_groups)
+    return {"counters": c, "stream": length, "cursor": cursor, "trained_groups": trained_groups,
+            "lost": len(missing) - c["skipped"], "trained_twice": trained_groups - len(trained)}
+
+
 
 
 def segments(rows: list[dict]) -> list[list[dict]]:

@@ -1,0 +1,376 @@
+"""``rlpipe up``: the roles the Kubernetes manifests run (deploy/k8s), on one machine,
+supervised the way Kubernetes would, and the commands that act on it.
+
+    rlpipe up --config run.yaml        Redis (embedded unless REDIS_URL), the learner, N workers
+    rlpipe status [--run-dir D]        roles, versions, lag, queue and sync, as a table
+    rlpipe restart learner|rollout     graceful restart (SIGTERM, then start again)
+    rlpipe scale rollout N             add or remove workers (highest ids go first)
+    rlpipe scale learner 0|1           stop or start the learner (as scaling its StatefulSet)
+
+The supervisor restarts a role that exits unasked with a growing back-off (1 s doubling
+to 30 s, reset after a minute of running), as a kubelet does; a learner that exits 0
+having trained every step ends the run. Commands talk to a running ``up`` through two
+files in its run directory: ``up.json`` (written by the supervisor: its pid and every
+role's state) and ``desired.json`` (written by the commands: replicas and restart
+requests), which the supervisor reconciles every half second.
+
+For Prometheus, ``up`` keeps file-based service discovery up to date in
+``<run_dir>/prometheus/`` (one file per job, ``rlpipe-learner`` and ``rlpipe-rollout``, the
+job names the alerts and dashboard select on, with a stable ``instance`` label per role so
+restarts show as changes of ``process_start_time_seconds``) and writes a ``prometheus.yml``
+that scrapes them with the alert rules of deploy/k8s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rlpipe import registry
+from rlpipe.config import RunConfig
+from rlpipe.launcher import Launcher, kill_group, worker_env
+
+STATE_FILE, DESIRED_FILE = "up.json", "desired.json"
+BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 1.0, 30.0, 60.0
+JOBS = {"learner": "rlpipe-learner", "rollout": "rlpipe-rollout"}
+
+
+@dataclass
+class Role:
+    """One supervised process: the learner, or worker ``w<i>``."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: object = None  # subprocess.Popen while one runs
+    started: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0
+    next_start: float = 0.0  # crash back-off: not before this time
+    stopping_since: float | None = None
+    last_exit: int | None = None
+    wanted: bool = True
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def state(self) -> str:
+        if self.stopping_since is not None:
+            return "stopping"
+        if self.running:
+            return "running"
+        return "backoff" if self.wanted else "stopped"
+
+
+class Supervisor:
+    def __init__(self, cfg: RunConfig, run_dir: Path, grace_s: float | None = None, log=print):
+        self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        self.cfg_path = run_dir / "config.yaml"
+        self.launcher = Launcher(run_dir)
+        self.grace_s = grace_s if grace_s is not None else cfg.rollout.shutdown_deadline_s + 15
+        self.roles: dict[str, Role] = {}
+        self.restart_seen: dict[str, int] = {"learner": 0, "rollout": 0}
+        self.finished = False
+        (run_dir / "addresses").mkdir(exist_ok=True)
+        write_desired(run_dir, {"learner": 1, "rollout": cfg.workers, "restart": {}})
+        write_prometheus_config(run_dir)
+
+    # -- reconciling ------------------------------------------------------------------
+    def tick(self, r) -> None:
+        desired = read_desired(self.run_dir)
+        self._want("learner", desired.get("learner", 1) > 0)
+        n = int(desired.get("rollout", self.cfg.workers))
+        for name in [x for x in self.roles if x != "learner"]:
+            self._want(name, int(name[1:]) < n)
+        for i in range(n):
+            self._want(f"w{i}", True)
+        for kind, count in desired.get("restart", {}).items():
+            if count > self.restart_seen.get(kind, 0):
+                self.restart_seen[kind] = count
+                for role in self.roles.values():
+                    if (role.name == "learner") == (kind == "learner") and role.running:
+                        self.log(f"restarting {role.name}")
+                        self._stop(role)
+        for role in self.roles.values():
+            self._reconcile(role, r)
+        self._write_state()
+        write_targets(self.run_dir, r, self.cfg, [n for n, role in self.roles.items() if role.wanted])
+
+    def _want(self, name: str, wanted: bool) -> None:
+        if name not in self.roles:
+            if not wanted:
+                return
+            self.roles[name] = self._role(name)
+        role = self.roles[name]
+        if role.wanted and not wanted and role.running:
+            self.log(f"stopping {name}")
+            self._stop(role)
+        role.wanted = wanted
+
+    def _role(self, name: str) -> Role:
+        cfg_arg = ["--config", str(self.cfg_path)]
+        if name == "learner":
+            return Role(name, ["learner", *cfg_arg])
+        from rlpipe.demo import worker_precision
+
+        i = int(name[1:])
+        return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", worker_precision(self.cfg, i),
+                           "--address-file", str(self.run_dir / "addresses" / name)],
+                    worker_env(i, max(i + 1, self.cfg.workers)))
+
+    def _stop(self, role: Role) -> None:
+        if role.stopping_since is None and role.running:
+            role.proc.send_signal(signal.SIGTERM)  # the learner checkpoints, a worker drains
+            role.stopping_since = time.monotonic()
+
+    def _reconcile(self, role: Role, r) -> None:
+        now = time.monotonic()
+        if role.stopping_since is not None:
+            if role.proc.poll() is None and now - role.stopping_since < self.grace_s:
+                return
+            kill_group(role.proc, signal.SIGKILL)  # whatever is left of its process group
+            role.proc.wait()
+            role.last_exit, role.stopping_since = role.proc.returncode, None
+            role.proc, role.next_start = None, now  # asked to stop: no back-off
+        if role.proc is not None and role.proc.poll() is not None:  # exited unasked
+            kill_group(role.proc, signal.SIGKILL)  # a dead role's engine processes share its group
+            role.last_exit, role.proc = role.proc.returncode, None
+            if role.name == "learner" and role.last_exit == 0 and \
+                    registry.learner_state(r, _keys(self.cfg)).get("status") == "done":
+                self.log("the learner trained every step: the run is done")
+                self.finished = True
+                return
+            ran_s = now - role.started
+            role.backoff_s = BACKOFF_FIRST_S if ran_s > BACKOFF_RESET_S or not role.backoff_s \
+                else min(BACKOFF_MAX_S, role.backoff_s * 2)
+            role.next_start = now + role.backoff_s
+            self.log(f"{role.name} exited with code {role.last_exit}; restarting in {role.backoff_s:.0f}s")
+        if role.wanted and role.proc is None and now >= role.next_start and not self.finished:
+            if role.started:
+                role.restarts += 1
+            role.proc = self.launcher.spawn(role.name, role.args, role.env)
+            role.started = now
+
+    def _write_state(self) -> None:
+        now = time.monotonic()
+        roles = {name: {"state": role.state(), "pid": role.proc.pid if role.running else None,
+                        "restarts": role.restarts, "last_exit": role.last_exit,
+                        "uptime_s": round(now - role.started, 1) if role.running else 0.0}
+                 for name, role in self.roles.items()}
+        _write_json(self.run_dir / STATE_FILE, {"pid": os.getpid(), "run_id": self.cfg.run_id, "roles": roles,
+                                                "finished": self.finished})
+
+    def stop_all(self) -> None:
+        for role in self.roles.values():
+            role.wanted = False
+            self._stop(role)
+        deadline = time.monotonic() + self.grace_s
+        while any(role.running for role in self.roles.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for role in self.roles.values():
+            if role.proc is not None:
+                kill_group(role.proc, signal.SIGKILL)
+                role.proc.wait()
+
+
+def _keys(cfg: RunConfig):
+    from rlpipe.queue import Keys
+
+    return Keys(cfg.run_id)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def read_desired(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / DESIRED_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_desired(run_dir: Path, desired: dict) -> None:
+    _write_json(run_dir / DESIRED_FILE, desired)
+
+
+# -- Prometheus -------------------------------------------------------------------------
+def write_targets(run_dir: Path, r, cfg: RunConfig, roles: list[str]) -> None:
+    """File-based service discovery: each wanted role's last known address. A role being
+    restarted keeps its old address until the new process publishes one, so Prometheus
+    sees it down (``up == 0``) rather than gone, as with a restarting container."""
+    out = run_dir / "prometheus"
+    learner = []
+    if "learner" in roles:
+        address = registry.learner_state(r, _keys(cfg)).get("address")
+        if address:
+            learner.append({"targets": [address], "labels": {"instance": "learner", "role": "learner"}})
+    workers = []
+    for name in sorted(x for x in roles if x != "learner"):
+        path = run_dir / "addresses" / name
+        if path.exists():
+            workers.append({"targets": [path.read_text().strip()], "labels": {"instance": name, "worker": name}})
+    for job, groups in (("learner", learner), ("rollout", workers)):
+        _write_json(out / f"targets-{job}.json", groups)
+
+
+def write_prometheus_config(run_dir: Path, scrape_interval: str = "5s", rule_files: list[str] | None = None,
+                            name: str = "prometheus.yml") -> Path:
+    out = run_dir / "prometheus"
+    out.mkdir(exist_ok=True)
+    for job in JOBS:
+        if not (out / f"targets-{job}.json").exists():
+            _write_json(out / f"targets-{job}.json", [])
+    if rule_files is None:
+        rule_files = [str(extract_rules(out / "rules.yml"))]
+    config = {
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        "rule_files": rule_files,
+        "scrape_configs": [{"job_name": JOBS[job], "file_sd_configs": [
+            {"files": [str(out / f"targets-{job}.json")], "refresh_interval": "1s"}]} for job in JOBS],
+    }
+    path = out / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+RULES = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "base" / "monitoring" / "prometheusrule.yaml"
+
+
+def extract_rules(path: Path) -> Path:
+    """The alert rules of the PrometheusRule in deploy/k8s as a plain rules file."""
+    if RULES.exists():
+        spec = yaml.safe_load(RULES.read_text())["spec"]
+    else:  # an installed package without the deploy tree
+        spec = {"groups": []}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+# -- the commands -------------------------------------------------------------------------
+def run_up(cfg: RunConfig, runs_dir: str = "runs", progress: bool = True) -> int:
+    from rlpipe.demo import _summarize, format_summary, prepare_run
+    from rlpipe.queue import connect
+
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    t_start = time.time()
+    cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
+    r = connect(cfg.redis_url, cfg.redis_wait_s)
+    sup = Supervisor(cfg, run_dir, log=lambda m: say(f"rlpipe up: {m}"))
+    say(f"rlpipe up: supervising the learner and {cfg.workers} workers; `rlpipe status --run-dir {run_dir}`; "
+        f"Prometheus: prometheus --config.file {run_dir / 'prometheus' / 'prometheus.yml'}")
+    try:
+        while not sup.finished:
+            sup.tick(r)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        say("rlpipe up: stopping every role")
+    finally:
+        sup.stop_all()
+        sup._write_state()
+        summary = _summarize(cfg, r, run_dir, t_start, sup.finished)
+        if redis_server:
+            redis_server.stop()
+    say(format_summary(summary))
+    return 0 if sup.finished else 130
+
+
+def find_run(run_dir: str | None, runs_dir: str = "runs") -> Path:
+    """The run directory of a live ``rlpipe up``: the one given, else the newest under ``runs_dir``."""
+    if run_dir:
+        path = Path(run_dir)
+        if not (path / STATE_FILE).exists():
+            raise FileNotFoundError(f"--run-dir: {path} has no {STATE_FILE} (not started by `rlpipe up`)")
+        return path
+    found = sorted(Path(runs_dir).glob(f"*/{STATE_FILE}"), key=lambda p: p.stat().st_mtime)
+    live = [p.parent for p in found if _alive(json.loads(p.read_text()).get("pid"))]
+    if not live:
+        raise FileNotFoundError(f"no running `rlpipe up` under {runs_dir}/ (give --run-dir)")
+    return live[-1]
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+
+
+def request(run_dir: Path, kind: str, replicas: int | None = None) -> str:
+    """``restart`` (replicas None) or ``scale`` a role kind of a running ``up``."""
+    if kind not in JOBS:
+        raise ValueError(f"role: {kind!r} is not one of {', '.join(JOBS)}")
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    if not _alive(state.get("pid")):
+        raise FileNotFoundError(f"the `rlpipe up` of {run_dir} is not running")
+    desired = read_desired(run_dir)
+    if replicas is None:
+        desired.setdefault("restart", {})[kind] = desired.get("restart", {}).get(kind, 0) + 1
+        msg = f"restart of {kind} requested"
+    else:
+        if replicas < 0 or (kind == "learner" and replicas > 1):
+            raise ValueError(f"replicas: {replicas} is out of range for {kind} (learner: 0 or 1)")
+        desired[kind] = replicas
+        msg = f"{kind} scaled to {replicas}"
+    write_desired(run_dir, desired)
+    return msg
+
+
+def status_table(run_dir: Path) -> str:
+    """Roles from the supervisor, versions and sync from the learner's ``/status`` (or the
+    registry while the learner is down), and the queue from Redis."""
+    import httpx
+
+    from rlpipe.auth import api_token
+    from rlpipe.config import load_config
+    from rlpipe.queue import TrajectoryQueue, connect
+
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    cfg = load_config(run_dir / "config.yaml")
+    r = connect(cfg.redis_url, 5)
+    keys = _keys(cfg)
+    learner = registry.learner_state(r, keys)
+    workers: dict[str, dict] = {}
+    if learner.get("address"):
+        headers = {"Authorization": f"Bearer {api_token()}"} if api_token() else {}
+        try:
+            workers = httpx.get(f"http://{learner['address']}/status", headers=headers, timeout=3).json()["workers"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+    if not workers:
+        version = int(learner.get("version", 0))
+        workers = {w: {"version": int(f.get("version", -1)), "behind": version - int(f.get("version", -1)),
+                       "generation": f.get("generation", ""), "precision": f.get("precision", "")}
+                   for w, f in registry.live_workers(r, keys).items()}
+    lines = [f"run {state['run_id']} (supervisor pid {state['pid']}{', finished' if state.get('finished') else ''})",
+             f"{'role':<9} {'state':<9} {'pid':>7} {'restarts':>8} {'uptime':>8}  {'version':>7} {'lag':>4} "
+             f"{'generation':>10}  sync"]
+    for name, role in state["roles"].items():
+        if name == "learner":
+            ver, lag, gen, sync = learner.get("version", "-"), "", learner.get("generation", ""), \
+                f"step {learner.get('step', '-')}/{cfg.steps} {learner.get('status', '')}"
+        else:
+            w = workers.get(name, {})
+            ver, lag, gen = w.get("version", "-"), w.get("behind", ""), w.get("generation", "")
+            sync = "left out" if w.get("left_out") else "member" if w.get("member") else \
+                ("registered" if w else "not registered")
+        lines.append(f"{name:<9} {role['state']:<9} {role['pid'] or '-':>7} {role['restarts']:>8} "
+                     f"{role['uptime_s']:>7.0f}s  {ver:>7} {lag:>4} {gen:>10}  {sync}")
+    q = TrajectoryQueue(r, cfg.run_id)
+    c = q.counters()
+    lines.append(f"queue: {q.length()} waiting, {q.pending()} read not yet acknowledged; produced {c['produced']}, "
+                 f"trained {c['trained']}, dropped stale {c['dropped_stale']}, dead {c['dead']}")
+    return "\n".join(lines)
