@@ -43,5 +43,6 @@ def main(cfg: RunConfig) -> int:
                 channel.sender.drop()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        learner.metrics.close()
         learner.ranks.close()
     return 0

@@ -155,6 +155,8 @@ class LearnerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     read_block_ms: int = Field(200, ge=1)
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field([], description="also log every step's "
+                                                                      "metrics to these (learner/metrics.py)")
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")
