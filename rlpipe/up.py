@@ -214,12 +214,12 @@ def write_targets(run_dir: Path, r, cfg: RunConfig, roles: list[str]) -> None:
     if "learner" in roles:
         address = registry.learner_state(r, _keys(cfg)).get("address")
         if address:
-            learner.append({"targets": [address], "labels": {"instance": "learner", "role": "learner"}})
+            learner.append({"targets": [address], "labels": {"instance": "learner"}})
     workers = []
     for name in sorted(x for x in roles if x != "learner"):
         path = run_dir / "addresses" / name
         if path.exists():
-            workers.append({"targets": [path.read_text().strip()], "labels": {"instance": name, "worker": name}})
+            workers.append({"targets": [path.read_text().strip()], "labels": {"instance": name}})
     for job, groups in (("learner", learner), ("rollout", workers)):
         _write_json(out / f"targets-{job}.json", groups)
 
