@@ -1,0 +1,137 @@
+"""The shipped alert rules and dashboard (deploy/k8s/base/monitoring), checked offline.
+
+- ``promtool check rules`` accepts the PrometheusRule's spec, and ``promtool test rules`` runs
+  tests/promtool/alerts_test.yaml against it: every alert fires on its condition, with its
+  labels and rendered annotations, and the tricky ones stay quiet where they must (a finished
+  learner is not stalled, a learner that disappeared is).
+- Every alert has ``for``, a severity, a summary, a description and a runbook link to a heading
+  of docs/operations.md, and at least one promtool case.
+- The dashboard's datasource is a template variable and every rate() uses ``$__rate_interval``.
+
+tests/test_ops_live.py evaluates the same expressions against a real Prometheus scraping a live run.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import yaml
+
+from tests.ops_tools import DASHBOARD, ROOT, alert_rules, alerts, dashboard, dashboard_queries, tool, write_rules_file
+
+PROMTOOL_TEST = ROOT / "tests" / "promtool" / "alerts_test.yaml"
+RUNBOOK = ROOT / "docs" / "operations.md"
+RUNBOOK_URL = "https://github.com/rlpipe/rlpipe/blob/main/docs/operations.md#"
+RANGE_FUNCTIONS = ("rate", "irate", "increase")
+
+
+def promtool(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_promtool_check_rules_accepts_the_prometheusrule(tmp_path):
+    rules = write_rules_file(tmp_path)
+    out = promtool("check", "rules", str(rules), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {sum(len(g['rules']) for g in alert_rules()['groups'])} rules found" in out.stdout
+
+
+def test_promtool_unit_tests_fire_every_alert(tmp_path):
+    write_rules_file(tmp_path)  # rules.yml, the name the test file loads
+    shutil.copy(PROMTOOL_TEST, tmp_path / PROMTOOL_TEST.name)
+    out = promtool("test", "rules", PROMTOOL_TEST.name, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_rules_file_is_a_prometheusrule_the_operator_selects():
+    doc = yaml.safe_load((ROOT / "deploy" / "k8s" / "base" / "monitoring" / "prometheusrule.yaml").read_text())
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "PrometheusRule"
+    assert doc["metadata"]["name"] == "rlpipe-alerts"
+    assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "rlpipe"
+    names = [rule["alert"] for rule in alerts()]
+    assert len(names) == len(set(names)), "duplicate alert names"
+    assert all(name.startswith("Rlpipe") for name in names)
+
+
+def test_every_alert_has_for_severity_and_annotations():
+    for rule in alerts():
+        name = rule["alert"]
+        assert re.fullmatch(r"\d+[smh]", str(rule.get("for", ""))) and not re.fullmatch(r"0+[smh]", rule["for"]), \
+            f"{name}: for"
+        assert rule.get("labels", {}).get("severity") in ("critical", "warning"), f"{name}: severity"
+        annotations = rule.get("annotations", {})
+        for key in ("summary", "description", "runbook_url"):
+            assert annotations.get(key, "").strip(), f"{name}: annotation {key}"
+        assert annotations["runbook_url"] == RUNBOOK_URL + name.lower(), f"{name}: runbook_url"
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's slug of a Markdown heading."""
+    slug = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return slug.replace(" ", "-")
+
+
+def test_every_runbook_link_names_a_heading_of_operations_md():
+    text = RUNBOOK.read_text()
+    anchors = {github_anchor(m) for m in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.M)}
+    for rule in alerts():
+        anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
+        assert anchor in anchors, f"{rule['alert']}: no heading for #{anchor} in docs/operations.md"
+        assert re.search(rf"^### {rule['alert']}\s*$", text, flags=re.M), rule["alert"]
+
+
+def test_every_alert_has_a_promtool_case_where_it_fires():
+    cases = yaml.safe_load(PROMTOOL_TEST.read_text())
+    firing, tested = set(), set()
+    for case in cases["tests"]:
+        for check in case.get("alert_rule_test", []):
+            tested.add(check["alertname"])
+            if check.get("exp_alerts"):
+                firing.add(check["alertname"])
+    names = {rule["alert"] for rule in alerts()}
+    assert not names - firing, f"alerts never shown firing in {PROMTOOL_TEST.name}: {sorted(names - firing)}"
+    assert not tested - names, f"cases for alerts that do not exist: {sorted(tested - names)}"
+
+
+def test_dashboard_datasource_is_templated_and_rates_use_rate_interval():
+    board = dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    problems = []
+    for title, expr in queries:
+        for func, window in re.findall(rf"\b({'|'.join(RANGE_FUNCTIONS)})\s*\((.*?)\)", expr):
+            if "[$__rate_interval]" not in window:
+                problems.append(f"{title}: {func}() without [$__rate_interval]: {expr}")
+    assert not problems, "\n".join(problems)
+
+    def panels(items):
+        for p in items:
+            yield p
+            yield from panels(p.get("panels", []))
+
+    for panel in panels(board["panels"]):
+        if panel.get("type") == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for target in panel["targets"]:
+            assert target.get("datasource", panel["datasource"]) == panel["datasource"], panel["title"]
+    assert DASHBOARD.read_text().count("${datasource}") >= len(queries)
+
+
+def test_dashboard_covers_the_pipeline():
+    titles = " | ".join(title.lower() for title, _ in dashboard_queries())
+    exprs = " ".join(expr for _, expr in dashboard_queries())
+    for word in ("reward", "response length", "mismatch", "truncat", "staleness", "step time", "tokens/s",
+                 "queue", "weight sync", "quant", "restart"):
+        assert word in titles, word
+    for metric in ("rlpipe_mismatch_k3_kl_by_precision", "rlpipe_mismatch_kl_by_precision",
+                   "rlpipe_is_truncated_fraction", "rlpipe_learner_wait_seconds", "rlpipe_learner_train_seconds",
+                   "rlpipe_rollout_tokens_total", "rlpipe_queue_depth", "rlpipe_queue_pending",
+                   "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total",
+                   "rlpipe_quant_saturation_fraction", "process_start_time_seconds"):
+        assert metric in exprs, metric
