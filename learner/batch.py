@@ -26,6 +26,8 @@ class Batch:
     group_index: torch.Tensor  # (N,) long: which record each row came from
     staleness: torch.Tensor  # (N,) long: learner version - policy_version
     temperature: torch.Tensor  # (N,) float: the sampling temperature of each row
+    top_p: torch.Tensor  # (N,) float32: each row's nucleus mass (1: off)
+    top_k: torch.Tensor  # (N,) long: each row's top-k (-1 or 0: off)
 
     @property
     def num_tokens(self) -> int:
@@ -70,4 +72,13 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
         staleness=torch.tensor([version - rec.policy_version for rec in records for _ in rec.samples]),
         temperature=torch.tensor([float(rec.sampling.get("temperature", 1.0)) or 1.0
                                   for rec in records for _ in rec.samples]),
+        top_p=torch.tensor([float(_or(rec.sampling.get("top_p"), 1.0)) for rec in records for _ in rec.samples],
+                           dtype=torch.float32),
+        top_k=torch.tensor([int(_or(rec.sampling.get("top_k"), -1)) for rec in records for _ in rec.samples],
+                           dtype=torch.long),
     )
+
+
+def _or(value, default):
+    """``value`` unless it is missing (None)."""
+    return default if value is None else value

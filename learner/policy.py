@@ -7,9 +7,9 @@ autocast path is the same calls and has not been run). fp16 needs dynamic loss s
 (seed 000): :class:`LossScaler`. With ``fp32_lm_head`` the LM head and the softmax run in
 fp32 even under autocast: the logits are where low precision costs the most.
 
-The learner divides the logits by the rollout temperature before the softmax, so its
-log-probs are of the same distribution vLLM reports as ``processed_logprobs`` (with
-``top_p = 1`` and ``top_k`` off, which the config warns about otherwise).
+The learner divides the logits by the rollout temperature before the softmax and applies
+each row's top-k and top-p as vLLM's sampler does (:func:`truncation_mask`), so its
+log-probs are of the same distribution vLLM reports as ``processed_logprobs``.
 """
 
 from __future__ import annotations
@@ -39,13 +39,73 @@ def autocast(dtype: str, device_type: str = "cpu"):
     return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
 
 
+# The log-prob of a token that top-k/top-p removed (probability 0). Finite, not -inf: the
+# loss and the metrics multiply by the mask (-inf * 0 is nan), and any log-ratio clamp
+# (``learner.log_ratio_clamp``) turns it into a weight/ratio of exp(-clamp) all the same.
+OUTSIDE_LOGPROB = -1e4
+
+
+@torch.no_grad()
+def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Which tokens each row's top-k and top-p keep: (N, T, V) bool, or None if no row truncates.
+
+    ``scaled`` (N, T, V) are fp32 logits already divided by the temperature; ``top_k`` (N,)
+    is off unless ``0 < k < V`` and ``top_p`` (N,) off unless ``p < 1``, as in vLLM. This is
+    vLLM's sampler (``vllm/v1/sample/ops/topk_topp_sampler.py``, ``apply_top_k_top_p_pytorch``,
+    the path its CPU engine takes), on the same values in the same order:
+
+    1. temperature first (the caller's division), then top-k, then top-p;
+    2. top-k keeps every token whose logit is >= the k-th largest, so **ties at the k-th
+       value are all kept** (possibly more than k tokens);
+    3. top-p runs on the top-k survivors: their softmax sorted ascending, cumulative sum,
+       a token is dropped where the cumsum is <= 1 - p (``1 - p`` in fp32), and the most
+       likely token is always kept. **Ties at the top-p cut** may be split: equal
+       probabilities are ordered by a stable sort (lower token id first, so dropped first,
+       the higher ids kept). vLLM's CPU sort is not stable, so which of tokens with exactly
+       equal probability straddling the cut it keeps is unspecified; that needs bit-equal
+       fp32 logits, which real models do not produce. (vLLM's Triton kernel, used on GPUs,
+       keeps exactly k at a top-k tie, lowest ids first; same caveat.)
+
+    A row with top-p off is not top-p-filtered at all (vLLM, when another row of its batch
+    uses top-p, also drops that row's tokens whose fp32 probability underflows to exactly 0:
+    they can never be sampled, so no log-prob the learner is compared on differs).
+    Computed without gradient, one row at a time (one sort of (T, V) at a time).
+    """
+    vocab = scaled.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1
+    rows = (k_on | p_on).nonzero().flatten().tolist()
+    if not rows:
+        return None
+    keep = torch.ones(scaled.shape, dtype=torch.bool, device=scaled.device)
+    for i in rows:
+        x = scaled[i].detach()  # (T, V)
+        k = int(top_k[i]) if k_on[i] else None
+        if not p_on[i]:  # top-k only: no sort of the whole vocabulary
+            keep[i] = x >= x.topk(k, dim=-1).values[:, -1:]
+            continue
+        x_sort, idx = x.sort(dim=-1, descending=False, stable=True)
+        if k is not None:
+            x_sort = x_sort.masked_fill(x_sort < x_sort[:, vocab - k:vocab - k + 1], -math.inf)
+        cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p[i].to(torch.float32)
+        drop[:, -1] = False  # at least one
+        drop |= x_sort == -math.inf
+        keep[i] = torch.empty_like(drop).scatter_(-1, idx, ~drop)
+    return keep
+
+
 def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy of its distribution, both (N, T-1), fp32.
 
     ``model`` may be wrapped (DistributedDataParallel): its forward is what runs, so
     gradients are synchronised. Each row's logits are divided by the temperature it was
-    sampled with; the softmax runs in fp32 whatever the compute precision.
+    sampled with and truncated to its top-k/top-p (:func:`truncation_mask`); the softmax
+    runs in fp32 whatever the compute precision. With truncation, the log-probs are
+    renormalised over the kept tokens and a token outside them (probability 0; e.g. a
+    token sampled by an older policy) gets ``OUTSIDE_LOGPROB``, finite so that masked
+    sums stay nan-free, and far below any log-ratio clamp.
     """
     device_type = batch.input_ids.device.type
     inner = getattr(model, "module", model)
@@ -59,7 +119,12 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
                 logits = inner.get_output_embeddings()(hidden[:, :-1].float())
         else:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logp_all = torch.log_softmax(logits.float() / batch.temperature[:, None, None], dim=-1)  # (N, T-1, V)
+    scaled = logits.float() / batch.temperature[:, None, None]  # (N, T-1, V)
+    keep = truncation_mask(scaled, batch.top_k, batch.top_p)
+    if keep is None:  # no row truncated: the plain softmax over the vocabulary
+        logp_all = torch.log_softmax(scaled, dim=-1)
+    else:  # renormalised over each position's kept tokens; the others get OUTSIDE_LOGPROB
+        logp_all = torch.log_softmax(scaled.masked_fill(~keep, -math.inf), dim=-1).masked_fill(~keep, OUTSIDE_LOGPROB)
     logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
