@@ -67,10 +67,11 @@ class TaskConfig(Section):
 
 
 class SamplingConfig(Section):
-    """Rollout sampling. The learner divides its logits by the same temperature, so the
-    behavior log-probs (vLLM ``processed_logprobs``) and the learner's are comparable.
-    ``top_p < 1`` or ``top_k > 0`` truncate the behavior distribution, which the learner
-    does not reproduce: keep them off for exact mismatch accounting."""
+    """Rollout sampling. The learner divides its logits by the same temperature and applies
+    the same ``top_k`` (off: -1 or 0) and ``top_p`` (off: 1) truncation as vLLM's sampler,
+    renormalising over the kept tokens (``learner.policy.truncation_mask``), so the behavior
+    log-probs (vLLM ``processed_logprobs``) and the learner's are of the same distribution
+    (fp32: equal to 1e-4, tests/test_topk_topp.py). Ties at the k-th logit are all kept."""
 
     n: int = Field(8, ge=1, le=256)
     temperature: float = Field(1.0, gt=0)
