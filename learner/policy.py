@@ -56,15 +56,16 @@ def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
     1. temperature first (the caller's division), then top-k, then top-p;
     2. top-k keeps every token whose logit is >= the k-th largest, so **ties at the k-th
-       value are all kept** (possibly more than k tokens);
+       value are all kept** (possibly more than k tokens). (vLLM's Triton kernel, which
+       its GPU engines use, keeps exactly k there, the lowest ids first: the two differ
+       only on bit-equal fp32 logits at the k-th place);
     3. top-p runs on the top-k survivors: their softmax sorted ascending, cumulative sum,
        a token is dropped where the cumsum is <= 1 - p (``1 - p`` in fp32), and the most
        likely token is always kept. **Ties at the top-p cut** may be split: equal
        probabilities are ordered by a stable sort (lower token id first, so dropped first,
        the higher ids kept). vLLM's CPU sort is not stable, so which of tokens with exactly
        equal probability straddling the cut it keeps is unspecified; that needs bit-equal
-       fp32 logits, which real models do not produce. (vLLM's Triton kernel, used on GPUs,
-       keeps exactly k at a top-k tie, lowest ids first; same caveat.)
+       fp32 logits, which real models do not produce.
 
     A row with top-p off is not top-p-filtered at all (vLLM, when another row of its batch
     uses top-p, also drops that row's tokens whose fp32 probability underflows to exactly 0:
