@@ -207,7 +207,7 @@ def sync_rows(args, workdir: Path, size: str, redis_url: str) -> list[dict]:
         for version in range(args.repeats + 1):  # the first forms the generation
             stats = sender.sync(version, tensors.items, {"w0": "bench"}, wire.quant_profile, wire.compat)
             if version:
-                times.append(stats["sync_s"])
+                times.append(stats.sync_s)
         proc.join(60)
         rows.append({"size": size, "wire": name, "bytes": sender.manifest.nbytes, "sync_s": statistics.median(times)})
         sender.drop()

@@ -114,7 +114,7 @@ def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: st
     sender = WeightSender(connect(redis_url), Keys(run_id), "127.0.0.1", timeout_s=600,
                           bucket_bytes=int(bucket_mib * 2**20), wire_dtype=DTYPES[wire])
     live = {f"w{i}": "bench" for i in range(receivers)}
-    assert sender.sync(0, weights.items, live)["members"] == receivers  # forms the generation
+    assert sender.sync(0, weights.items, live).members == receivers  # forms the generation
     group = sender.group
     barrier(group)
     dtype = DTYPES[wire]
@@ -136,8 +136,8 @@ def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: st
         stats = sender.sync(rep + 1, weights.items, live)
         barrier(group)
         times["rlpipe"].append(time.perf_counter() - t0)
-        pack.append(stats["pack_s"])
-        assert stats["members"] == receivers and stats["form_s"] == 0
+        pack.append(stats.pack_s)
+        assert stats.members == receivers and stats.form_s == 0
         t0 = time.perf_counter()
         for n, _ in specs:
             group.broadcast(weights[n].to(dtype))

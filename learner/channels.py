@@ -1,4 +1,5 @@
-"""One weight-sync channel per rollout precision.
+"""The learner's weight sync: one channel per rollout precision, and the policy of when
+and with whom to sync (:class:`FleetSync`).
 
 Workers of different precisions need different tensors (bf16 weights, or int8 plus scales
 quantized with the profile), so each precision of the fleet has its own wire
@@ -8,10 +9,18 @@ A run whose workers all share one precision has one channel on the plain ``sync`
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+
 import torch
 
 from quant.transfer import rollout_weights
-from weight_sync.sender import WeightSender
+from rlpipe import registry
+from weight_sync.sender import SyncStats, WeightSender
+from weight_sync.transport import SyncError
+
+log = logging.getLogger(__name__)
 
 
 class SyncChannel:
@@ -32,7 +41,7 @@ class SyncChannel:
         """The tensors sent for ``version``, if they were."""
         return self._prepared[1] if self._prepared and self._prepared[0] == version else None
 
-    def sync(self, model, version: int, step: int, live: dict[str, str]) -> tuple[dict, dict]:
+    def sync(self, model, version: int, step: int, live: dict[str, str]) -> tuple[SyncStats, dict]:
         """Send ``version`` to ``live``; returns ``(sync stats, quantization metrics)``.
         Quantizing (and its monitors) runs once per version, not again for a re-formed generation."""
         tensors, quant_metrics = self.prepared(version), {}
@@ -43,7 +52,101 @@ class SyncChannel:
         return stats, quant_metrics
 
 
-def make_channels(cfg, r, keys) -> dict[str, SyncChannel]:
-    precisions = list(dict.fromkeys(cfg.rollout.fleet)) or [cfg.rollout.precision]
-    mixed = bool(cfg.rollout.fleet)
-    return {p: SyncChannel(cfg, r, keys, p, mixed) for p in precisions}
+class FleetSync:
+    """Every channel, and when to sync: after each step (:meth:`sync`), and while the
+    learner waits for groups, whenever the live workers differ from a channel's generation
+    (:meth:`maybe_resync`: a worker joined, returned or died). The first generation waits
+    up to ``sync.join_timeout_s`` for the whole configured fleet, so that no worker fills
+    the first batches alone while the others start."""
+
+    def __init__(self, cfg, r, keys, metrics):
+        self.cfg, self.r, self.keys, self.metrics = cfg, r, keys, metrics
+        precisions = list(dict.fromkeys(cfg.rollout.fleet)) or [cfg.rollout.precision]
+        self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet)) for p in precisions}
+        self._started = time.monotonic()
+
+    def maybe_resync(self, model, version: int, step: int) -> None:
+        workers = registry.live_workers(self.r, self.keys)
+        if not any(ch.sender.group for ch in self.channels.values()) and len(workers) < self.cfg.workers \
+                and time.monotonic() - self._started < self.cfg.sync.join_timeout_s:
+            return
+        if any(ch.sender.needs_forming(ch.live(workers)) for ch in self.channels.values()):
+            self.sync(model, version, step)
+
+    def sync(self, model, version: int, step: int) -> dict:
+        """Bring every live worker to ``version``, each precision on its channel; never
+        blocks longer than sync.timeout_s per channel on workers (a dead one is left out,
+        see weight_sync.sender). Returns the step's sync metrics."""
+        workers = registry.live_workers(self.r, self.keys)
+        out = {"weight_sync_seconds": 0.0, "weight_sync_pack_seconds": 0.0, "weight_sync_transfer_seconds": 0.0,
+               "weight_sync_form_seconds": 0.0, "weight_sync_members": 0}
+        by_precision = {}
+        for precision, ch in self.channels.items():
+            try:
+                stats, quant_metrics = ch.sync(model, version, step, ch.live(workers))
+            except SyncError as e:
+                log.warning("weight sync of version %d to %s workers failed, re-forming next time: %s", version,
+                            precision, e)
+                self.metrics.sync_failures.inc()
+                out["weight_sync_failed"] = out.get("weight_sync_failed", 0) + 1
+                by_precision[precision] = {"failed": str(e)}
+                continue
+            out.update(quant_metrics)
+            if stats.sync_s:  # a version was sent (not an empty generation)
+                self.metrics.sync_seconds.labels(phase="pack").observe(stats.pack_s)
+                self.metrics.sync_seconds.labels(phase="transfer").observe(stats.transfer_s)
+            self.metrics.sync_bytes.inc(stats.bytes * stats.members)
+            seconds = stats.form_s + stats.sync_s
+            out["weight_sync_seconds"] += seconds
+            out["weight_sync_pack_seconds"] += stats.pack_s
+            out["weight_sync_transfer_seconds"] += stats.transfer_s
+            out["weight_sync_form_seconds"] += stats.form_s
+            out["weight_sync_members"] += stats.members
+            by_precision[precision] = {"members": stats.members, "seconds": seconds, "bytes": stats.bytes,
+                                       "generation": stats.generation}
+        out["weight_sync_generation"] = max(ch.sender.state.generation for ch in self.channels.values())
+        out["weight_sync_left_out_total"] = self.left_out_total
+        if len(self.channels) > 1:
+            out["weight_sync_by_precision"] = by_precision
+        return out
+
+    def drop(self) -> None:
+        """Leave every generation (a restarted Redis, a stopping learner): the next sync re-forms."""
+        for ch in self.channels.values():
+            ch.sender.drop()
+
+    @property
+    def left_out_total(self) -> int:
+        return sum(ch.sender.left_out_total for ch in self.channels.values())
+
+    def rollout_tensors(self, version: int) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+        """Each quantized precision's tensors of ``version`` as sent, for the checkpoint."""
+        return {p: (ch.wire.quant_profile, ch.prepared(version)) for p, ch in self.channels.items()
+                if ch.wire.cast_to is None and ch.prepared(version) is not None}
+
+    def workers_status(self, version: int) -> dict[str, dict]:
+        """Every live worker as the registry has it, and how it stands with weight sync."""
+        out = {}
+        for w, f in sorted(registry.live_workers(self.r, self.keys).items()):
+            worker_version = int(f.get("version", -1))
+            ch = self.channels.get(f.get("precision", "")) or next(iter(self.channels.values()))
+            out[w] = {"version": worker_version, "behind": version - worker_version,
+                      "generation": int(f.get("generation", 0)), "weights": f.get("weights", ""),
+                      "member": w in ch.sender.members,
+                      "left_out": ch.sender.excluded.get(w) == f.get("incarnation", ""),
+                      "precision": f.get("precision", ""), "address": f.get("address", ""),
+                      "inflight_groups": int(f.get("inflight", 0)),
+                      "last_sync": json.loads(f.get("last_sync") or "{}"), "last_error": f.get("last_error", "")}
+        return out
+
+    def status(self, version: int) -> dict:
+        """The sync part of the learner's ``/status``."""
+        return {
+            "sync_generation": max((ch.sender.state.generation for ch in self.channels.values() if ch.sender.group),
+                                   default=None),
+            "sync_members": [w for ch in self.channels.values() for w in ch.sender.members],
+            "sync_left_out_total": self.left_out_total,
+            "workers": self.workers_status(version),
+            # per precision: its profile, and the last monitors with each one's worst linear
+            "quant": {p: ch.wire.status() for p, ch in self.channels.items() if hasattr(ch.wire, "status")},
+        }

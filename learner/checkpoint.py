@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +29,26 @@ import torch
 from rlpipe.checkpoints import PREFIX, complete, latest, read_meta  # noqa: F401 (the learner's API too)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+@dataclass
+class RunCounters:
+    """The learner's running counts, saved in every checkpoint and restored from it."""
+
+    step: int = 0
+    version: int = 0
+    dropped_stale_total: int = 0
+    groups_skipped_total: int = 0
+    trained_groups: int = 0  # in the lineage of the current weights
+    trained_digest: int = 0  # group_digest of their ids
+    grad_norm_smoothed: float | None = None
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
 
 
 def group_digest(group_ids) -> int:

@@ -39,8 +39,7 @@ def main(cfg: RunConfig) -> int:
     except KeyboardInterrupt:
         log.info("learner stopped at step %d", learner.step)
         if learner.ranks.is_main:
-            for channel in learner.channels.values():
-                channel.sender.drop()
+            learner.fleet.drop()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         learner.metrics.close()

@@ -21,20 +21,21 @@ rlpipe.cli learner ...`` for data parallelism (learner/dist.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import signal
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from learner import checkpoint
-from learner.batch import collate
-from learner.channels import make_channels
+from learner.batch import Batch, collate
+from learner.channels import FleetSync
+from learner.checkpoint import RunCounters
 from learner.dist import Ranks
 from learner.loss import (
     RATIO_AGAINST_MU,
@@ -54,7 +55,6 @@ from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig
 from rlpipe.proc import process_age_s
 from rlpipe.queue import Entry, IndexSet, RestartWatch, TrajectoryQueue, connect
-from weight_sync.transport import SyncError
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,45 @@ CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 RECENT_ACKS_S = 30.0  # how long the learner remembers what it acknowledged (a lost write is redone)
 
 
+@dataclass
+class UpdateStats:
+    """What the optimizer steps of one learner step measured."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    skipped: int = 0  # fp16 steps skipped on overflow
+    ppo_rows: list[dict] = field(default_factory=list)  # PPO statistics per minibatch
+
+
+@dataclass
+class StepOutcome:
+    """Everything a learner step's metrics are computed from."""
+
+    records: list
+    rewards: torch.Tensor  # (G, n)
+    informative: torch.Tensor  # (G,) bool: groups with a learning signal
+    batch: Batch
+    pi_old: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor  # the batch's, less rows bypass never measured
+    is_metrics: dict
+    update: UpdateStats
+
+
 class Learner:
     consumer = "learner-0"
+
+    @property
+    def step(self) -> int:
+        return self.run_counters.step
+
+    @property
+    def version(self) -> int:
+        return self.run_counters.version
+
+    @property
+    def dropped_stale_total(self) -> int:
+        return self.run_counters.dropped_stale_total
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -94,27 +131,20 @@ class Learner:
                                       cfg.model_dump(mode="json"))
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
-            # here with the profile) and its generation (learner/channels.py).
-            self.channels = make_channels(cfg, self.r, self.keys)
-        self.step = 0
-        self.version = 0
-        self.dropped_stale_total = 0
+            # here with the profile) and its generation, and when to sync (learner/channels.py).
+            self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics)
+        self.run_counters = RunCounters()
         self.dropped_this_step = 0  # while collecting the next batch: the drop rate per step
-        self.groups_skipped_total = 0
-        self.trained_groups = 0  # in the lineage of the current weights
-        self.trained_digest = 0  # checkpoint.group_digest of their ids
         # The prompt indices this lineage trained (in every checkpoint) and the run dropped (in
         # Redis, see queue.ack): a second group for one of them (a zombie worker's, or one
         # replayed after Redis lost writes) is a duplicate, never trained.
         self.trained_indices, self.dropped_indices = IndexSet(), IndexSet()
-        self.grad_norm_smoothed: float | None = None
         self.dead_seen = 0
         self.last_metrics: dict = {}
         self.last_checkpoint: dict | None = None
         self.status = "starting"
         self.stop_requested = False
         self.started_at = time.time()
-        self._monotonic_start = time.monotonic()
         self._backlog: list[Entry] = []
         self._unacked: list[Entry] = []  # trained, waiting for a checkpoint
         self._trained_before_restart: set[str] = set()
@@ -136,32 +166,32 @@ class Learner:
             self._acquire_lease()
             self._take_over_pending()
             self._set_status("running")
-            self.metrics.set(learner_step=self.step, learner_version=self.version)
-        while self.step < self.cfg.steps:
+            self.metrics.set(learner_step=self.run_counters.step, learner_version=self.run_counters.version)
+        while self.run_counters.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None
-            work = self.ranks.broadcast(None if entries is None else ([e.record for e in entries], self.version))
+            work = self.ranks.broadcast(None if entries is None else ([e.record for e in entries], self.run_counters.version))
             if work is None:  # asked to stop
                 break
-            records, self.version = work
+            records, self.run_counters.version = work
             self._crash_point("collected")
             t0 = time.perf_counter()
             step_metrics = self.train_step(records)
             train_s = time.perf_counter() - t0
             step_metrics["dropped_stale_step"], self.dropped_this_step = self.dropped_this_step, 0
-            self.step += 1
-            self.version += 1
-            apply_lr(self.opt, self.schedule.update(self.step, step_metrics["response_length_mean"]))
-            self.trained_groups += len(records)
+            self.run_counters.step += 1
+            self.run_counters.version += 1
+            apply_lr(self.opt, self.schedule.update(self.run_counters.step, step_metrics["response_length_mean"]))
+            self.run_counters.trained_groups += len(records)
             for rec in records:
                 self.trained_indices.add(rec.prompt_index)
-            self.trained_digest = (self.trained_digest + checkpoint.group_digest(r.group_id for r in records)) % (1 << 64)
+            self.run_counters.trained_digest = (self.run_counters.trained_digest + checkpoint.group_digest(r.group_id for r in records)) % (1 << 64)
             self._crash_point("trained")
             if self.ranks.is_main:
-                step_metrics.update(self.sync_weights())
+                step_metrics.update(self.fleet.sync(self.model, self.version, self.step))
                 self._crash_point("synced")
                 self._unacked += entries
-                if self.step % self.cfg.learner.checkpoint_every == 0 or self.step == self.cfg.steps:
+                if self.run_counters.step % self.cfg.learner.checkpoint_every == 0 or self.run_counters.step == self.cfg.steps:
                     self.checkpoint()
                 step_metrics["learner_wait_seconds"] = t0 - t_wait
                 step_metrics["learner_train_seconds"] = train_s
@@ -169,10 +199,9 @@ class Learner:
         if self.ranks.is_main:
             if self._unacked:  # stopped between checkpoints
                 self.checkpoint()
-            self._set_status("done" if self.step >= self.cfg.steps else "stopped")
-            self.metrics.done.set(float(self.step >= self.cfg.steps))
-            for ch in self.channels.values():
-                ch.sender.drop()
+            self._set_status("done" if self.run_counters.step >= self.cfg.steps else "stopped")
+            self.metrics.done.set(float(self.run_counters.step >= self.cfg.steps))
+            self.fleet.drop()
             self.lease.release()
 
     def request_stop(self) -> None:
@@ -188,7 +217,7 @@ class Learner:
         while len(batch) < want:
             if self.stop_requested:
                 return None
-            self.maybe_resync()
+            self._between_reads()
             if self._backlog:
                 entries, self._backlog = self._backlog[: want - len(batch)], self._backlog[want - len(batch):]
             else:
@@ -207,7 +236,7 @@ class Learner:
                     duplicate.append(e)
                 else:
                     in_batch.add(index)
-                    too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
+                    too_old = self.run_counters.version - e.record.policy_version > self.cfg.queue.max_staleness
                     (stale if too_old else fresh).append(e)
             unacked_indices = {u.record.prompt_index for u in self._unacked} if duplicate else set()
             if any(e.record.prompt_index in unacked_indices for e in duplicate):
@@ -219,7 +248,7 @@ class Learner:
                 self._ack([], stale, duplicate)
                 for e in stale:
                     self.dropped_indices.add(e.record.prompt_index)
-                self.dropped_stale_total += len(stale)
+                self.run_counters.dropped_stale_total += len(stale)
                 self.dropped_this_step += len(stale)
                 self.metrics.dropped_stale.inc(len(stale))
                 if stale:
@@ -236,77 +265,104 @@ class Learner:
 
         Every rank holds every record; each computes and trains on its own rows (dist.py).
         """
-        lc, ranks = self.cfg.learner, self.ranks
+        lc = self.cfg.learner
         rewards = torch.tensor([r.rewards for r in records], dtype=torch.float32)  # (G, n)
         advantages, informative = compute_advantages(rewards, lc.advantage, lc.adv_std_norm)
         batch = collate(records, advantages, self.version).to(self.device)
-        n_rows = len(batch.rewards)
-        everyone = torch.arange(n_rows, device=self.device)
-        mu, mask = batch.behavior_logprobs, batch.mask
-        bypass = lc.is_mode == "bypass"
-
         self.model.eval()  # no dropout: pi_old and pi must be the same function of the weights
-        if bypass:  # pi_old is taken to be mu: no recompute pass; measured during the first epoch instead
-            pi_old, entropy = torch.zeros_like(mu), torch.zeros_like(mu)
-            seen = torch.zeros(n_rows, device=self.device)
-        else:
-            mine = ranks.mine(everyone)
-            with torch.no_grad():
-                lp, ent = token_logprobs(self.model, batch.select(mine), lc.dtype, lc.fp32_lm_head)
-            pi_old, entropy = ranks.share_rows(lp, mine, n_rows), ranks.share_rows(ent, mine, n_rows)
-        weights, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, lc.is_mode, lc.is_cap,
-                                                 lc.geo_low, lc.geo_high, lc.log_ratio_clamp)
+        if lc.is_mode == "bypass":
+            return self._train_step_bypass(records, rewards, informative, batch)
+        pi_old, entropy = self._recompute_pi_old(batch)
+        mu = batch.behavior_logprobs
+        weights, is_metrics = importance_weights(pi_old, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low,
+                                                 lc.geo_high, lc.log_ratio_clamp)
         ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
+        update = self._update(batch, informative, weights, ref)
+        return self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
+                                              is_metrics, update))
 
+    def _recompute_pi_old(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi_old and the entropy of every row under the current weights, in the training
+        precision (each rank computes its rows, then every rank has all of them)."""
+        lc, ranks = self.cfg.learner, self.ranks
+        n_rows = len(batch.rewards)
+        mine = ranks.mine(torch.arange(n_rows, device=self.device))
+        with torch.no_grad():
+            lp, ent = token_logprobs(self.model, batch.select(mine), lc.dtype, lc.fp32_lm_head)
+        return ranks.share_rows(lp, mine, n_rows), ranks.share_rows(ent, mine, n_rows)
+
+    def _train_step_bypass(self, records, rewards, informative, batch) -> dict:
+        """``is_mode: bypass``: pi_old is taken to be mu, so there is no recompute pass; the
+        mismatch is measured on the first epoch's forward passes instead (of the rows that
+        took part in one: groups without signal are never forwarded)."""
+        lc, ranks = self.cfg.learner, self.ranks
+        mu, n_rows = batch.behavior_logprobs, len(batch.rewards)
+        everyone = torch.arange(n_rows, device=self.device)
+        pi_old, entropy, seen = torch.zeros_like(mu), torch.zeros_like(mu), torch.zeros(n_rows, device=self.device)
+        weights, is_metrics = importance_weights(mu, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low, lc.geo_high,
+                                                 lc.log_ratio_clamp)
+
+        def first_epoch(local, pi, ent, took_part):
+            pi_old[local], entropy[local], seen[local] = pi.detach(), ent.detach(), float(took_part)
+
+        update = self._update(batch, informative, weights, mu, first_epoch)
+        pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
+        entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
+        mask = batch.mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
+        return self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
+                                              is_metrics, update))
+
+    def _update(self, batch, informative, weights, ref, first_epoch=None) -> UpdateStats:
+        """``ppo_epochs`` x ``minibatches`` optimizer steps on the PPO-clip loss of the
+        informative groups; ``first_epoch(rows, pi, entropy, took_part)`` sees epoch 0's forwards."""
+        lc, ranks = self.cfg.learner, self.ranks
         groups = torch.nonzero(informative).squeeze(1).to(self.device)
-        losses, grad_norms, ppo_rows, skipped = [], [], [], 0
+        out = UpdateStats()
         for epoch in range(lc.ppo_epochs if len(groups) else 0):
             order = groups[torch.randperm(len(groups)).to(self.device)]
             for mb_groups in order.chunk(lc.minibatches):
                 rows = torch.nonzero(torch.isin(batch.group_index, mb_groups)).squeeze(1)
-                denom = loss_denominator(mask[rows], lc.loss_agg, self.loss_norm_length)  # the whole minibatch's
+                denom = loss_denominator(batch.mask[rows], lc.loss_agg, self.loss_norm_length)  # the whole minibatch's
                 local = ranks.mine(rows)
                 share = ranks.world if len(local) else 0.0  # a rank with no rows still joins the all-reduce
                 local = local if len(local) else rows[:1]
                 mb = batch.select(local)
                 pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
-                if bypass and epoch == 0:
-                    pi_old[local], entropy[local], seen[local] = pi.detach(), ent.detach(), float(share > 0)
+                if first_epoch and epoch == 0:
+                    first_epoch(local, pi, ent, share > 0)
                 per_token, ppo_m = ppo_clip_terms(pi, ref[local], mb.advantages, mb.mask, weights[local],
                                                   lc.eps_low, lc.eps_high, lc.log_ratio_clamp)
-                ppo_rows.append(ppo_m)
+                out.ppo_rows.append(ppo_m)
                 total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
                 self.opt.zero_grad(set_to_none=True)
                 # DDP averages gradients over ranks; scaling by the world size makes it the sum.
                 self.scaler.backward(total * share / denom)
                 grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
-                skipped += was_skipped
-                grad_norms.append(grad_norm)
-                losses.append(ranks.sum([total.item() * (share > 0)])[0] / denom)
-        if bypass:
-            pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
-            entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
-            mask = mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
-        return self._step_metrics(records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
-                                  losses, grad_norms, skipped, ppo_rows)
+                out.skipped += was_skipped
+                out.grad_norms.append(grad_norm)
+                out.losses.append(ranks.sum([total.item() * (share > 0)])[0] / denom)
+        return out
 
-    def _step_metrics(self, records, rewards, informative, batch, pi_old, mu, mask, entropy, is_metrics,
-                      losses, grad_norms, skipped, ppo_rows) -> dict:
+    def _step_metrics(self, o: StepOutcome) -> dict:
+        records, rewards, informative, batch = o.records, o.rewards, o.informative, o.batch
+        pi_old, mu, mask, entropy = o.pi_old, batch.behavior_logprobs, o.mask, o.entropy
+        losses, grad_norms, skipped, ppo_rows = o.update.losses, o.update.grad_norms, o.update.skipped, o.update.ppo_rows
+        is_metrics = o.is_metrics
         clamp = self.cfg.learner.log_ratio_clamp
         finite = [g for g in grad_norms if math.isfinite(g)]
         if finite:
             step_norm = sum(finite) / len(finite)
             a = self.cfg.learner.grad_norm_ema
-            self.grad_norm_smoothed = step_norm if self.grad_norm_smoothed is None else \
-                a * self.grad_norm_smoothed + (1 - a) * step_norm
-        self.groups_skipped_total += int((~informative).sum())
+            self.run_counters.grad_norm_smoothed = step_norm if self.run_counters.grad_norm_smoothed is None else \
+                a * self.run_counters.grad_norm_smoothed + (1 - a) * step_norm
+        self.run_counters.groups_skipped_total += int((~informative).sum())
         by_precision = {}
         precisions = [r.precision for r in records for _ in r.samples]
         for p in sorted(set(precisions)):
             rows = torch.tensor([q == p for q in precisions], device=mask.device)
             by_precision[p] = mismatch_metrics(pi_old[rows], mu[rows], mask[rows], clamp)
         fresh = batch.staleness == 0  # the precision effect alone, without policy lag
-        staleness = Counter(int(self.version - r.policy_version) for r in records)
+        staleness = Counter(int(self.run_counters.version - r.policy_version) for r in records)
         for s, count in staleness.items():
             for _ in range(count):
                 self.metrics.staleness.observe(s)
@@ -317,7 +373,7 @@ class Learner:
             "learner_loss": sum(losses) / len(losses) if losses else 0.0,
             "learner_grad_norm": sum(finite) / len(finite) if finite else 0.0,
             "learner_grad_norm_max": max(finite) if finite else 0.0,
-            "learner_grad_norm_smoothed": self.grad_norm_smoothed or 0.0,
+            "learner_grad_norm_smoothed": self.run_counters.grad_norm_smoothed or 0.0,
             "learner_lr": self.opt.param_groups[0]["lr"],
             "learner_loss_scale": self.scaler.scale,
             "learner_skipped_steps": skipped,
@@ -327,7 +383,7 @@ class Learner:
             "reward_by_precision": {p: rewards[[r.precision == p for r in records]].mean().item()
                                     for p in sorted({r.precision for r in records})},
             "groups_skipped_equal_reward": int((~informative).sum()),
-            "groups_skipped_total": self.groups_skipped_total,
+            "groups_skipped_total": self.run_counters.groups_skipped_total,
             "tokens": int(batch.mask.sum().item()),
             "staleness_mean": batch.staleness.float().mean().item(),
             "staleness_max": int(batch.staleness.max().item()),
@@ -350,24 +406,21 @@ class Learner:
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": torch.get_rng_state(),
-            "counters": {"step": self.step, "version": self.version, "dropped_stale_total": self.dropped_stale_total,
-                         "groups_skipped_total": self.groups_skipped_total, "trained_groups": self.trained_groups,
-                         "trained_digest": self.trained_digest, "grad_norm_smoothed": self.grad_norm_smoothed},
+            "counters": self.run_counters.state_dict(),
             "unacked_group_ids": [e.record.group_id for e in self._unacked],
             "prompt_indices": {"trained": self.trained_indices.to_bytes()},
         }
-        meta = {"version": self.version, "trained_groups": self.trained_groups,
-                "trained_digest": str(self.trained_digest), "time": time.time()}
+        meta = {"version": self.run_counters.version, "trained_groups": self.run_counters.trained_groups,
+                "trained_digest": str(self.run_counters.trained_digest), "time": time.time()}
         # What quantized workers load to catch up: this version's tensors, as last sent.
-        rollout = {p: (ch.wire.quant_profile, ch.prepared(self.version)) for p, ch in self.channels.items()
-                   if ch.wire.cast_to is None and ch.prepared(self.version) is not None}
-        path = checkpoint.save(self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
+        rollout = self.fleet.rollout_tensors(self.version)
+        path = checkpoint.save(self.ckpt_root, self.run_counters.step, self.model, state, meta, self.cfg.model.path,
                                self.cfg.learner.checkpoint_keep,
                                before_publish=lambda: self._crash_point("checkpoint_written"), rollout=rollout)
         self._crash_point("checkpointed")
         self._ack(self._unacked)
         self._unacked = []
-        self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version,
+        self.last_checkpoint = {"path": str(path), "step": self.run_counters.step, "version": self.run_counters.version,
                                 "seconds": time.perf_counter() - t0, "time": time.time()}
         log.info("checkpoint %s (%.2fs)", path.name, self.last_checkpoint["seconds"])
 
@@ -390,8 +443,7 @@ class Learner:
           lost is not taken for dead.
         """
         self._reclaim_after = time.monotonic() + self.cfg.rollout.heartbeat_ttl_s
-        for ch in self.channels.values():
-            ch.sender.drop()
+        self.fleet.drop()
         # Everything the stream would hand this learner now: its backlog, what is pending for
         # it, and what is new (a lost read makes entries new again), each entry once; less
         # what it holds trained or in the batch it is collecting.
@@ -417,7 +469,7 @@ class Learner:
         self._backlog = [e for e in self._backlog if e.entry_id not in lost]
         # Before anything else is acknowledged: what the lineage trained that Redis forgot
         # (its push was lost after this learner read it) is counted as produced and trained.
-        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups,
+        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.run_counters.trained_groups,
                                                                   [e.entry_id for e in self._unacked])
         log.warning("Redis restarted: %d acknowledgements redone, %d entries to read, %d it lost pushed again; "
                     "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
@@ -435,21 +487,17 @@ class Learner:
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
-        c = state["counters"]
-        self.step, self.version = c["step"], c["version"]
-        self.dropped_stale_total, self.groups_skipped_total = c["dropped_stale_total"], c["groups_skipped_total"]
-        self.trained_groups, self.trained_digest = c["trained_groups"], c["trained_digest"]
-        self.grad_norm_smoothed = c["grad_norm_smoothed"]
+        self.run_counters.load_state_dict(state["counters"])
         self._trained_before_restart = set(state["unacked_group_ids"])
         self.trained_indices = IndexSet(state.get("prompt_indices", {}).get("trained", b""))
-        self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
+        self.last_checkpoint = {"path": str(path), "step": self.run_counters.step, "version": self.run_counters.version, "restored": True}
         if self.ranks.is_main:
             published = registry.learner_version(self.r, self.keys)
-            if published > self.version:
+            if published > self.run_counters.version:
                 # Workers may hold weights of versions this checkpoint never saw: the restored
                 # weights get a new, higher version so versions only ever grow.
-                self.version = published + 1
-        log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
+                self.run_counters.version = published + 1
+        log.info("resumed from %s: step %d, version %d", path.name, self.run_counters.step, self.run_counters.version)
 
     def _acquire_lease(self) -> None:
         """Wait until no other learner holds the run's lease (registry.LearnerLease); losing
@@ -475,7 +523,7 @@ class Learner:
         self._backlog = [e for e in pending if e.record.group_id not in self._trained_before_restart]
         self.queue.ack([e.entry_id for e in done])
         self.dropped_indices = self.queue.dropped_indices()
-        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.trained_groups)
+        was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.run_counters.trained_groups)
         if (was_t, was_p) != (now_t, now_p):
             log.warning("counters re-derived from the lineage and the stream: trained %d -> %d, produced %d -> %d",
                         was_t, now_t, was_p, now_p)
@@ -484,13 +532,13 @@ class Learner:
                      len(self._backlog))
 
     def _crash_point(self, point: str) -> None:
-        if CRASH_AT == f"{point}:{self.step}":
+        if CRASH_AT == f"{point}:{self.run_counters.step}":
             log.warning("RLPIPE_CRASH_AT=%s: killing myself", CRASH_AT)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    # -- weight sync ---------------------------------------------------------------------
-    def maybe_resync(self) -> None:
-        """Bring newly joined (or departed) workers into a new generation while waiting."""
+    def _between_reads(self) -> None:
+        """While waiting for groups (twice a second at most): publish the state, re-issue dead
+        workers' leases, and bring joined or departed workers into a new sync generation."""
         now = time.monotonic()
         if now - self._last_membership_check < 0.5:
             return
@@ -499,66 +547,7 @@ class Learner:
         reissued = self.queue.reclaim_dead() if now > self._reclaim_after else 0
         if reissued:
             log.warning("re-issued %d prompts leased by workers whose heartbeat expired", reissued)
-        workers = registry.live_workers(self.r, self.keys)
-        if not any(ch.sender.group for ch in self.channels.values()) and len(workers) < self.cfg.workers \
-                and time.monotonic() - self._monotonic_start < self.cfg.sync.join_timeout_s:
-            # The first generation waits (up to join_timeout_s) for the fleet the run was
-            # configured with, so no worker fills the first batches alone while the others start.
-            return
-        if any(ch.sender.needs_forming(ch.live(workers)) for ch in self.channels.values()):
-            self.sync_weights()
-
-    def sync_weights(self) -> dict:
-        """Bring every live worker to this version, each precision on its channel; never
-        blocks longer than sync.timeout_s per channel on workers (a dead one is left out,
-        see weight_sync.sender)."""
-        workers = registry.live_workers(self.r, self.keys)
-        out = {"weight_sync_seconds": 0.0, "weight_sync_pack_seconds": 0.0, "weight_sync_transfer_seconds": 0.0,
-               "weight_sync_form_seconds": 0.0, "weight_sync_members": 0}
-        by_precision = {}
-        for precision, ch in self.channels.items():
-            try:
-                stats, quant_metrics = ch.sync(self.model, self.version, self.step, ch.live(workers))
-            except SyncError as e:
-                log.warning("weight sync of version %d to %s workers failed, re-forming next time: %s", self.version,
-                            precision, e)
-                self.metrics.sync_failures.inc()
-                out["weight_sync_failed"] = out.get("weight_sync_failed", 0) + 1
-                by_precision[precision] = {"failed": str(e)}
-                continue
-            out.update(quant_metrics)
-            for phase in ("pack", "transfer"):
-                if f"{phase}_s" in stats:
-                    self.metrics.sync_seconds.labels(phase=phase).observe(stats[f"{phase}_s"])
-            self.metrics.sync_bytes.inc(stats.get("bytes", 0) * stats["members"])
-            seconds = stats.get("form_s", 0) + stats.get("sync_s", 0)
-            out["weight_sync_seconds"] += seconds
-            out["weight_sync_pack_seconds"] += stats.get("pack_s", 0)
-            out["weight_sync_transfer_seconds"] += stats.get("transfer_s", 0)
-            out["weight_sync_form_seconds"] += stats.get("form_s", 0)
-            out["weight_sync_members"] += stats["members"]
-            by_precision[precision] = {"members": stats["members"], "seconds": seconds, "bytes": stats.get("bytes", 0),
-                                       "generation": stats["generation"]}
-        out["weight_sync_generation"] = max(ch.sender.state.generation for ch in self.channels.values())
-        out["weight_sync_left_out_total"] = sum(ch.sender.left_out_total for ch in self.channels.values())
-        if len(self.channels) > 1:
-            out["weight_sync_by_precision"] = by_precision
-        return out
-
-    def workers_status(self) -> dict[str, dict]:
-        """Every live worker as the registry has it, and how it stands with weight sync."""
-        out = {}
-        for w, f in sorted(registry.live_workers(self.r, self.keys).items()):
-            version = int(f.get("version", -1))
-            ch = self.channels.get(f.get("precision", "")) or next(iter(self.channels.values()))
-            out[w] = {"version": version, "behind": self.version - version,
-                      "generation": int(f.get("generation", 0)), "weights": f.get("weights", ""),
-                      "member": w in ch.sender.members,
-                      "left_out": ch.sender.excluded.get(w) == f.get("incarnation", ""),
-                      "precision": f.get("precision", ""), "address": f.get("address", ""),
-                      "inflight_groups": int(f.get("inflight", 0)),
-                      "last_sync": json.loads(f.get("last_sync") or "{}"), "last_error": f.get("last_error", "")}
-        return out
+        self.fleet.maybe_resync(self.model, self.version, self.step)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _finish_step(self, m: dict, train_s: float, step_s: float) -> None:
@@ -566,17 +555,17 @@ class Learner:
         self.metrics.queue_dead.inc(counters["dead"] - self.dead_seen)
         self.dead_seen = counters["dead"]
         m.update({
-            "step": self.step,
-            "learner_step": self.step,
-            "learner_version": self.version,
+            "step": self.run_counters.step,
+            "learner_step": self.run_counters.step,
+            "learner_version": self.run_counters.version,
             "learner_step_seconds": step_s,
             "learner_tokens_per_second": m["tokens"] / train_s if train_s > 0 else 0.0,
-            "dropped_stale_total": self.dropped_stale_total,
+            "dropped_stale_total": self.run_counters.dropped_stale_total,
             "queue_depth": self.queue.length(),
             "queue_pending": self.queue.pending(),
             "produced_total": counters["produced"],
             "queue_dead_total": counters["dead"],
-            "trained_groups_total": self.trained_groups,
+            "trained_groups_total": self.run_counters.trained_groups,
             "learner_ranks": self.ranks.world,
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
             # how long this process took from its start (a restart) to its first trained step
@@ -588,7 +577,7 @@ class Learner:
         self.last_metrics = m
         self.metrics.record(m)
         self._publish_state()
-        log.info("step %d: reward %.3f, kl %.2e, lr %.2e, %.2fs", self.step, m["reward_mean"], m["mismatch_kl"],
+        log.info("step %d: reward %.3f, kl %.2e, lr %.2e, %.2fs", self.run_counters.step, m["reward_mean"], m["mismatch_kl"],
                  m["learner_lr"], step_s)
 
     def _set_status(self, status: str) -> None:
@@ -598,15 +587,15 @@ class Learner:
     def _publish_state(self) -> None:
         # ``consumed``: the groups this lineage trained, what the workers' back-pressure counts
         # against (rlpipe.queue.TrajectoryQueue.lease_prompts); a restarted learner publishes its checkpoint's.
-        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version,
-                                   consumed=self.trained_groups)
+        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.run_counters.step, version=self.run_counters.version,
+                                   consumed=self.run_counters.trained_groups)
 
     def snapshot(self) -> dict:
         """What ``GET /status`` returns."""
         return {
             "status": self.status,
-            "step": self.step,
-            "version": self.version,
+            "step": self.run_counters.step,
+            "version": self.run_counters.version,
             "lr": self.opt.param_groups[0]["lr"],
             "lr_schedule": self.schedule.state(),
             "training": {"dtype": self.cfg.learner.dtype, "is_mode": self.cfg.learner.is_mode,
@@ -615,14 +604,8 @@ class Learner:
                          "ranks": self.ranks.world},
             "checkpoint": {"dir": str(self.ckpt_root), "last": self.last_checkpoint,
                            "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self._unacked)},
-            "trained_groups_total": self.trained_groups,
-            "sync_generation": max((ch.sender.state.generation for ch in self.channels.values() if ch.sender.group),
-                                   default=None),
-            "sync_members": [w for ch in self.channels.values() for w in ch.sender.members],
-            "sync_left_out_total": sum(ch.sender.left_out_total for ch in self.channels.values()),
-            "workers": self.workers_status(),
-            # per precision: its profile, and the last monitors with each one's worst linear
-            "quant": {p: ch.wire.status() for p, ch in self.channels.items() if hasattr(ch.wire, "status")},
-            "dropped_stale_total": self.dropped_stale_total,
+            "trained_groups_total": self.run_counters.trained_groups,
+            **self.fleet.status(self.version),
+            "dropped_stale_total": self.run_counters.dropped_stale_total,
             "last_metrics": self.last_metrics,
         }

@@ -94,7 +94,7 @@ class WorkerHarness:
         self.sent, _ = self.wire.prepare(model, self.version)
         stats = self.sender.sync(self.version, self.sent.items, worker_incarnations(self.r, self.keys),
                                  self.wire.quant_profile, self.wire.compat)
-        assert stats["members"] == 1
+        assert stats.members == 1
         # the harness consumes one step's groups per version, as a learner would
         set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running",
                           consumed=self.version * self.cfg.learner.groups_per_step)

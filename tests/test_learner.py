@@ -25,7 +25,7 @@ def learner(redis_server, toy_model_path, tmp_path):
 
 
 def test_collect_drops_and_counts_groups_older_than_max_staleness(learner):
-    learner.version = 5
+    learner.run_counters.version = 5
     for v in (0, 3, 5, 2, 4, 1):
         learner.queue.push(make_record(policy_version=v, policy_version_end=v, group_id=f"v{v}"))
     batch = learner.collect()

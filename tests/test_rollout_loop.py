@@ -60,7 +60,7 @@ def test_workers_share_the_cursor_and_sigterm_gives_unfinished_prompts_back(redi
     wait_for(lambda: len(worker_incarnations(r, keys)) == 2, 300, interval=0.5, what="both workers registered")
     sender = WeightSender(r, keys, "127.0.0.1", timeout_s=60, bucket_bytes=1 << 20, wire_dtype=torch.float32)
     try:
-        assert sender.sync(0, load_policy(toy_model_path).named_parameters, worker_incarnations(r, keys))["members"] == 2
+        assert sender.sync(0, load_policy(toy_model_path).named_parameters, worker_incarnations(r, keys)).members == 2
         set_learner_state(r, keys, version=0, step=0, status="running")
 
         def produced_by():

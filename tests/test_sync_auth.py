@@ -239,7 +239,7 @@ def test_a_worker_listed_with_the_incarnation_it_just_left_checks_in_at_once(red
     _, _, w0 = results.get(timeout=120)
     sender = WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=10, bucket_bytes=256 << 10, wire_dtype=None)
     try:
-        assert sender.sync(1, model_weights(1).items, {"w0": w0})["members"] == 1  # w1 does not exist yet
+        assert sender.sync(1, model_weights(1).items, {"w0": w0}).members == 1  # w1 does not exist yet
         assert results.get(timeout=30)[2] == 1
         procs.append(ctx.Process(target=_worker, args=(redis_server.url, run_id, "w1", results), daemon=True))
         procs[1].start()
@@ -248,11 +248,11 @@ def test_a_worker_listed_with_the_incarnation_it_just_left_checks_in_at_once(red
         assert first[:2] == redrawn[:2] == ("w1", "incarnation") and first[2] != redrawn[2]
         t0 = time.monotonic()
         stats = sender.sync(2, model_weights(2).items, {"w0": w0, "w1": first[2]})  # the registry, read before
-        assert stats["members"] == 2 and time.monotonic() - t0 < 5  # not the 10 s deadline
+        assert stats.members == 2 and time.monotonic() - t0 < 5  # not the 10 s deadline
         assert sorted(results.get(timeout=30) for _ in range(2)) == [
             ("w0", checksum(model_weights(2).items()), 2), ("w1", checksum(model_weights(2).items()), 2)]
         stats = sender.sync(3, model_weights(3).items, {"w0": w0, "w1": redrawn[2]})  # the registry, now
-        assert stats["members"] == 2 and stats["form_s"] > 0 and sender.left_out_total == 0
+        assert stats.members == 2 and stats.form_s > 0 and sender.left_out_total == 0
     finally:
         for p in procs:
             p.kill()
@@ -411,7 +411,7 @@ def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(
             stats = sender.sync(version, weights.items, live, quant_profile=f"p{version}")
             durations.append(time.monotonic() - t0)
             gates.append(sender.gate)
-            assert stats["members"] == 2 and stats["form_s"] > 0, stats
+            assert stats.members == 2 and stats.form_s > 0, stats
             assert sender.members == ("w0", "w1") and sender.state.world_size == 3  # nobody forged got in
             assert read_sync(r, Keys(run_id).sync).members == ("w0", "w1")
             assert sender.left_out_total == 0

@@ -179,8 +179,8 @@ def test_broadcast_to_two_receivers_is_bit_exact(redis_server, r):
         stats = sender.sync(version, lambda: weights.items(), live)
         got = sorted(results.get(timeout=60) for _ in procs)
         assert got == [("w0", checksum(weights.items()), version), ("w1", checksum(weights.items()), version)]
-        assert stats["members"] == 2 and stats["bytes"] == sum(t.numel() * 4 for t in weights.values())
-    assert stats["form_s"] == 0  # the second version reused the generation
+        assert stats.members == 2 and stats.bytes == sum(t.numel() * 4 for t in weights.values())
+    assert stats.form_s == 0  # the second version reused the generation
     assert len(sender.manifest.buckets) >= 2  # "big" (1.2 MB) exceeds a 256 KiB bucket
     assert read_sync(r, Keys(run_id).sync).members == ("w0", "w1")
     stop(procs)
@@ -196,10 +196,10 @@ def test_a_worker_that_never_checks_in_costs_one_timeout_then_stays_out(redis_se
     t0 = time.monotonic()
     stats = sender.sync(1, lambda: weights.items(), live)
     assert 4 <= time.monotonic() - t0 < 4 + 5
-    assert stats["members"] == 1 and sender.members == ("w0",) and sender.left_out_total == 1
+    assert stats.members == 1 and sender.members == ("w0",) and sender.left_out_total == 1
     assert results.get(timeout=30) == ("w0", checksum(weights.items()), 1)
     t0 = time.monotonic()
-    assert sender.sync(2, lambda: weights.items(), live)["members"] == 1  # no second wait for the ghost
+    assert sender.sync(2, lambda: weights.items(), live).members == 1  # no second wait for the ghost
     assert time.monotonic() - t0 < 3 and results.get(timeout=30)[2] == 2
     assert sender.needs_forming({**live, "ghost": "b"})  # a new incarnation is asked back in
     stop(procs)
@@ -215,13 +215,13 @@ def test_a_worker_killed_mid_transfer_is_left_out_and_the_rest_get_the_version(r
     live = {"w0": "a", "w1": "a"}  # w1 is still registered: its heartbeat has not expired yet
     stats = sender.sync(3, lambda: weights.items(), live)
     assert time.monotonic() - t0 < 5  # the others did not wait for the dead one
-    assert stats["members"] == 1 and sender.excluded == {"w1": "a"} and sender.left_out_total == 1
+    assert stats.members == 1 and sender.excluded == {"w1": "a"} and sender.left_out_total == 1
     assert results.get(timeout=30) == ("w0", checksum(weights.items()), 3)
     procs[1].join(10)
     assert procs[1].exitcode == -9  # it really died mid-transfer
     t0 = time.monotonic()
     stats = sender.sync(4, lambda: weights.items(), live)  # a new generation, without w1
-    assert time.monotonic() - t0 < 5 and stats["members"] == 1 and stats["generation"] == 2
+    assert time.monotonic() - t0 < 5 and stats.members == 1 and stats.generation == 2
     assert results.get(timeout=30) == ("w0", checksum(weights.items()), 4)
     stop(procs)
     sender.drop()
@@ -234,7 +234,7 @@ def test_a_worker_that_refuses_the_manifest_is_left_out_without_waiting(redis_se
     weights = model_weights(3)
     t0 = time.monotonic()
     stats = sender.sync(1, lambda: weights.items(), {"w0": "a", "w1": "a"})
-    assert time.monotonic() - t0 < 15 and stats["members"] == 1
+    assert time.monotonic() - t0 < 15 and stats.members == 1
     assert sorted(results.get(timeout=30) for _ in procs) == [("w0", checksum(weights.items()), 1),
                                                               ("w1", "LeftOut", 1)]
     stop(procs)
@@ -256,7 +256,7 @@ def test_a_hung_receiver_ends_the_sync_within_the_timeout(redis_server, r):
 
 def test_no_live_workers_means_no_generation(r):
     sender = make_sender(r, free_run_id("ws"), timeout_s=3)
-    assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), {})["members"] == 0
+    assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), {}).members == 0
     assert sender.group is None
 
 

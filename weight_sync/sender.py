@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import redis
@@ -36,6 +37,19 @@ from weight_sync.rendezvous import SyncState, publish_generation, publish_member
 from weight_sync.transport import GlooGroup, SyncError, admit, check_in_slot
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncStats:
+    """One version's sync: who got it, in which generation, and where the time went."""
+
+    members: int  # workers that received the version
+    generation: int
+    form_s: float = 0.0  # forming a new generation (0 when the current one was reused)
+    pack_s: float = 0.0  # packing buckets (overlapped with the transfer)
+    transfer_s: float = 0.0  # wall time of the transfer not hidden by packing
+    sync_s: float = 0.0  # the whole broadcast, packing included
+    bytes: int = 0  # per worker
 
 
 class WeightSender:
@@ -74,35 +88,33 @@ class WeightSender:
         return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat)
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-             live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> dict:
+             live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> SyncStats:
         """Bring the live workers (``id -> incarnation``) to ``version``, re-forming the
         generation when membership or the manifest changed (a recalibrated profile);
         returns timing stats and who got it."""
         deadline = time.monotonic() + self.timeout_s
         tensors = dict(named())
         manifest = self.plan(tensors, quant_profile, quant_compat)
-        stats = {"form_s": 0.0}
+        form_s = 0.0
         if self.group is None or self.needs_forming(live) or manifest != self.manifest:
             candidates = self.candidates(live)
             if not candidates:
                 self.drop()
-                return {"members": 0, "generation": self.state.generation}
+                return SyncStats(members=0, generation=self.state.generation)
             t0 = time.perf_counter()
             self._form(candidates, version, manifest, deadline)
-            stats["form_s"] = time.perf_counter() - t0
+            form_s = time.perf_counter() - t0
         members = list(self._members)
         try:
-            stats.update(self._send(version, tensors))
+            stats, failed = self._send(version, tensors)
         except SyncError:
             self.drop()
             raise
-        failed = stats.pop("failed")
         for rank, why in failed.items():
             self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
         if failed:
             self.drop()  # the next sync forms a generation without them
-        stats["members"] = len(members) - len(failed)
-        stats["generation"] = self.state.generation
+        stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
         return stats
 
     def _leave_out(self, worker: str, incarnation: str, why: str) -> None:
@@ -142,9 +154,9 @@ class WeightSender:
             raise
         self._members = {w: candidates[w] for w in members}
 
-    def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> dict:
+    def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> tuple[SyncStats, dict[int, str]]:
         """Send the header and every bucket to each member; a member whose transfer fails
-        is given up on (``failed``: rank -> why) while the others go on."""
+        is given up on (the second result: rank -> why) while the others go on."""
         assert self.group is not None and self.manifest is not None
         group, failed = self.group, {}
         t0 = time.perf_counter()
@@ -182,8 +194,8 @@ class WeightSender:
         total = time.perf_counter() - t0
         self.state.version = version
         # transfer_s is the wall time not spent packing (the part packing did not hide).
-        return {"pack_s": pack_s, "transfer_s": total - pack_s, "sync_s": total, "bytes": self.manifest.nbytes,
-                "failed": failed}
+        return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=self.manifest.nbytes), \
+            failed
 
     def drop(self) -> None:
         if self.group is not None:
