@@ -139,7 +139,9 @@ class Learner:
         # Redis, see queue.ack): a second group for one of them (a zombie worker's, or one
         # replayed after Redis lost writes) is a duplicate, never trained.
         self.trained_indices, self.dropped_indices = IndexSet(), IndexSet()
-        self.dead_seen = 0
+        # Dead letters from before this process: its Prometheus counter counts only its own,
+        # or every restart would re-raise the dead-letter alert of an old one.
+        self.dead_seen = self.queue.counters()["dead"] if self.ranks.is_main else 0
         self.last_metrics: dict = {}
         self.last_checkpoint: dict | None = None
         self.status = "starting"
