@@ -46,6 +46,7 @@ import datetime
 import hashlib
 import hmac
 import json
+import socket
 import time
 
 import torch
@@ -138,6 +139,14 @@ def check_in(store: TCPStore, generation: int, slot: int | str, timeout_s: float
     return go["rank"], go["world"]
 
 
+def local_address_towards(host: str) -> str:
+    """The address of this machine's interface that routes to ``host`` (127.0.0.1 for a
+    loopback ``host``). Connecting a UDP socket picks the route without sending anything."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 class GlooGroup:
     """Rank 0 is the learner; ranks 1..world-1 are rollout workers."""
 
@@ -151,7 +160,9 @@ class GlooGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         opts = ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=join_timeout_s)
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        # gloo binds each rank's pairs to a local interface: the learner's is ``host`` itself,
+        # a worker's the one that routes to it (``host`` is not an address of a worker's pod).
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host if rank == 0 else local_address_towards(host))]
         try:
             self.pg = ProcessGroupGloo(PrefixStore(_key(generation, "pg/"), store), rank, world_size, opts)
         except Exception as e:  # gloo raises RuntimeError/DistStoreError on timeouts
