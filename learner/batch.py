@@ -36,8 +36,40 @@ class Batch:
     def select(self, rows: torch.Tensor) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
+    def trimmed(self) -> "Batch":
+        """Without the padding columns past the longest row (rows are right-padded)."""
+        width = int(self.attention_mask.sum(1).max().item())
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value.dim() == 2:
+                value = value[:, : width if f.name in ("input_ids", "attention_mask") else width - 1]
+            out[f.name] = value
+        return Batch(**out)
+
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def microbatches(batch: Batch, rows: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """``rows`` split so each part, padded to its own longest row, holds at most
+    ``max_tokens`` tokens (rows x longest length); shortest rows first, so rows of similar
+    length share their padding. A row longer than the budget goes alone. ``max_tokens``
+    0: all of ``rows`` at once."""
+    if not max_tokens or len(rows) == 0:
+        return [rows]
+    lengths = batch.attention_mask[rows].sum(1)
+    order = torch.argsort(lengths, stable=True)
+    parts, current, longest = [], [], 0
+    for i in order.tolist():
+        length = int(lengths[i])
+        if current and max(longest, length) * (len(current) + 1) > max_tokens:
+            parts.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, length)
+    parts.append(current)
+    return [rows[torch.tensor(part, device=rows.device)] for part in parts]
 
 
 def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, pad_id: int = 0) -> Batch:

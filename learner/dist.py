@@ -17,6 +17,7 @@ with CUDA devices and has not been run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -50,6 +51,13 @@ class Ranks:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[self.local_rank] if torch.cuda.is_available() else None)
+
+    def no_sync(self, model: torch.nn.Module, sync: bool):
+        """Gradient accumulation under DDP: backward passes inside skip the all-reduce,
+        except the one with ``sync`` (the last micro-batch's)."""
+        if sync or not hasattr(model, "no_sync"):
+            return contextlib.nullcontext()
+        return model.no_sync()
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank."""

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint
-from learner.batch import Batch, collate
+from learner.batch import Batch, collate, microbatches
 from learner.channels import FleetSync
 from learner.checkpoint import RunCounters
 from learner.dist import Ranks
@@ -88,6 +88,14 @@ class StepOutcome:
     mask: torch.Tensor  # the batch's, less rows bypass never measured
     is_metrics: dict
     update: UpdateStats
+
+
+def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
+    """Per-micro-batch PPO statistics (token means) as one mean over all their tokens."""
+    if len(parts) == 1:
+        return parts[0][0]
+    tokens = sum(n for _, n in parts) or 1.0
+    return {k: sum(m[k] * n for m, n in parts) / tokens for k in parts[0][0]}
 
 
 class Learner:
@@ -304,8 +312,9 @@ class Learner:
         weights, is_metrics = importance_weights(mu, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low, lc.geo_high,
                                                  lc.log_ratio_clamp)
 
-        def first_epoch(local, pi, ent, took_part):
-            pi_old[local], entropy[local], seen[local] = pi.detach(), ent.detach(), float(took_part)
+        def first_epoch(rows, pi, ent, took_part):  # pi may be trimmed to the rows' longest
+            pi_old[rows, : pi.shape[1]], entropy[rows, : ent.shape[1]] = pi.detach(), ent.detach()
+            seen[rows] = float(took_part)
 
         update = self._update(batch, informative, weights, mu, first_epoch)
         pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
@@ -316,7 +325,12 @@ class Learner:
 
     def _update(self, batch, informative, weights, ref, first_epoch=None) -> UpdateStats:
         """``ppo_epochs`` x ``minibatches`` optimizer steps on the PPO-clip loss of the
-        informative groups; ``first_epoch(rows, pi, entropy, took_part)`` sees epoch 0's forwards."""
+        informative groups; ``first_epoch(rows, pi, entropy, took_part)`` sees epoch 0's forwards.
+
+        Each rank's rows of a minibatch go forward in micro-batches of at most
+        ``learner.max_tokens_per_microbatch`` padded tokens, and their gradients accumulate
+        into one optimizer step; the loss denominator is the whole minibatch's, so the step
+        is the same as one padded forward of all of them."""
         lc, ranks = self.cfg.learner, self.ranks
         groups = torch.nonzero(informative).squeeze(1).to(self.device)
         out = UpdateStats()
@@ -328,21 +342,29 @@ class Learner:
                 local = ranks.mine(rows)
                 share = ranks.world if len(local) else 0.0  # a rank with no rows still joins the all-reduce
                 local = local if len(local) else rows[:1]
-                mb = batch.select(local)
-                pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
-                if first_epoch and epoch == 0:
-                    first_epoch(local, pi, ent, share > 0)
-                per_token, ppo_m = ppo_clip_terms(pi, ref[local], mb.advantages, mb.mask, weights[local],
-                                                  lc.eps_low, lc.eps_high, lc.log_ratio_clamp)
-                out.ppo_rows.append(ppo_m)
-                total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
+                parts = microbatches(batch, local, lc.max_tokens_per_microbatch)
                 self.opt.zero_grad(set_to_none=True)
-                # DDP averages gradients over ranks; scaling by the world size makes it the sum.
-                self.scaler.backward(total * share / denom)
+                total, ppo_parts = 0.0, []
+                for i, part in enumerate(parts):
+                    mb = batch.select(part).trimmed() if len(parts) > 1 else batch.select(part)
+                    width = mb.mask.shape[1]
+                    with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
+                        pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
+                        if first_epoch and epoch == 0:
+                            first_epoch(part, pi, ent, share > 0)
+                        per_token, ppo_m = ppo_clip_terms(pi, ref[part, :width], mb.advantages, mb.mask,
+                                                          weights[part, :width], lc.eps_low, lc.eps_high,
+                                                          lc.log_ratio_clamp)
+                        part_total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
+                        # DDP averages gradients over ranks; scaling by the world size makes it the sum.
+                        self.scaler.backward(part_total * share / denom)
+                    total += part_total.item()
+                    ppo_parts.append((ppo_m, mb.mask.sum().item()))
+                out.ppo_rows.append(_token_weighted(ppo_parts))
                 grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
                 out.skipped += was_skipped
                 out.grad_norms.append(grad_norm)
-                out.losses.append(ranks.sum([total.item() * (share > 0)])[0] / denom)
+                out.losses.append(ranks.sum([total * (share > 0)])[0] / denom)
         return out
 
     def _step_metrics(self, o: StepOutcome) -> dict:

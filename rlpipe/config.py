@@ -51,6 +51,9 @@ class TaskConfig(Section):
     id_field: str = Field("id", description="the row field holding a stable id; default the row number")
     template: str = Field("{prompt}", description="prompt text: str.format over the row's fields")
     shuffle: bool = Field(True, description="a fresh seeded permutation of the rows every epoch")
+    chat_template: bool = Field(False, description="math/remote: wrap the prompt text (after template) as the user "
+                                "turn in the tokenizer's chat template, with the generation prompt (instruct models)")
+    system_prompt: str = Field("", description="with chat_template: a system turn before the user turn; '' = none")
     verifier_url: str = Field("", description="remote: the reward server's URL (POST, one request per group)")
     verifier_timeout_s: float = Field(10.0, gt=0, description="remote: per-request timeout")
     verifier_retries: int = Field(3, ge=0, description="remote: retries on connection errors, timeouts, 5xx, 429")
@@ -63,6 +66,13 @@ class TaskConfig(Section):
             raise ValueError(f"task.dataset: required for task.type {self.type!r}")
         if self.type == "remote" and not self.verifier_url:
             raise ValueError("task.verifier_url: required for task.type 'remote'")
+        if self.chat_template and self.type == "arith":
+            # The toy model has no chat template and was warm-started on bare "12+34=" prompts.
+            raise ValueError("task.chat_template: only for task.type 'math' or 'remote' (the toy 'arith' task's "
+                             "tokenizer has no chat template)")
+        if self.system_prompt and not self.chat_template:
+            raise ValueError("task.system_prompt: needs task.chat_template: true (a system turn is part of the chat "
+                             "template)")
         return self
 
 
@@ -147,6 +157,9 @@ class LearnerConfig(Section):
     adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = "token_mean"
     loss_norm_length: int | None = Field(None, ge=1, description="seq_sum_norm's fixed length; default sampling.max_tokens")
+    max_tokens_per_microbatch: int = Field(0, ge=0, description="forward each rank's rows in micro-batches of "
+                                           "at most this many padded tokens (rows x their longest), shortest "
+                                           "first, accumulating gradients; 0 = all rows in one forward")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
     checkpoint_keep: int = Field(2, ge=1)
     checkpoint_dir: str = Field("", description="default: <run_dir>/checkpoints")

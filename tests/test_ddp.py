@@ -24,14 +24,14 @@ from tests.conftest import free_run_id
 from tests.test_learner import synthetic_groups
 
 
-def prepared_run(tmp_path, name, redis_server, toy_model_path, groups):
+def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **settings):
     run_dir = tmp_path / name
     run_dir.mkdir()
     cfg = build_config({}, environ={}, run_id=free_run_id(name), run_dir=str(run_dir), redis_url=redis_server.url,
                        steps=2, workers=1, seed=3, **{
                            "model.path": toy_model_path, "learner.groups_per_step": 4, "learner.minibatches": 2,
                            "learner.lr": 1e-3, "learner.threads": 1, "learner.checkpoint_every": 2,
-                           "learner.loss_agg": "seq_mean_token_mean", "sync.join_timeout_s": 0.1})
+                           "learner.loss_agg": "seq_mean_token_mean", "sync.join_timeout_s": 0.1, **settings})
     dump_config(cfg, run_dir / "config.yaml")
     queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
     for rec in groups:
@@ -40,10 +40,14 @@ def prepared_run(tmp_path, name, redis_server, toy_model_path, groups):
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path):
+@pytest.mark.parametrize("microbatch_tokens", [0, 20], ids=["padded", "token-budget-microbatches"])
+def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path, microbatch_tokens):
+    """With micro-batches, the 2 ranks also accumulate gradients without syncing until each
+    one's last micro-batch (DDP no_sync) and must still match the single padded process."""
     groups = synthetic_groups(load_policy(toy_model_path), 8, seed=21, noise=0.1)
     single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups)
-    ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups)
+    ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups,
+                                **{"learner.max_tokens_per_microbatch": microbatch_tokens})
     learner = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*learner, str(single_dir / "config.yaml")], check=True, env=env, timeout=300,
