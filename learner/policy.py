@@ -33,6 +33,28 @@ def load_policy(path: str):
     return model
 
 
+def enable_activation_checkpointing(model) -> int:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them (``torch.utils.checkpoint``, non-reentrant): activation memory of one layer
+    instead of all, for one more forward pass. Wraps each layer's ``forward`` in place, so
+    parameter names (checkpoints, weight sync) stay as they are; transformers' own
+    ``gradient_checkpointing_enable`` only acts in training mode, and the learner runs in
+    eval mode (no dropout). Returns how many layers were wrapped."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(forward, *args, **kwargs):
+        if not torch.is_grad_enabled():  # pi_old and other no-grad passes: nothing to save
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layers = model.model.layers
+    for layer in layers:
+        layer.forward = partial(checkpointed, layer.forward)
+    return len(layers)
+
+
 def autocast(dtype: str, device_type: str = "cpu"):
     if dtype == "fp32":
         return contextlib.nullcontext()

@@ -48,7 +48,7 @@ from learner.loss import (
     ppo_clip_terms,
 )
 from learner.metrics import LearnerMetrics
-from learner.policy import LossScaler, load_policy, token_logprobs
+from learner.policy import LossScaler, enable_activation_checkpointing, load_policy, token_logprobs
 from learner.schedule import LRSchedule, apply_lr
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
@@ -129,6 +129,8 @@ class Learner:
             self.redis_restarts = RestartWatch(self.r)
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
         self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
+        if lc.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
         self.train_model = self.ranks.wrap(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
