@@ -47,11 +47,13 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
 def calibration_sequences(cfg: RunConfig, model_path: str) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids to calibrate on and the held-out probe set of the monitors: lines of
     ``quant.calibration_file``, else the task's prompts followed by their reference answers
-    (what a policy that solves the task would read and write)."""
+    (what a policy that solves the task would read and write; with ``task.chat_template`` the prompt ids are the
+    chat template's, as the rollout workers give them to the engine)."""
     from transformers import AutoTokenizer
 
     q = cfg.quant
     want = q.calibration_samples + q.probe_samples
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     if q.calibration_file:
         path = Path(q.calibration_file)
         if not path.is_file():
@@ -59,13 +61,18 @@ def calibration_sequences(cfg: RunConfig, model_path: str) -> tuple[list[list[in
         texts = [line for line in path.read_text().splitlines() if line.strip()]
         if len(texts) < 2:
             raise ValueError(f"quant.calibration_file: {path} needs at least 2 non-empty lines")
+        ids = [tokenizer(t)["input_ids"] for t in texts[:want]]
     else:
-        from rollout_service.tasks import make_task
+        from rollout_service.tasks import PromptEncoder, make_task
 
         task = make_task(cfg.task)
-        texts = [(p := task.prompt(i)).text + p.answer for i in range(want)]
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    ids = [tokenizer(t)["input_ids"][: cfg.rollout.max_model_len] for t in texts[:want]]
+        prompts = [task.prompt(i) for i in range(want)]
+        if cfg.task.chat_template:
+            encode = PromptEncoder(cfg.task, tokenizer, model_path)
+            ids = [encode(p.text) + tokenizer(p.answer, add_special_tokens=False)["input_ids"] for p in prompts]
+        else:
+            ids = [tokenizer(p.text + p.answer)["input_ids"] for p in prompts]
+    ids = [x[: cfg.rollout.max_model_len] for x in ids]
     n_probe = min(q.probe_samples, max(1, len(ids) // 4))
     return ids[: len(ids) - n_probe], ids[len(ids) - n_probe:]
 

@@ -127,7 +127,15 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     async def lifespan(app: FastAPI):
         from transformers import AutoTokenizer
 
+        from rlpipe.config import ConfigError
+        from rollout_service.tasks import PromptEncoder
+
         app.state.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        try:  # task.chat_template with a tokenizer that has none: refused before the engine starts
+            PromptEncoder(cfg.task, app.state.tokenizer, cfg.model.path)  # (rlpipe rollout checks it even earlier)
+        except ConfigError as e:
+            log.critical("worker %s cannot start: %s", worker_id, e)
+            raise
         await engine.start()
         metrics.version.set(engine.version)
         app.state.loop = None

@@ -31,7 +31,7 @@ from rlpipe.queue import RedisUnavailable, RestartWatch, TrajectoryQueue
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.metrics import RolloutMetrics
-from rollout_service.tasks import RewardError, Task
+from rollout_service.tasks import PromptEncoder, RewardError, Task
 from weight_sync.follower import Checkpoint, Synced, WeightFollower
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class RolloutLoop:
         self.keys = queue.keys
         self.task = task
         self.tokenizer = tokenizer
+        self.encode = PromptEncoder(cfg.task, tokenizer, cfg.model.path or "the model")  # text -> the engine's ids
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
         # Weight sync: follows the learner's generations on this precision's channel.
@@ -223,7 +224,7 @@ class RolloutLoop:
     async def _generate_group(self, group: _Group) -> GroupRecord | None:
         s = self.cfg.sampling
         prompt = self.task.prompt(group.index)
-        prompt_ids = self.tokenizer(prompt.text)["input_ids"]
+        prompt_ids = self.encode(prompt.text)  # the record keeps these ids, exactly as the engine got them
         if len(prompt_ids) + s.max_tokens > self.cfg.rollout.max_model_len:
             log.warning("skipping prompt %s: %d tokens + max_tokens %d exceed rollout.max_model_len %d",
                         prompt.prompt_id, len(prompt_ids), s.max_tokens, self.cfg.rollout.max_model_len)

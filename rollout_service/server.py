@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from pathlib import Path
 
 from rlpipe.config import RunConfig
@@ -35,10 +36,28 @@ def apply_cpu_affinity() -> None:
     os.sched_setaffinity(0, cpus)
 
 
+def check_tokenizer(cfg: RunConfig) -> None:
+    """``task.chat_template`` with a tokenizer that has none: exit 2 naming the field, before the socket, Redis and
+    the engine (a failure in the app's start-up would be uvicorn's exit 3 after a traceback)."""
+    if not cfg.task.chat_template:
+        return
+    from transformers import AutoTokenizer
+
+    from rlpipe.config import ConfigError
+    from rollout_service.tasks import PromptEncoder
+
+    try:
+        PromptEncoder(cfg.task, AutoTokenizer.from_pretrained(cfg.model.path), cfg.model.path)
+    except ConfigError as e:
+        print(f"rlpipe: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> None:
     import uvicorn
 
     apply_cpu_affinity()
+    check_tokenizer(cfg)
 
     from rollout_service.app import create_app
 

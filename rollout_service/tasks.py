@@ -7,6 +7,9 @@ duplicate or skip a prompt; epochs wrap) and scores the group of responses sampl
 - ``math``: a JSONL/Parquet dataset, reward 1 when the last ``\\boxed{}`` answer equals the reference (math-verify);
 - ``remote``: a JSONL/Parquet dataset scored by an HTTP reward server, one POST per group.
 
+``PromptEncoder`` turns a prompt's text into the token ids the engine is given and the record keeps, through the
+tokenizer's chat template for instruct models (``task.chat_template``).
+
 reward_info dicts hold only plain values (str, int, float, bool, None): they go into the msgpack trajectory record.
 """
 
@@ -25,7 +28,7 @@ from typing import Protocol
 import httpx
 import numpy as np
 
-from rlpipe.config import TaskConfig
+from rlpipe.config import ConfigError, TaskConfig
 from rlpipe.toy import ArithmeticTask
 
 TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
@@ -279,6 +282,41 @@ class RemoteTask(DatasetTask):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+class PromptEncoder:
+    """The token ids of a prompt's text: exactly what the engine is given and the record keeps (``prompt_tokens``).
+
+    Plain (``task.chat_template: false``): ``tokenizer(text)``, with the tokenizer's own special tokens (the toy's
+    ``<bos>``). Chat: the text (after ``task.template``) is the user turn, after a system turn when
+    ``task.system_prompt`` is set, and the ids are ``apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=True)`` taken as they are: transformers tokenizes the rendered string with ``add_special_tokens=False``,
+    so the BOS and turn markers are the template's own and nothing is added twice (tokenizing the rendered string
+    again with special tokens would put a second BOS in front of a template that writes ``{{ bos_token }}``).
+    The reward still reads ``Prompt.text``: a remote verifier gets the formatted text, not the rendered chat.
+
+    A tokenizer without a chat template is refused when the encoder is made (at worker start, before the engine),
+    with a ConfigError naming ``task.chat_template``.
+    """
+
+    def __init__(self, cfg: TaskConfig, tokenizer, source: str = "the model"):
+        self.tokenizer = tokenizer
+        self.chat, self.system_prompt = cfg.chat_template, cfg.system_prompt
+        if self.chat and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"task.chat_template: the tokenizer of {source} has no chat template (a base model? "
+                              "set task.chat_template: false, or use a model whose tokenizer_config.json or "
+                              "chat_template.jinja has one)")
+
+    def messages(self, text: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": text}]
+
+    def __call__(self, text: str) -> list[int]:
+        if not self.chat:
+            return list(self.tokenizer(text)["input_ids"])
+        ids = self.tokenizer.apply_chat_template(self.messages(text), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return [int(i) for i in ids]
 
 
 def make_task(cfg: TaskConfig) -> Task:
