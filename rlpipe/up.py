@@ -221,7 +221,10 @@ def write_targets(run_dir: Path, r, cfg: RunConfig, roles: list[str]) -> None:
         if path.exists():
             workers.append({"targets": [path.read_text().strip()], "labels": {"instance": name}})
     for job, groups in (("learner", learner), ("rollout", workers)):
-        _write_json(out / f"targets-{job}.json", groups)
+        path = out / f"targets-{job}.json"
+        # only on a change: Prometheus re-reads discovery files whenever they are written
+        if not path.exists() or json.loads(path.read_text()) != groups:
+            _write_json(path, groups)
 
 
 def write_prometheus_config(run_dir: Path, scrape_interval: str = "5s", rule_files: list[str] | None = None,
