@@ -73,6 +73,19 @@ class Live:
     def learner_step(self) -> int:
         return int(registry.learner_state(self.r, self.keys).get("step", 0))
 
+    def wait_healthy(self, min_step: int = 4, timeout: float = 600):
+        """Wait until both workers and the learner are scraped, the learner has trained ``min_step``
+        steps, the int8 monitors are exported and no outage alert is active: the state each test
+        starts from. (On a loaded 2-core machine the learner's first step can take minutes; an
+        alert test that started before it would see the learner already 'stalled'.)"""
+        outage = {"RlpipeLearnerStalled", "RlpipeRolloutWorkerDown", "RlpipeNoWorkersReady"}
+        wait_for(lambda: self.values('sum(up{job="rlpipe-rollout"})') == [2.0]
+                 and self.values('up{job="rlpipe-learner"}') == [1.0]
+                 and (self.values("rlpipe_learner_step") or [0])[0] >= min_step
+                 and self.values("rlpipe_quant_saturation_fraction")
+                 and not outage & {a["labels"]["alertname"] for a in self.alerts()}, timeout,
+                 interval=1, what=f"a healthy scraped run with {min_step} steps; up log:\n{self.log()[-3000:]}")
+
     def wait_alert(self, name: str, timeout: float = 90, **labels) -> set[str]:
         """Poll the alerts until ``name`` (with ``labels``) has been seen pending and then firing."""
         seen: list[str] = []
@@ -90,6 +103,13 @@ class Live:
 
     def log(self) -> str:
         return (self.work / "up.log").read_text(errors="replace")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +145,9 @@ def live(tmp_path_factory, toy_model_path, redis_server):
         prom = subprocess.Popen([prometheus, f"--config.file={prom_cfg}", f"--storage.tsdb.path={work / 'tsdb'}",
                                  f"--web.listen-address=127.0.0.1:{port}"], stdout=open(work / "prometheus.log", "wb"),
                                 stderr=subprocess.STDOUT)
+        wait_for(lambda: prom.poll() is not None or _ready(f"http://127.0.0.1:{port}"), 120, interval=0.5,
+                 what="prometheus ready")
+        assert prom.poll() is None, (work / "prometheus.log").read_text()[-3000:]
         from rlpipe.config import load_config
 
         yield Live(work, load_config(run_dir / "config.yaml"), up, f"http://127.0.0.1:{port}",
@@ -144,11 +167,7 @@ def live(tmp_path_factory, toy_model_path, redis_server):
 
 def test_every_dashboard_query_and_alert_expression_evaluates_against_the_live_run(live):
     # The whole fleet up and scraped, a few steps trained, quantization monitors exported.
-    wait_for(lambda: live.values('sum(up{job="rlpipe-rollout"})') == [2.0]
-             and live.values('up{job="rlpipe-learner"}') == [1.0]
-             and live.values("rlpipe_learner_step") and live.values("rlpipe_learner_step")[0] >= 4
-             and live.values("rlpipe_quant_saturation_fraction"), 600,
-             interval=1, what=f"a scraped run with 4 steps; up log:\n{live.log()[-3000:]}")
+    live.wait_healthy()
     time.sleep(5)  # a few more scrapes for the rate() windows
     exported = set(httpx.get(f"{live.prom}/api/v1/label/__name__/values", timeout=10).json()["data"])
     alert_exprs = [(r["alert"], r["expr"]) for g in alert_rules()["groups"] for r in g["rules"] if "alert" in r]
@@ -183,6 +202,7 @@ def test_every_dashboard_query_and_alert_expression_evaluates_against_the_live_r
 
 
 def test_a_killed_worker_fires_its_alert_and_comes_back(live):
+    live.wait_healthy()
     victim = live.roles()["w1"]
     os.kill(victim["pid"], signal.SIGKILL)
     seen = live.wait_alert("RlpipeRolloutWorkerDown", instance="w1")
@@ -193,15 +213,19 @@ def test_a_killed_worker_fires_its_alert_and_comes_back(live):
 
 
 def test_a_stopped_learner_fires_the_stalled_alert(live):
+    live.wait_healthy()
     live.cli("scale", "learner", "0")
-    seen = live.wait_alert("RlpipeLearnerStalled")
+    try:
+        seen = live.wait_alert("RlpipeLearnerStalled")
+    finally:  # the next test needs a learner, whatever happened here
+        step = live.learner_step()
+        live.cli("scale", "learner", "1")
     assert seen[:2] == ["pending", "firing"], seen
-    step = live.learner_step()
-    live.cli("scale", "learner", "1")
     wait_for(lambda: live.learner_step() >= step + 2, 300, interval=1, what="the learner training again")
 
 
 def test_restart_learner_and_scale_workers_2_3_1_lose_nothing_and_converge(live):
+    live.wait_healthy()
     r, keys, max_lag = live.r, live.keys, live.cfg.queue.max_lag
 
     def converged(worker_ids):
