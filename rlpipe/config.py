@@ -157,6 +157,9 @@ class LearnerConfig(Section):
     adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = "token_mean"
     loss_norm_length: int | None = Field(None, ge=1, description="seq_sum_norm's fixed length; default sampling.max_tokens")
+    parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="several ranks (torchrun): ddp replicates "
+                                                     "the model and its Adam state on every rank, fsdp (FSDP2) "
+                                                     "shards them; auto = fsdp with more than one rank")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
                                            "the backward pass: less memory, one more forward")
     max_tokens_per_microbatch: int = Field(0, ge=0, description="forward each rank's rows in micro-batches of "
