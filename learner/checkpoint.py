@@ -16,6 +16,7 @@ removed by the next save. The newest ``keep`` checkpoints are kept.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -51,6 +52,20 @@ class RunCounters:
             setattr(self, f.name, state[f.name])
 
 
+def snapshot(model, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Copies in host memory of the model's weights and of the trainer state (the optimizer's
+    tensors included), so a checkpoint can be written in the background while the next
+    steps change the originals. Tied weights stay tied (one copy under both names)."""
+    copies: dict[tuple, torch.Tensor] = {}
+    weights = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        weights[name] = copies[key]
+    return weights, copy.deepcopy(state)
+
+
 def group_digest(group_ids) -> int:
     """An order-independent 64-bit digest of a multiset of group ids (the sum of their
     hashes mod 2**64): checkpoints carry it so a test, or an operator, can check that the
@@ -71,15 +86,17 @@ def _fsync(path: Path) -> None:
 
 def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_dir: str | Path | None = None,
          keep: int = 2, before_publish: Callable[[], None] | None = None,
-         rollout: dict[str, tuple[str, dict[str, torch.Tensor]]] | None = None) -> Path:
+         rollout: dict[str, tuple[str, dict[str, torch.Tensor]]] | None = None,
+         weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``step`` atomically; returns its directory. ``rollout`` maps a
-    precision to ``(quant profile hash, tensors)`` of its workers' quantized weights."""
+    precision to ``(quant profile hash, tensors)`` of its workers' quantized weights;
+    ``weights``, a :func:`snapshot` of the model's (default: the model's own tensors)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if tokenizer_dir:
         # The tokenizer and the like; never the base model's weights (a shard named like one
         # save_pretrained just wrote would overwrite the trained weights) nor its config.

@@ -27,7 +27,9 @@ import os
 import signal
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -88,6 +90,12 @@ class StepOutcome:
     mask: torch.Tensor  # the batch's, less rows bypass never measured
     is_metrics: dict
     update: UpdateStats
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
 
 
 def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
@@ -159,6 +167,11 @@ class Learner:
         self.started_at = time.time()
         self._backlog: list[Entry] = []
         self._unacked: list[Entry] = []  # trained, waiting for a checkpoint
+        # Background checkpoint writes (learner.async_checkpoint): one at a time; the one being
+        # written (future, the entries it covers, when it was taken), acknowledged once durable.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if lc.async_checkpoint else None
+        self._writing: tuple[Future, list[Entry], dict] | None = None
+        self.checkpoint_blocking_s = 0.0  # this step's time spent on checkpoints (the critical path)
         self._trained_before_restart: set[str] = set()
         self._last_membership_check = 0.0
         # Redis restarts: the entries this process acknowledged lately (id -> how), to acknowledge
@@ -178,11 +191,11 @@ class Learner:
             self._acquire_lease()
             self._take_over_pending()
             self._set_status("running")
-            self.metrics.set(learner_step=self.run_counters.step, learner_version=self.run_counters.version)
-        while self.run_counters.step < self.cfg.steps:
+            self.metrics.set(learner_step=self.step, learner_version=self.version)
+        while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None
-            work = self.ranks.broadcast(None if entries is None else ([e.record for e in entries], self.run_counters.version))
+            work = self.ranks.broadcast(None if entries is None else ([e.record for e in entries], self.version))
             if work is None:  # asked to stop
                 break
             records, self.run_counters.version = work
@@ -193,7 +206,7 @@ class Learner:
             step_metrics["dropped_stale_step"], self.dropped_this_step = self.dropped_this_step, 0
             self.run_counters.step += 1
             self.run_counters.version += 1
-            apply_lr(self.opt, self.schedule.update(self.run_counters.step, step_metrics["response_length_mean"]))
+            apply_lr(self.opt, self.schedule.update(self.step, step_metrics["response_length_mean"]))
             self.run_counters.trained_groups += len(records)
             for rec in records:
                 self.trained_indices.add(rec.prompt_index)
@@ -203,16 +216,18 @@ class Learner:
                 step_metrics.update(self.fleet.sync(self.model, self.version, self.step))
                 self._crash_point("synced")
                 self._unacked += entries
-                if self.run_counters.step % self.cfg.learner.checkpoint_every == 0 or self.run_counters.step == self.cfg.steps:
+                if self.step % self.cfg.learner.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self.checkpoint()
+                self._finish_checkpoint(block=False)  # a background write that is done: acknowledge
                 step_metrics["learner_wait_seconds"] = t0 - t_wait
                 step_metrics["learner_train_seconds"] = train_s
                 self._finish_step(step_metrics, train_s, time.perf_counter() - t0)
         if self.ranks.is_main:
             if self._unacked:  # stopped between checkpoints
                 self.checkpoint()
-            self._set_status("done" if self.run_counters.step >= self.cfg.steps else "stopped")
-            self.metrics.done.set(float(self.run_counters.step >= self.cfg.steps))
+            self._finish_checkpoint()
+            self._set_status("done" if self.step >= self.cfg.steps else "stopped")
+            self.metrics.done.set(float(self.step >= self.cfg.steps))
             self.fleet.drop()
             self.lease.release()
 
@@ -248,13 +263,15 @@ class Learner:
                     duplicate.append(e)
                 else:
                     in_batch.add(index)
-                    too_old = self.run_counters.version - e.record.policy_version > self.cfg.queue.max_staleness
+                    too_old = self.version - e.record.policy_version > self.cfg.queue.max_staleness
                     (stale if too_old else fresh).append(e)
-            unacked_indices = {u.record.prompt_index for u in self._unacked} if duplicate else set()
+            unacked_indices = {u.record.prompt_index for u in self._not_durable()} if duplicate else set()
             if any(e.record.prompt_index in unacked_indices for e in duplicate):
-                # A twin trained since the last checkpoint may be the prompt's only copy (Redis lost
-                # its push): make it durable before the duplicate goes.
-                self.checkpoint()
+                # A twin trained since the last durable checkpoint may be the prompt's only copy
+                # (Redis lost its push): make it durable before the duplicate goes.
+                if self._unacked:
+                    self.checkpoint()
+                self._finish_checkpoint()
             if stale or duplicate:
                 # A drop is final whatever happens to the weights later: acknowledged at once.
                 self._ack([], stale, duplicate)
@@ -388,7 +405,7 @@ class Learner:
             rows = torch.tensor([q == p for q in precisions], device=mask.device)
             by_precision[p] = mismatch_metrics(pi_old[rows], mu[rows], mask[rows], clamp)
         fresh = batch.staleness == 0  # the precision effect alone, without policy lag
-        staleness = Counter(int(self.run_counters.version - r.policy_version) for r in records)
+        staleness = Counter(int(self.version - r.policy_version) for r in records)
         for s, count in staleness.items():
             for _ in range(count):
                 self.metrics.staleness.observe(s)
@@ -425,8 +442,15 @@ class Learner:
 
     # -- exactly-once bookkeeping ----------------------------------------------------------
     def checkpoint(self) -> None:
-        """Save atomically, then acknowledge every entry the checkpoint covers."""
+        """Checkpoint the state after this step; once it is durable, acknowledge every entry
+        it covers. With ``learner.async_checkpoint`` the step only waits for a copy in host
+        memory (and for the previous write, if still going); the write and its fsyncs run in
+        the background and the acknowledgements follow at a later step boundary
+        (:meth:`_finish_checkpoint`). Either way nothing is acknowledged before it is durable,
+        so a learner killed mid-write restarts from the previous checkpoint and trains the
+        rest again."""
         t0 = time.perf_counter()
+        self._finish_checkpoint()  # one write at a time, in order
         state = {
             "optimizer": self.opt.state_dict(),
             "schedule": self.schedule.state_dict(),
@@ -436,19 +460,46 @@ class Learner:
             "unacked_group_ids": [e.record.group_id for e in self._unacked],
             "prompt_indices": {"trained": self.trained_indices.to_bytes()},
         }
-        meta = {"version": self.run_counters.version, "trained_groups": self.run_counters.trained_groups,
+        meta = {"version": self.version, "trained_groups": self.run_counters.trained_groups,
                 "trained_digest": str(self.run_counters.trained_digest), "time": time.time()}
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.version)
-        path = checkpoint.save(self.ckpt_root, self.run_counters.step, self.model, state, meta, self.cfg.model.path,
-                               self.cfg.learner.checkpoint_keep,
-                               before_publish=lambda: self._crash_point("checkpoint_written"), rollout=rollout)
-        self._crash_point("checkpointed")
-        self._ack(self._unacked)
-        self._unacked = []
-        self.last_checkpoint = {"path": str(path), "step": self.run_counters.step, "version": self.run_counters.version,
-                                "seconds": time.perf_counter() - t0, "time": time.time()}
-        log.info("checkpoint %s (%.2fs)", path.name, self.last_checkpoint["seconds"])
+        weights = None
+        if self._writer is not None:
+            weights, state = checkpoint.snapshot(self.model, state)
+        write = partial(checkpoint.save, self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
+                        self.cfg.learner.checkpoint_keep, before_publish=partial(self._crash_point, "checkpoint_written", self.step),
+                        rollout=rollout, weights=weights)
+        started = {"step": self.step, "version": self.version, "started": time.perf_counter()}
+        entries, self._unacked = self._unacked, []
+        if self._writer is None:
+            self._writing = (_done(write()), entries, started)
+        else:
+            self._writing = (self._writer.submit(write), entries, started)
+        self.checkpoint_blocking_s += time.perf_counter() - t0
+        if self._writer is None:
+            self._finish_checkpoint()
+
+    def _finish_checkpoint(self, block: bool = True) -> None:
+        """Once the checkpoint being written is durable: acknowledge what it covers."""
+        if self._writing is None:
+            return
+        future, entries, started = self._writing
+        if not block and not future.done():
+            return
+        t0 = time.perf_counter()
+        path = future.result()  # a failed write raises here: the learner stops, its supervisor restarts it
+        self.checkpoint_blocking_s += time.perf_counter() - t0 if block else 0.0
+        self._writing = None
+        self._crash_point("checkpointed", started["step"])
+        self._ack(entries)
+        self.last_checkpoint = {"path": str(path), "step": started["step"], "version": started["version"],
+                                "seconds": time.perf_counter() - started["started"], "time": time.time()}
+        log.info("checkpoint %s durable (%.2fs after the step)", path.name, self.last_checkpoint["seconds"])
+
+    def _not_durable(self) -> list[Entry]:
+        """Trained entries no durable checkpoint covers yet: since the last one, and in the one being written."""
+        return self._unacked + (self._writing[1] if self._writing else [])
 
     def _ack(self, trained: list[Entry], stale: list[Entry] = (), duplicate: list[Entry] = ()) -> None:
         self.queue.ack([e.entry_id for e in trained], stale, [e.entry_id for e in duplicate])
@@ -473,7 +524,7 @@ class Learner:
         # Everything the stream would hand this learner now: its backlog, what is pending for
         # it, and what is new (a lost read makes entries new again), each entry once; less
         # what it holds trained or in the batch it is collecting.
-        held = {e.entry_id for e in self._unacked + batch}
+        held = {e.entry_id for e in self._not_durable() + batch}
         seen: dict[str, Entry] = {}
         for e in self._backlog + self.queue.claim_pending(self.consumer, min_idle_ms=0) + self._read_all_new():
             if e.entry_id not in held:
@@ -496,7 +547,7 @@ class Learner:
         # Before anything else is acknowledged: what the lineage trained that Redis forgot
         # (its push was lost after this learner read it) is counted as produced and trained.
         was_t, now_t, was_p, now_p = self.queue.rederive_counters(self.run_counters.trained_groups,
-                                                                  [e.entry_id for e in self._unacked])
+                                                                  [e.entry_id for e in self._not_durable()])
         log.warning("Redis restarted: %d acknowledgements redone, %d entries to read, %d it lost pushed again; "
                     "counters trained %d -> %d, produced %d -> %d", sum(map(len, again.values())),
                     len(self._backlog), len(lost), was_t, now_t, was_p, now_p)
@@ -516,14 +567,14 @@ class Learner:
         self.run_counters.load_state_dict(state["counters"])
         self._trained_before_restart = set(state["unacked_group_ids"])
         self.trained_indices = IndexSet(state.get("prompt_indices", {}).get("trained", b""))
-        self.last_checkpoint = {"path": str(path), "step": self.run_counters.step, "version": self.run_counters.version, "restored": True}
+        self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
         if self.ranks.is_main:
             published = registry.learner_version(self.r, self.keys)
-            if published > self.run_counters.version:
+            if published > self.version:
                 # Workers may hold weights of versions this checkpoint never saw: the restored
                 # weights get a new, higher version so versions only ever grow.
                 self.run_counters.version = published + 1
-        log.info("resumed from %s: step %d, version %d", path.name, self.run_counters.step, self.run_counters.version)
+        log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
 
     def _acquire_lease(self) -> None:
         """Wait until no other learner holds the run's lease (registry.LearnerLease); losing
@@ -557,8 +608,8 @@ class Learner:
             log.info("took over %d pending groups: %d already trained, %d to train", len(pending), len(done),
                      len(self._backlog))
 
-    def _crash_point(self, point: str) -> None:
-        if CRASH_AT == f"{point}:{self.run_counters.step}":
+    def _crash_point(self, point: str, step: int | None = None) -> None:
+        if CRASH_AT == f"{point}:{self.step if step is None else step}":
             log.warning("RLPIPE_CRASH_AT=%s: killing myself", CRASH_AT)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -569,6 +620,7 @@ class Learner:
         if now - self._last_membership_check < 0.5:
             return
         self._last_membership_check = now
+        self._finish_checkpoint(block=False)  # a write that finished while we wait: acknowledge it now
         self._publish_state()
         reissued = self.queue.reclaim_dead() if now > self._reclaim_after else 0
         if reissued:
@@ -581,9 +633,9 @@ class Learner:
         self.metrics.queue_dead.inc(counters["dead"] - self.dead_seen)
         self.dead_seen = counters["dead"]
         m.update({
-            "step": self.run_counters.step,
-            "learner_step": self.run_counters.step,
-            "learner_version": self.run_counters.version,
+            "step": self.step,
+            "learner_step": self.step,
+            "learner_version": self.version,
             "learner_step_seconds": step_s,
             "learner_tokens_per_second": m["tokens"] / train_s if train_s > 0 else 0.0,
             "dropped_stale_total": self.run_counters.dropped_stale_total,
@@ -594,6 +646,7 @@ class Learner:
             "trained_groups_total": self.run_counters.trained_groups,
             "learner_ranks": self.ranks.world,
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
+            "checkpoint_blocking_seconds": self.checkpoint_blocking_s,  # of this step: snapshot + waiting for a write
             # how long this process took from its start (a restart) to its first trained step
             **({"learner_start_to_first_step_seconds": process_age_s()}
                if not self.last_metrics else {}),
@@ -601,9 +654,10 @@ class Learner:
             "time": time.time() - self.started_at,
         })
         self.last_metrics = m
+        self.checkpoint_blocking_s = 0.0
         self.metrics.record(m)
         self._publish_state()
-        log.info("step %d: reward %.3f, kl %.2e, lr %.2e, %.2fs", self.run_counters.step, m["reward_mean"], m["mismatch_kl"],
+        log.info("step %d: reward %.3f, kl %.2e, lr %.2e, %.2fs", self.step, m["reward_mean"], m["mismatch_kl"],
                  m["learner_lr"], step_s)
 
     def _set_status(self, status: str) -> None:
@@ -613,15 +667,15 @@ class Learner:
     def _publish_state(self) -> None:
         # ``consumed``: the groups this lineage trained, what the workers' back-pressure counts
         # against (rlpipe.queue.TrajectoryQueue.lease_prompts); a restarted learner publishes its checkpoint's.
-        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.run_counters.step, version=self.run_counters.version,
+        registry.set_learner_state(self.r, self.keys, status=self.status, step=self.step, version=self.version,
                                    consumed=self.run_counters.trained_groups)
 
     def snapshot(self) -> dict:
         """What ``GET /status`` returns."""
         return {
             "status": self.status,
-            "step": self.run_counters.step,
-            "version": self.run_counters.version,
+            "step": self.step,
+            "version": self.version,
             "lr": self.opt.param_groups[0]["lr"],
             "lr_schedule": self.schedule.state(),
             "training": {"dtype": self.cfg.learner.dtype, "is_mode": self.cfg.learner.is_mode,
@@ -629,7 +683,8 @@ class Learner:
                          "loss_scale": self.scaler.scale, "skipped_steps_total": self.scaler.skipped_steps,
                          "ranks": self.ranks.world},
             "checkpoint": {"dir": str(self.ckpt_root), "last": self.last_checkpoint,
-                           "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self._unacked)},
+                           "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self._not_durable()),
+                           "async": self._writer is not None},
             "trained_groups_total": self.run_counters.trained_groups,
             **self.fleet.status(self.version),
             "dropped_stale_total": self.run_counters.dropped_stale_total,

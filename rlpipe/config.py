@@ -165,6 +165,8 @@ class LearnerConfig(Section):
     max_tokens_per_microbatch: int = Field(0, ge=0, description="forward each rank's rows in micro-batches of "
                                            "at most this many padded tokens (rows x their longest), shortest "
                                            "first, accumulating gradients; 0 = all rows in one forward")
+    async_checkpoint: bool = Field(True, description="snapshot to host memory and write checkpoints in the "
+                                   "background; entries are still acknowledged only once durable")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
     checkpoint_keep: int = Field(2, ge=1)
     checkpoint_dir: str = Field("", description="default: <run_dir>/checkpoints")

@@ -117,6 +117,24 @@ def test_sigkill_at_random_moments_trains_each_group_exactly_once(run):
     check_exactly_once(cfg, queue, ids)
 
 
+@pytest.mark.parametrize("async_checkpoint", [True, False], ids=["background-write", "blocking-write"])
+def test_a_learner_killed_while_its_checkpoint_is_written_resumes_from_the_previous_one(run, async_checkpoint):
+    """Killed with checkpoint 4 written but not yet in place (with async checkpoints, while
+    the background write runs and the steps go on): the restart resumes from checkpoint 2,
+    acknowledges nothing early, and the lineage ends with every group exactly once."""
+    cfg, queue, ids, start, no_loss = run
+    if not async_checkpoint:
+        cfg.learner.async_checkpoint = False
+        dump_config(cfg, Path(cfg.run_dir) / "config.yaml")
+    assert start("checkpoint_written:4").wait(timeout=180) == -signal.SIGKILL
+    no_loss()
+    assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP  # only what checkpoint 2 covers
+    assert [p.name for p in checkpoint.complete(f"{cfg.run_dir}/checkpoints")] == ["step_00000002"]
+    assert start().wait(timeout=180) == 0
+    assert "resumed from step_00000002" in (Path(cfg.run_dir) / "learner.log").read_text()
+    check_exactly_once(cfg, queue, ids)
+
+
 def test_a_second_learner_waits_for_the_first_to_let_go(run):
     """Two learners on one stream would train groups twice: the second waits for the lease."""
     cfg, queue, ids, start, no_loss = run
@@ -151,7 +169,13 @@ def test_sigterm_finishes_the_step_checkpoints_and_acknowledges(run):
     proc = start()
     wait_for(lambda: registry.learner_state(r, queue.keys).get("step") == "2", timeout=120, what="two steps")
     address = registry.learner_state(r, queue.keys)["address"]
-    status = json.load(urllib.request.urlopen(f"http://{address}/status", timeout=10))
+
+    def status_when_durable():  # the step-2 checkpoint is written in the background
+        status = json.load(urllib.request.urlopen(f"http://{address}/status", timeout=10))
+        return status if status["checkpoint"]["last"] else None
+
+    wait_for(status_when_durable, timeout=30, what="the step-2 checkpoint durable")
+    status = status_when_durable()
     assert status["step"] == 2 and status["checkpoint"]["last"]["step"] == 2 and status["checkpoint"]["unacked_groups"] == 0
     assert status["lr_schedule"]["kind"] == "constant" and status["lr"] == pytest.approx(1e-4)
     assert status["last_metrics"]["step"] == 2 and "mismatch_log_ppl_abs_diff" in status["last_metrics"]
