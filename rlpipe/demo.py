@@ -25,16 +25,27 @@ from rlpipe.launcher import Launcher, worker_env
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
 
+TOY_PREFIX = "toy-"  # model.path "toy-<arch>" names a toy model (rlpipe/toy.py TOY_ARCHS), built like the default
+
 
 def resolve_model(cfg: RunConfig, log=print) -> str:
-    """The model directory: ``model.path`` if given, else the cached toy model for this config."""
-    if cfg.model.path:
-        if not Path(cfg.model.path).is_dir():
-            raise FileNotFoundError(f"model.path: {cfg.model.path} is not a directory")
-        return cfg.model.path
-    from rlpipe.toy import ArithmeticTask, ToyModelSpec, ensure_toy_model
+    """The model directory: ``model.path`` if given, else the cached toy model for this config.
+    ``model.path: toy-llama`` (or ``toy-qwen2``, the default's architecture) builds, once, the
+    toy model of that architecture from the same ``model.toy_*`` keys and task (an existing
+    directory of that name is loaded as it is)."""
+    from rlpipe.toy import TOY_ARCHS
 
-    spec = ToyModelSpec(
+    path = cfg.model.path
+    arch = path[len(TOY_PREFIX):] if path and path.startswith(TOY_PREFIX) and not Path(path).is_dir() else None
+    if path and arch not in TOY_ARCHS:
+        if not Path(path).is_dir():
+            hint = f" (nor a toy model: {', '.join(TOY_PREFIX + a for a in TOY_ARCHS)})" if arch is not None else ""
+            raise FileNotFoundError(f"model.path: {path} is not a directory{hint}")
+        return path
+    from rlpipe.toy import ArithmeticTask, ensure_toy_model, toy_spec
+
+    spec = toy_spec(
+        arch or "qwen2",
         hidden_size=cfg.model.toy_hidden_size,
         num_layers=cfg.model.toy_layers,
         task=ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops),

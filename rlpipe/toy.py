@@ -2,8 +2,10 @@
 
 Task: small-number arithmetic (``"37+45="`` -> ``"82"``) with an exact-match reward.
 Model: a ~0.5 M-parameter Qwen2 with a character-level tokenizer, warm-started by a short
-supervised run until its *sampled* accuracy reaches a target (default 15%), so RL has a
-signal to work with and plenty left to learn.
+supervised run until its *sampled* accuracy reaches a target (default 25%), so RL has a
+signal to work with and plenty left to learn. ``arch="llama"`` (``model.path: toy-llama``)
+builds a Llama of the same size instead, with what the Qwen2 toy lacks: an untied LM head
+and grouped-query attention (4 query heads sharing 2 KV heads), same tokenizer and recipe.
 
 Everything is made locally from a seed and cached under ``~/.cache/rlpipe`` (or
 ``$RLPIPE_CACHE``): no hub is ever contacted. vLLM and transformers load the result from
@@ -69,6 +71,8 @@ class ToyModelSpec:
     num_heads: int = 2
     intermediate_size: int = 512
     tie_word_embeddings: bool = True
+    arch: str = "qwen2"  # or "llama": LlamaForCausalLM
+    num_kv_heads: int = 0  # grouped-query attention; 0 = num_heads (plain multi-head)
     task: ArithmeticTask = field(default_factory=ArithmeticTask)
     seed: int = 0
     sft_batch: int = 64
@@ -78,9 +82,31 @@ class ToyModelSpec:
     eval_every: int = 25
     eval_prompts: int = 256
 
+    def __post_init__(self):
+        if self.arch not in TOY_ARCHS:
+            raise ValueError(f"toy model arch {self.arch!r}: one of {', '.join(TOY_ARCHS)}")
+        kv = self.num_kv_heads or self.num_heads
+        if self.hidden_size % self.num_heads or self.num_heads % kv:
+            raise ValueError(f"toy model: {self.num_heads} heads must divide hidden_size {self.hidden_size} "
+                             f"and be a multiple of {kv} kv heads")
+
     def key(self) -> str:
-        blob = json.dumps({"format": BUILD_FORMAT, **asdict(self)}, sort_keys=True)
+        spec = asdict(self)
+        for name in ADDED_FIELDS:  # fields added later enter the hash only when set: old caches stay valid
+            if spec[name] == ADDED_FIELDS[name]:
+                del spec[name]
+        blob = json.dumps({"format": BUILD_FORMAT, **spec}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
+ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0}
+# The toy architectures, and what a toy of each differs in from the spec's defaults.
+TOY_ARCHS = {
+    "qwen2": {},
+    # What the Qwen2 toy lacks: its own LM head (not tied to the embeddings) and GQA.
+    "llama": {"arch": "llama", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False},
+}
 
 
 def cache_root() -> Path:
@@ -95,7 +121,7 @@ def ensure_toy_model(spec: ToyModelSpec | None = None, root: Path | None = None,
     """
     spec = spec or ToyModelSpec()
     root = Path(root) if root else cache_root() / "models"
-    target = root / f"toy-qwen2-{spec.key()}"
+    target = root / f"toy-{spec.arch}-{spec.key()}"
     if (target / "rlpipe_toy.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -139,18 +165,19 @@ def build_tokenizer(out_dir: Path):
 def build_toy_model(out_dir: Path, spec: ToyModelSpec, log=print) -> None:
     """Build tokenizer + model into ``out_dir`` and warm-start the model on correct examples."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)
     torch.manual_seed(spec.seed)
-    config = Qwen2Config(
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[spec.arch]
+    config = config_cls(
         vocab_size=len(SPECIAL_TOKENS) + len(CHARS),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads or spec.num_heads,
         max_position_embeddings=64,
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=BOS_ID,
@@ -158,7 +185,7 @@ def build_toy_model(out_dir: Path, spec: ToyModelSpec, log=print) -> None:
         pad_token_id=PAD_ID,
         rope_theta=10000.0,
     )
-    model = Qwen2ForCausalLM(config).float()
+    model = model_cls(config).float()
     t0 = time.time()
     steps, acc = warm_start(model, tokenizer, spec, log=log)
     log(f"[toy] warm start: {steps} steps, sampled accuracy {acc:.2f}, {time.time() - t0:.0f}s")
@@ -249,6 +276,14 @@ def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temper
     return sum(task.reward(a, r) for (_, a), r in zip(problems, responses)) / n
 
 
+def toy_spec(arch: str = "qwen2", **fields) -> ToyModelSpec:
+    """The toy model of architecture ``arch`` (TOY_ARCHS), with ``fields`` set."""
+    if arch not in TOY_ARCHS:
+        raise ValueError(f"toy model arch {arch!r}: one of {', '.join(TOY_ARCHS)}")
+    return ToyModelSpec(**{**TOY_ARCHS[arch], **fields})
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else None
-    print(ensure_toy_model(root=root))
+    arch = sys.argv[2] if len(sys.argv) > 2 else "qwen2"
+    print(ensure_toy_model(toy_spec(arch), root=root))

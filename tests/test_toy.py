@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from rlpipe.toy import EOS_ID, ArithmeticTask, ToyModelSpec, build_tokenizer, ensure_toy_model
 
 
@@ -39,3 +41,34 @@ def test_build_is_reproducible_and_cached(tmp_path):
     assert digest(a) == digest(b)
     assert ensure_toy_model(spec, root=tmp_path / "a", log=lambda m: None) == a  # cached, not rebuilt
     assert not list((tmp_path / "a").glob(".build-*"))
+
+
+def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
+    """``model.path: toy-llama``: a LlamaForCausalLM with an untied head and 2 KV heads for 4
+    query heads, the same tokenizer, cached under its own key (the Qwen2 toy's key unchanged)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from rlpipe.config import build_config
+    from rlpipe.demo import resolve_model
+    from rlpipe.toy import toy_spec
+
+    small = dict(hidden_size=32, intermediate_size=64, target_sampled_accuracy=0.5, sft_max_steps=10, eval_every=5,
+                 eval_prompts=16, seed=5)
+    path = ensure_toy_model(toy_spec("llama", **small), root=tmp_path, log=lambda m: None)
+    config = json.loads((path / "config.json").read_text())
+    assert path.name.startswith("toy-llama-") and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert config["tie_word_embeddings"] is False
+    weights = load_file(path / "model.safetensors")
+    assert weights["lm_head.weight"].shape == weights["model.embed_tokens.weight"].shape
+    assert not (weights["lm_head.weight"] == weights["model.embed_tokens.weight"]).all()
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)  # 2 kv heads of 8
+    assert AutoTokenizer.from_pretrained(path).get_vocab() == build_tokenizer(tmp_path / "tok").get_vocab()
+    # The default toy keeps the key (and cache entry) it had before there was an arch.
+    assert ToyModelSpec(task=ArithmeticTask()).key() == toy_spec("qwen2", task=ArithmeticTask()).key() == "494a98eff854"
+    assert toy_spec("llama").key() != ToyModelSpec().key()
+    with pytest.raises(FileNotFoundError, match="toy-llama"):
+        resolve_model(build_config({}, environ={}, **{"model.path": "toy-gpt"}))
