@@ -1,0 +1,467 @@
+"""Learner training throughput, configurations side by side: response tokens per second
+of training (``learner_tokens_per_second``: the step's tokens over the time of
+``train_step``, the recompute pass and every PPO epoch; collecting, weight sync and
+checkpoints excluded) for each of
+
+- ``dtype``: ``learner.dtype`` fp32 (baseline), bf16, fp16 (autocast over fp32 master weights);
+- ``is_mode``: every ``learner.is_mode`` of ``rlpipe.config.IsMode`` against ``none``;
+- ``microbatch``: one padded forward (baseline) against token-budget micro-batches
+  (``learner.max_tokens_per_microbatch``), on the ragged response lengths every run gets;
+- ``parallel``: 2 gloo ranks under torchrun with ``learner.parallel: ddp`` (baseline)
+  and ``fsdp``, and the single process for reference (each rank has 1 thread, so
+  2 ranks use 2 cores);
+- ``checkpoint``: the time checkpoints hold up the step (``checkpoint_blocking_seconds``,
+  the mean over checkpoint steps, one checkpoint every step) with
+  ``learner.async_checkpoint`` false (baseline) and true. Lower is better here.
+
+Each configuration is a real learner process (``python -m rlpipe.cli learner``, under
+``python -m torch.distributed.run --standalone --nproc-per-node 2`` for 2 ranks), as a
+deployment runs it, reading its own Redis stream (an embedded ``redis-server``),
+pre-filled with the same synthetic groups: random prompts and answers to the toy
+model's task, response lengths drawn uniformly from ``--min-len..--max-len`` (ragged on
+purpose), behavior log-probs the model's own plus noise, rewards 0/1 in every group. A
+run trains ``--steps`` steps from the same base weights; the first step (warm-up) is
+left out and a run's value is the median of the rest. Every configuration runs once per
+round, in a fresh shuffled order each round, so drift on a shared machine hits them
+all; the table shows the median over rounds and its ratio to the group's baseline
+(ratio = value / baseline value: above 1 is faster for tokens/s, below 1 is less
+blocking for checkpoints). Every process gets ``learner.threads: 1`` and
+``OMP_NUM_THREADS=1``, so 1-rank and 2-rank rows compare. A configuration that fails
+(an unknown config key on this checkout, an error in the learner) is printed as failed
+with the error's last line; the others still run.
+
+Where CUDA is available, a second part times one training step (the learner's own
+``token_logprobs`` in bf16 autocast, a policy-gradient loss, backward, AdamW) of a
+Qwen2 shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, vocab 151936) with random weights, with and without
+``learner.activation_checkpointing``, and reports step time, MFU (model FLOPs 6N per
+token plus attention, against the GPU's dense bf16 peak; the recompute is not counted)
+and peak memory. On CPU it prints that it was skipped. ``torch.compile`` is not a
+learner option; its speed-up is not measured here.
+
+    python bench/learner.py                               # every group, 3 rounds (~15 min on 2 cores)
+    python bench/learner.py --only dtype,microbatch --rounds 5
+    python bench/learner.py --quick --only dtype/fp32,dtype/bf16 --out /tmp/l.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlpipe.config import ConfigError, IsMode, LearnerConfig, build_config, dump_config  # noqa: E402
+
+TOKENS = "learner_tokens_per_second"
+BLOCKING = "checkpoint_blocking_seconds"
+
+
+@dataclass
+class Row:
+    name: str  # as --only names it: group/name
+    label: str  # in the table
+    settings: dict  # config keys on top of the common ones
+    ranks: int = 1
+    note: str = ""
+    runs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Group:
+    name: str
+    title: str
+    rows: list[Row]  # the first is the baseline
+    metric: str = TOKENS
+
+
+def has_key(key: str) -> bool:
+    return key in LearnerConfig.model_fields
+
+
+def groups(args) -> list[Group]:
+    ddp = {"learner.parallel": "ddp"} if has_key("parallel") else {}
+    ckpt = {"learner.checkpoint_every": 1}
+    fsdp_note = "" if any("fully_shard" in p.read_text() for p in (ROOT / "learner").glob("*.py")) else \
+        "no fully_shard in learner/ yet: ran as DDP"
+    return [
+        Group("dtype", "training dtype (learner.dtype)",
+              [Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")]),
+        Group("is_mode", "IS correction (learner.is_mode)",
+              [Row(m, m, {"learner.is_mode": m}) for m in typing.get_args(IsMode)]),
+        Group("microbatch", f"micro-batches on ragged lengths {args.min_len}..{args.max_len}",
+              [Row("padded", "padded (one forward)", {"learner.max_tokens_per_microbatch": 0}),
+               Row("token_budget", f"token budget {args.microbatch_tokens}",
+                   {"learner.max_tokens_per_microbatch": args.microbatch_tokens})]),
+        Group("parallel", "2 gloo ranks, 1 thread each (learner.parallel)",
+              [Row("ddp", "ddp, 2 ranks", ddp, ranks=2,
+                   note="" if ddp else "no learner.parallel key: torchrun's default"),
+               Row("fsdp", "fsdp, 2 ranks", {"learner.parallel": "fsdp"}, ranks=2, note=fsdp_note),
+               Row("single", "1 process (reference)", {})]),
+        Group("checkpoint", "checkpoint time on the step's critical path (learner.async_checkpoint)",
+              [Row("sync", "synchronous", {**ckpt, "learner.async_checkpoint": False}),
+               Row("async", "async", {**ckpt, "learner.async_checkpoint": True})], metric=BLOCKING),
+    ]
+
+
+def select(all_groups: list[Group], only: str) -> list[Group]:
+    if not only:
+        return all_groups
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    known = {g.name for g in all_groups} | {f"{g.name}/{r.name}" for g in all_groups for r in g.rows}
+    bad = [w for w in wanted if w not in known]
+    if bad:
+        raise SystemExit(f"--only: unknown {bad}; choose from {sorted(known)}")
+    out = []
+    for g in all_groups:
+        rows = [r for r in g.rows if g.name in wanted or f"{g.name}/{r.name}" in wanted]
+        if rows:
+            out.append(Group(g.name, g.title, rows, g.metric))
+    return out
+
+
+def ragged_groups(model_path: str, n_groups: int, n: int, min_len: int, max_len: int, seed: int = 0,
+                  noise: float = 0.05) -> list:
+    """``n_groups`` groups of ``n`` responses of random lengths in ``min_len..max_len`` (EOS
+    included) to random sums; mu is the model's own log-prob plus Gaussian noise; rewards 0/1."""
+    import numpy as np
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from learner.batch import collate
+    from learner.policy import load_policy, token_logprobs
+    from rlpipe.schema import GroupRecord, Sample
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar among the progress lines
+    rng = np.random.default_rng(seed)
+    records = []
+    for g in range(n_groups):
+        prompt = np.array([1, *rng.integers(5, 15, 2), 14, *rng.integers(5, 15, 2), 17], dtype=np.int32)
+        samples = []
+        for i in range(n):
+            length = int(rng.integers(min_len, max_len + 1))
+            tokens = np.array([*rng.integers(5, 15, length - 1), 2], dtype=np.int32)
+            samples.append(Sample(tokens, np.zeros(length, dtype=np.float32), "stop", float(i % 2)))
+        records.append(GroupRecord("bench", f"bench-{seed}-{g}", str(g), "bench", 0, 0, "bf16", "",
+                                   {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": max_len},
+                                   prompt, samples))
+    model = load_policy(model_path)
+    for start in range(0, n_groups, 16):
+        chunk = records[start:start + 16]
+        batch = collate(chunk, torch.zeros(len(chunk), n), 0)
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, batch)
+        rows = iter(range(len(batch.rewards)))
+        for rec in chunk:
+            for s in rec.samples:
+                i = next(rows)
+                exact = logp[i][batch.mask[i].bool()].numpy()
+                s.logprobs = np.minimum(exact + rng.normal(0, noise, len(exact)), 0).astype(np.float32)
+    return records
+
+
+def last_error_line(text: str) -> str:
+    """The line that names the error in a learner's (or torchrun's) output."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^([\w.]+(Error|Exception|Interrupt)|error|.*\bError:)", ln)]
+    line = (errors or lines or ["(no output)"])[-1]
+    return line[:300]
+
+
+def log_tail(path: Path, lines: int = 40) -> list[str]:
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: str, work: Path, rnd: int) -> dict:
+    """One learner process (or torchrun of ``row.ranks``) over its own pre-filled stream."""
+    from learner.metrics import read_jsonl
+    from rlpipe.queue import TrajectoryQueue, connect
+
+    run_dir = work / f"{group.name}-{row.name}-r{rnd}"
+    run_dir.mkdir(parents=True)
+    common = {
+        "model.path": model_path, "learner.groups_per_step": args.groups, "learner.minibatches": 1,
+        "learner.lr": 1e-5, "learner.threads": 1, "learner.checkpoint_every": args.steps,
+        "queue.max_staleness": args.steps + 1, "sampling.max_tokens": args.max_len, "sync.join_timeout_s": 0.1,
+    }
+    try:
+        cfg = build_config({}, environ={}, run_id=f"bench-{group.name}-{row.name}-{rnd}-{time.monotonic_ns()}",
+                           run_dir=str(run_dir), redis_url=redis_url, steps=args.steps, workers=1, seed=0,
+                           **{**common, **row.settings})
+    except ConfigError as e:
+        return {"error": last_error_line(str(e))}
+    dump_config(cfg, run_dir / "config.yaml")
+    queue = TrajectoryQueue(connect(redis_url), cfg.run_id)
+    for rec in records[: args.steps * args.groups]:
+        queue.push(rec)
+    learner = ["-m", "rlpipe.cli", "learner", "--config", str(run_dir / "config.yaml")]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks)]
+                             if row.ranks > 1 else []), *learner]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    log_path = run_dir / "learner.log"
+    t0 = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(args.run_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # this run's own process group (torchrun and its ranks)
+            proc.wait()
+            return {"error": f"timed out after {args.run_timeout:g}s", "seconds": time.perf_counter() - t0,
+                    "log_tail": log_tail(log_path)}
+    seconds = time.perf_counter() - t0
+    if rc != 0:
+        return {"error": f"exit {rc}: {last_error_line(log_path.read_text(errors='replace'))}", "seconds": seconds,
+                "log_tail": log_tail(log_path)}
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > 1]  # the first step warms up
+    if group.metric == BLOCKING:  # the steps that took a checkpoint
+        every = cfg.learner.checkpoint_every
+        steps = [m for m in steps if m["step"] % every == 0 or m["step"] == cfg.steps]
+    values = [m[group.metric] for m in steps if m.get(group.metric) is not None]
+    if not values:
+        return {"error": f"no {group.metric} in metrics.jsonl after step 1", "seconds": seconds}
+    value = statistics.mean(values) if group.metric == BLOCKING else statistics.median(values)
+    return {"value": value, "values": values, "tokens_per_second": statistics.median(m[TOKENS] for m in steps),
+            "seconds": seconds}
+
+
+def summarize(group: Group) -> dict:
+    rows = []
+    for row in group.rows:
+        ok = [r["value"] for r in row.runs if "value" in r]
+        errors = [r["error"] for r in row.runs if "error" in r]
+        rows.append({"name": row.name, "label": row.label, "settings": row.settings, "ranks": row.ranks,
+                     "note": row.note, "runs": row.runs, "median": statistics.median(ok) if ok else None,
+                     "tokens_per_second": statistics.median(r["tokens_per_second"] for r in row.runs if "value" in r)
+                     if ok else None, "error": errors[-1] if errors and not ok else None})
+        if errors and ok:
+            rows[-1]["note"] = f"{len(errors)} of {len(row.runs)} runs failed: {errors[-1]}"
+    base = rows[0]["median"]
+    for r in rows:
+        r["ratio"] = r["median"] / base if base and r["median"] is not None else None
+    return {"name": group.name, "title": group.title, "metric": group.metric, "baseline": group.rows[0].name,
+            "rows": rows}
+
+
+def print_tables(results: list[dict], header: str) -> None:
+    print(header)
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    speed = [g for g in results if g["metric"] == TOKENS]
+    if speed:
+        print("\n| group | configuration | tokens/s (median) | ratio vs baseline | note |")
+        print("|---|---|---:|---:|---|")
+        for g in speed:
+            for i, r in enumerate(g["rows"]):
+                note = f"FAILED: {r['error']}" if r["error"] else r["note"]
+                print(f"| {g['name'] if i == 0 else ''} | {r['label']}{' (baseline)' if i == 0 else ''} | "
+                      f"{fmt(r['median'], ',.0f')} | {fmt(r['ratio'], '.3f')} | {note} |")
+    for g in (g for g in results if g["metric"] == BLOCKING):
+        print(f"\n{g['title']}: seconds a checkpoint step spent blocked on it (mean over checkpoint steps, "
+              "median over rounds)")
+        print("\n| configuration | blocking s per checkpoint step | ratio vs baseline | tokens/s (median) | note |")
+        print("|---|---:|---:|---:|---|")
+        for i, r in enumerate(g["rows"]):
+            note = f"FAILED: {r['error']}" if r["error"] else r["note"]
+            print(f"| {r['label']}{' (baseline)' if i == 0 else ''} | {fmt(r['median'], '.4f')} | "
+                  f"{fmt(r['ratio'], '.3f')} | {fmt(r['tokens_per_second'], ',.0f')} | {note} |")
+
+
+# -- the GPU part: one step of a 0.5B-shaped Qwen2 ---------------------------------------------
+QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, vocab_size=151936)
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                    "A10G": 70.0, "L4": 121.0}  # dense bf16 tensor-core peaks
+
+
+def step_flops(shape: dict, rows: int, seq: int) -> float:
+    """Model FLOPs of one forward+backward over ``rows x seq`` tokens: 6 x (matmul weights,
+    the LM head included) per token, plus causal attention's 6 x 2 x layers x seq x hidden."""
+    h, layers, inter, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], \
+        shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o; k, v; gate, up, down
+    tokens = rows * seq
+    return 6 * (layers * per_layer + vocab * h) * tokens + 6 * 2 * layers * seq * h * tokens
+
+
+def gpu_part(args, device: str = "cuda", shape: dict | None = None) -> dict:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.batch import Batch
+    from learner.policy import enable_activation_checkpointing, token_logprobs
+
+    shape = shape or QWEN_05B
+    rows, seq, steps = args.gpu_rows, args.gpu_seq, args.gpu_steps
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab_size"], (rows, seq), generator=gen)
+    n = torch.ones(rows)
+    batch = Batch(ids, torch.ones_like(ids), ids[:, 1:], torch.ones(rows, seq - 1), torch.zeros(rows, seq - 1),
+                  n, n, torch.arange(rows), torch.zeros(rows, dtype=torch.long), n, n, -n.long()).to(device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    out = {"device": name, "shape": shape, "rows": rows, "seq": seq, "peak_bf16_tflops": peak, "runs": {}}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, max_position_embeddings=max(seq, 32768),
+                                             tie_word_embeddings=True, use_cache=False)).float().to(device)
+        model.eval()  # as the learner runs it
+        if ckpt:
+            enable_activation_checkpointing(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        times = []
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(steps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            logp, _ = token_logprobs(model, batch, "bf16")
+            (-(logp * batch.advantages[:, None]).mean()).backward()
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first step warms up
+                times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        flops = step_flops(shape, rows, seq)
+        out["runs"]["checkpointed" if ckpt else "plain"] = {
+            "step_s": step_s, "tokens_per_second": rows * seq / step_s, "tflops": flops / step_s / 1e12,
+            "mfu": flops / step_s / 1e12 / peak if peak else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+        del model, opt
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def print_gpu(res: dict) -> None:
+    print(f"\nOne learner step on {res['device']}: Qwen2 0.5B shape, random weights, bf16 autocast over fp32 "
+          f"master weights, {res['rows']} rows x {res['seq']} tokens, median of the steps after the first; "
+          f"MFU against {res['peak_bf16_tflops'] or '(unknown; --peak-tflops)'} TFLOP/s dense bf16, "
+          "recompute not counted")
+    print("\n| activation checkpointing | step s | tokens/s | model TFLOP/s | MFU | peak memory GiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for key, r in res["runs"].items():
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+        print(f"| {'on' if key == 'checkpointed' else 'off'} | {r['step_s']:.3f} | {r['tokens_per_second']:,.0f} | "
+              f"{r['tflops']:.1f} | {mfu} | {mem} |")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, help="times every configuration runs, interleaved (default 3; quick 1)")
+    ap.add_argument("--steps", type=int, help="learner steps per run, the first not counted (default 5; quick 2)")
+    ap.add_argument("--groups", type=int, help="groups per step (default 16; quick 4)")
+    ap.add_argument("--n", type=int, default=4, help="responses per group")
+    ap.add_argument("--min-len", type=int, default=4, help="shortest response (tokens, EOS included)")
+    ap.add_argument("--max-len", type=int, help="longest response (default 48; quick 12)")
+    ap.add_argument("--microbatch-tokens", type=int, help="the token budget row's "
+                    "learner.max_tokens_per_microbatch (default 512; quick 64)")
+    ap.add_argument("--only", default="", help="comma-separated groups or group/row, e.g. dtype,parallel/fsdp")
+    ap.add_argument("--model", default="", help="a local HF model directory (default: the toy model)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, 1 round (the test's)")
+    ap.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed as failed")
+    ap.add_argument("--seed", type=int, default=0, help="the synthetic groups and the order of each round")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "learner.json"), help="JSON of every number")
+    ap.add_argument("--workdir", help="keep every run's directory (config, log, metrics) here")
+    ap.add_argument("--no-gpu", action="store_true", help="skip the GPU part even where CUDA is available")
+    ap.add_argument("--gpu-rows", type=int, default=8)
+    ap.add_argument("--gpu-seq", type=int, default=1024)
+    ap.add_argument("--gpu-steps", type=int, default=5)
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU (default: by its name)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    for key, normal, small in (("rounds", 3, 1), ("steps", 5, 2), ("groups", 16, 4), ("max_len", 48, 12),
+                               ("microbatch_tokens", 512, 64)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if quick else normal)
+    if quick:
+        args.gpu_rows, args.gpu_seq, args.gpu_steps = 2, 256, 2
+    if not 1 <= args.min_len <= args.max_len:
+        ap.error("--min-len must be between 1 and --max-len")
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (the first step is not counted)")
+    chosen = select(groups(args), args.only)
+    # A configuration shared by several groups (fp32 = token_tis = padded = single) runs once a round.
+    specs: dict[tuple, list[tuple[Group, Row]]] = {}
+    for g in chosen:
+        for row in g.rows:
+            try:
+                resolved = build_config({}, environ={}, **row.settings).learner.model_dump_json()
+            except ConfigError:
+                resolved = f"{g.name}/{row.name}"  # fails on its own
+            specs.setdefault((row.ranks, g.metric, resolved), []).append((g, row))
+
+    from rlpipe.redis_server import EmbeddedRedis
+    from rlpipe.toy import ensure_toy_model
+    from tests.conftest import TOY_SPEC
+
+    model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
+    records = ragged_groups(model_path, args.steps * args.groups, args.n, args.min_len, args.max_len, args.seed)
+    lengths = [len(s.tokens) for r in records for s in r.samples]
+    rng = random.Random(args.seed)
+    cores = len(os.sched_getaffinity(0))
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="rlpipe-bench-learner-") as tmp:
+        work = Path(tempfile.mkdtemp(prefix="bench-learner-", dir=args.workdir) if args.workdir else tmp)
+        redis = EmbeddedRedis(work / "redis").start()
+        try:
+            for rnd in range(args.rounds):
+                order = list(specs.values())
+                rng.shuffle(order)
+                for i, users in enumerate(order):
+                    g, row = users[0]
+                    res = run_one(args, g, row, records, model_path, redis.url, work, rnd)
+                    for _, r in users:
+                        r.runs.append(res)
+                    what = "FAILED " + res["error"] if "error" in res else \
+                        (f"{res['value']:.4f} s blocking" if g.metric == BLOCKING else f"{res['value']:,.0f} tokens/s")
+                    print(f"[round {rnd + 1}/{args.rounds}, {i + 1}/{len(order)}] "
+                          f"{' = '.join(f'{gg.name}/{rr.name}' for gg, rr in users)}: {what} "
+                          f"({res.get('seconds', 0):.0f}s)", file=sys.stderr, flush=True)
+        finally:
+            redis.stop()
+    results = [summarize(g) for g in chosen]
+    import torch
+
+    header = (f"Learner throughput: {args.groups} groups x {args.n} responses of {args.min_len}..{args.max_len} "
+              f"tokens (mean {statistics.mean(lengths):.1f}) per step, {args.steps} steps per run (first not "
+              f"counted), median of {args.rounds} interleaved rounds; model {Path(model_path).name}; "
+              f"every process learner.threads 1 and OMP_NUM_THREADS=1 (a 2-rank row uses 2 cores); "
+              f"{cores} cores, torch {torch.__version__}, {time.time() - t_start:.0f}s")
+    print_tables(results, header)
+    if args.no_gpu:
+        gpu = {"skipped": "--no-gpu"}
+    elif not torch.cuda.is_available():
+        gpu = {"skipped": "no CUDA GPU (torch.cuda.is_available() is False)"}
+        print("\nGPU part (Qwen2 0.5B step time and MFU, with and without activation checkpointing): skipped, "
+              "no CUDA GPU here.")
+    else:
+        gpu = gpu_part(args)
+        print_gpu(gpu)
+    report = {"args": vars(args), "cores": cores, "torch": torch.__version__, "model": model_path,
+              "response_length_mean": statistics.mean(lengths), "groups": results, "gpu": gpu}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""bench/learner.py's plumbing (not its speeds): two configurations, one round, two steps,
+each a real learner process over the embedded Redis; the JSON holds a positive tokens/s
+for both and a ratio that is their quotient."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+def test_the_learner_benchmark_runs_two_configurations_and_reports_their_ratio(tmp_path):
+    out = tmp_path / "learner.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learner.py"), "--quick", "--only",
+                           "dtype/fp32,dtype/bf16", "--rounds", "1", "--steps", "2", "--no-gpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (group,) = json.loads(out.read_text())["groups"]
+    assert group["name"] == "dtype" and group["baseline"] == "fp32"
+    fp32, bf16 = group["rows"]
+    assert [fp32["name"], bf16["name"]] == ["fp32", "bf16"]
+    for row in (fp32, bf16):
+        assert row["error"] is None and row["median"] > 0 and len(row["runs"]) == 1
+    assert fp32["ratio"] == 1.0
+    assert bf16["ratio"] == pytest.approx(bf16["median"] / fp32["median"])
+    assert "| dtype | fp32 (baseline) |" in proc.stdout and "ratio vs baseline" in proc.stdout
+    assert proc.stderr.count("[round 1/1") == 2  # one progress line per run
