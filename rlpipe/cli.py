@@ -1,8 +1,8 @@
 """The ``rlpipe`` command.
 
-    rlpipe demo [--steps N] [--seed S] [--precision bf16|fp8|...] [--set key=value ...]
+    rlpipe demo [--steps N] [--seed S] [--precision bf16|fp8|...] [--learner-ranks N] [--set key=value ...]
     rlpipe rollout --config run.yaml --worker-id w0       one rollout worker
-    rlpipe learner --config run.yaml                      the learner
+    rlpipe learner --config run.yaml                      the learner (under torchrun when learner.ranks > 1)
     rlpipe calibrate --config run.yaml [--out DIR]        int8: calibrate the base model once, write a profile
     rlpipe build-model [--seed S]                         build/cache the toy model, print its path
     rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
@@ -16,11 +16,14 @@ imported, so ``--help`` and config errors are instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
 
 from rlpipe.config import ConfigError, load_config
+
+LEARNER_RANKS_HELP = "run the learner as N data-parallel ranks under torchrun (sets learner.ranks)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8; a comma-separated "
                    "list makes a mixed fleet (e.g. int8,bf16: half the workers each)")
     d.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
+    d.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
     d.add_argument("--run-id")
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
@@ -66,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "crash, as the Kubernetes manifests run them"))
     u.add_argument("--workers", type=int)
     u.add_argument("--steps", type=int)
+    u.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
     u.add_argument("--run-id")
     u.add_argument("--runs-dir", default="runs")
     for name, text in (("status", "print the roles, versions, lag, queue and sync of a running `rlpipe up`"),
@@ -92,7 +97,8 @@ def _overrides(args) -> dict:
         fleet = [p.strip() for p in args.precision.split(",")]
         out["rollout.fleet"], args.precision = fleet, fleet[0]
     for flag, key in (("steps", "steps"), ("seed", "seed"), ("workers", "workers"), ("precision", "rollout.precision"),
-                      ("is_mode", "learner.is_mode"), ("run_id", "run_id"), ("port", "rollout.port")):
+                      ("is_mode", "learner.is_mode"), ("run_id", "run_id"), ("port", "rollout.port"),
+                      ("learner_ranks", "learner.ranks")):
         value = getattr(args, flag, None)
         if value is not None:
             out[key] = value
@@ -162,8 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
         return 0 if summary.get("completed") else 1
 
+    if args.command == "learner" and cfg.learner.ranks > 1 and "WORLD_SIZE" not in os.environ:
+        # Several ranks: become `torchrun ... -m rlpipe.cli <these arguments>` (same pid, so the
+        # launcher, `rlpipe up` or the kubelet keeps signalling the process it started).
+        import shlex
+
+        from rlpipe.launcher import torchrun_command
+
+        cmd, env = torchrun_command(cfg, sys.argv[1:] if argv is None else list(argv))
+        print(f"rlpipe learner: learner.ranks={cfg.learner.ranks}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}: "
+              f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
+        os.execve(sys.executable, cmd, env)
+
     if args.command in ("rollout", "learner"):
-        setup_logging("learner" if args.command == "learner" else f"rollout[{args.worker_id}]")
+        rank = f"[rank {os.environ.get('RANK', '0')}]" if "WORLD_SIZE" in os.environ else ""
+        setup_logging(f"learner{rank}" if args.command == "learner" else f"rollout[{args.worker_id}]")
         exit_with_parent()
         from quant.profile import ProfileError
         from rlpipe.queue import RedisUnavailable

@@ -157,6 +157,10 @@ class LearnerConfig(Section):
     adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = "token_mean"
     loss_norm_length: int | None = Field(None, ge=1, description="seq_sum_norm's fixed length; default sampling.max_tokens")
+    ranks: int = Field(1, ge=1, description="learner processes (data-parallel ranks) on this machine: above 1, "
+                       "`rlpipe learner` runs itself under torchrun --standalone --nproc-per-node ranks, each "
+                       "rank with `threads` torch threads (0: its share of the cores); rank 0 talks to Redis, "
+                       "the workers and the disk")
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="several ranks (torchrun): ddp replicates "
                                                      "the model and its Adam state on every rank, fsdp (FSDP2) "
                                                      "shards them; auto = fsdp with more than one rank")

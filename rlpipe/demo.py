@@ -153,6 +153,9 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
                                             "--precision", worker_precision(cfg, i)], worker_env(i, cfg.workers))
         launcher.spawn("learner", ["learner", "--config", str(cfg_path)])
         learner_done = _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress)
+        # A done learner exits by itself (under torchrun, every rank, then torchrun): let it,
+        # rather than signal it in the middle of that.
+        launcher.wait("learner", 30)
     except KeyboardInterrupt:
         say("\ninterrupted: stopping every process")
         raise

@@ -6,6 +6,10 @@ its output in ``runs/<id>/logs/<name>.log`` and its command line in
 after a grace period), which takes vLLM's engine processes with them; and each child
 stops itself if the launcher dies (``RLPIPE_PARENT_PID``, see rlpipe.proc).
 
+A learner with ``learner.ranks`` above 1 re-executes itself under ``torchrun`` (see
+:func:`torchrun_command`), whose ranks each lead a process session of their own: stopping
+a child therefore signals the process groups of its whole tree (:func:`kill_group`).
+
 Weight sync between the children is authenticated: a run started without a sync token
 (``RLPIPE_SYNC_TOKEN`` or ``RLPIPE_API_TOKEN``, rlpipe/auth.py) gets a random one of its
 own, in its children's environment only (never in commands.txt), so even a local run's
@@ -22,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from rlpipe.auth import SYNC_TOKEN_ENV, sync_token
 
@@ -75,6 +81,13 @@ class Launcher:
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
+    def wait(self, name: str, timeout_s: float) -> int | None:
+        """Child ``name``'s exit code once it exits, or None if it runs ``timeout_s`` longer."""
+        try:
+            return self.procs[name].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self, name: str, grace_s: float = 20.0) -> None:
         self._stop([self.procs[name]], grace_s)
 
@@ -100,10 +113,39 @@ class Launcher:
 
 
 def kill_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the child's process group (it leads its own session, so this reaches the
+    engine processes it started) and to every group one of its descendants leads: torchrun
+    starts each learner rank in a session of its own, out of reach of the first."""
+    groups = [proc.pid]
     try:
-        os.killpg(proc.pid, sig)  # the child leads its own session: this reaches its whole tree
-    except (ProcessLookupError, PermissionError):
-        pass
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:  # gone already: its descendants (if any) were re-parented
+        children = []
+    for child in children:
+        try:
+            if os.getpgid(child.pid) == child.pid:
+                groups.append(child.pid)
+        except ProcessLookupError:
+            pass
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def torchrun_command(cfg, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``rlpipe <argv>`` (a learner) as ``cfg.learner.ranks``
+    data-parallel ranks on this machine: ``python -m torch.distributed.run --standalone
+    --nproc-per-node N -m rlpipe.cli <argv>``. torchrun forwards SIGTERM to every rank (the
+    learner's graceful stop) and SIGKILLs what is left after its shutdown timeout. Each rank
+    gets ``learner.threads`` threads, or its share of this process's cores, in
+    ``OMP_NUM_THREADS`` (torch's default thread count; torchrun would otherwise give it 1)."""
+    ranks = cfg.learner.ranks
+    threads = cfg.learner.threads or max(1, len(os.sched_getaffinity(0)) // ranks)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "-m", "rlpipe.cli", *argv]
+    return cmd, {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def worker_env(index: int, n_workers: int, cores: list[int] | None = None) -> dict[str, str]:

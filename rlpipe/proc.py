@@ -26,22 +26,39 @@ def exit_with_parent() -> None:
     The launcher passes its pid in ``RLPIPE_PARENT_PID``; a daemon thread checks once a
     second and sends this process SIGTERM when the parent is gone (a clean shutdown),
     then SIGKILL to its whole process group if that has not finished within 15 s, so no
-    role, nor any process it started, outlives its run as an orphan.
+    role, nor any process it started, outlives its run as an orphan. A learner rank under
+    torchrun (``learner.ranks`` > 1) is the launcher's grandchild: it stops when the
+    torchrun agent that started it is gone, or the agent's own parent is no longer the
+    launcher.
     """
     parent = os.environ.get("RLPIPE_PARENT_PID")
     if not parent:
         return
     parent_pid = int(parent)
+    agent_pid = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
+
+    def orphaned() -> bool:
+        if agent_pid is None:
+            return os.getppid() != parent_pid
+        return os.getppid() != agent_pid or parent_of(agent_pid) != parent_pid
 
     def watch():
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent_pid:
+            if orphaned():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(15)
                 os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of process ``pid`` (None if there is no such process)."""
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
