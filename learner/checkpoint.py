@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from learner.dist import full
 from rlpipe.checkpoints import PREFIX, complete, latest, read_meta  # noqa: F401 (the learner's API too)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -55,15 +56,60 @@ class RunCounters:
 def snapshot(model, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Copies in host memory of the model's weights and of the trainer state (the optimizer's
     tensors included), so a checkpoint can be written in the background while the next
-    steps change the originals. Tied weights stay tied (one copy under both names)."""
-    copies: dict[tuple, torch.Tensor] = {}
+    steps change the originals. Tied weights stay tied (one copy under both names).
+
+    A sharded (FSDP) model's tensors are gathered whole, which is a collective: every rank
+    must take the snapshot, of states with their sharded tensors in the same order; only
+    rank 0 writes it."""
+    copies: dict[int, torch.Tensor] = {}
     weights = {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if key not in copies:
-            copies[key] = t.detach().to("cpu", copy=True)
-        weights[name] = copies[key]
-    return weights, copy.deepcopy(state)
+    for name, t in model.state_dict(keep_vars=True).items():  # tied weights: one object
+        if id(t) not in copies:
+            copies[id(t)] = host_copy(t)
+        weights[name] = copies[id(t)]
+    return weights, host_copy(state)
+
+
+def host_copy(obj):
+    """``obj`` (tensors in dicts, lists and tuples) with every tensor copied whole to host memory."""
+    if isinstance(obj, torch.Tensor):
+        return full(obj.detach()).to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def optimizer_state(model, opt) -> dict:
+    """``opt.state_dict()`` keyed by parameter name instead of position, so a checkpoint
+    loads whether it was saved by one process or by sharded ranks (:func:`load_optimizer_state`).
+    Under FSDP its tensors are the rank's shards (DTensors): :func:`snapshot` gathers them."""
+    order = [p for group in opt.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    name = [names[id(p)] for p in order]
+    sd = opt.state_dict()
+    return {"state": {name[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def load_optimizer_state(model, opt, state: dict) -> None:
+    """Load an :func:`optimizer_state` (whole tensors) into ``opt``; each tensor shaped like
+    its parameter is sharded like it (every rank holds the whole state and keeps its part)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    index = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+
+    def like(value, param):
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+            return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        return value
+
+    opt.load_state_dict({
+        "state": {index[id(params[n])]: {k: like(v, params[n]) for k, v in s.items()} for n, s in state["state"].items()},
+        "param_groups": [{**g, "params": [index[id(params[n])] for n in g["params"]]} for g in state["param_groups"]],
+    })
 
 
 def group_digest(group_ids) -> int:

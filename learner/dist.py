@@ -1,4 +1,4 @@
-"""Data-parallel learner ranks under ``torchrun`` (DDP; gloo on CPU, NCCL on CUDA).
+"""Data-parallel learner ranks under ``torchrun`` (FSDP2 or DDP; gloo on CPU, NCCL on CUDA).
 
 Rank 0 is the only one that talks to Redis, the workers and the disk; it hands every
 rank the whole batch, and each rank trains on its share of the rows (row r of every
@@ -7,32 +7,63 @@ so the averaged gradient equals the single-process one. Per-row results that the
 metrics need (pi_old, entropy) are put back together with one all-reduce, as each
 rank fills only its own rows.
 
-FSDP2 (``fully_shard``) shards parameters, which the tiny models that fit a CPU do not
-need; DDP keeps the loop identical on both. Without ``WORLD_SIZE`` in the environment
-(a plain ``rlpipe learner``) every method here is a no-op.
+``learner.parallel``:
 
-Tested on CPU only (2 gloo ranks, tests/test_ddp.py); the NCCL branch is the same calls
-with CUDA devices and has not been run.
+- ``fsdp`` (the default with more than one rank): ``fully_shard`` on every decoder layer
+  and on the model, so each rank holds 1/world of the weights, gradients and Adam state;
+  parameters are all-gathered in the training dtype (bf16/fp16, or fp32) for each layer's
+  forward and backward, and gradients reduce-scattered in fp32. With ``fp32_lm_head`` the
+  model's own parameters (embeddings, final norm, head) stay fp32 when gathered.
+- ``ddp``: every rank holds the whole model; gradients are all-reduced.
+
+Under FSDP, whatever needs whole tensors outside a training step (weight sync, a
+checkpoint) is a collective: rank 0 sends a :class:`Command` that the other ranks,
+waiting for their next step in :meth:`Ranks.exchange`, carry out beside it. Weight
+sync gathers one bucket's parameters at a time (weight_sync/sender.py), so no rank
+ever holds the whole model for it.
+
+Without ``WORLD_SIZE`` in the environment (a plain ``rlpipe learner``) every method here
+is a no-op. Tested on CPU only (2 gloo ranks, tests/test_ddp.py, tests/test_fsdp.py); the
+NCCL branch is the same calls with CUDA devices and has not been run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from learner.policy import DTYPES
+
 # Ranks other than 0 wait in a broadcast while rank 0 waits for rollouts: a long wait is normal.
 IDLE_TIMEOUT = timedelta(hours=6)
 
 
+@dataclass(frozen=True)
+class Command:
+    """What rank 0 asks every other rank to do beside it: ``handlers[name](*args)``."""
+
+    name: str
+    args: tuple = ()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (DTensor) gathered whole on every rank (a collective); others as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class Ranks:
-    def __init__(self):
+    def __init__(self, parallel: str = "auto"):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.sharded = self.world > 1 and parallel in ("auto", "fsdp")
+        self.parallel = "fsdp" if self.sharded else "ddp" if self.world > 1 else "none"
+        self.released = False  # rank 0 has let the other ranks go (see release)
         if self.world > 1 and not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=IDLE_TIMEOUT)
@@ -45,19 +76,81 @@ class Ranks:
     def device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, dtype: str = "fp32", fp32_lm_head: bool = False) -> torch.nn.Module:
+        """The module to train: ``model`` itself (one rank; or sharded in place under FSDP,
+        its parameters becoming DTensors with the same names), or a DDP wrapper."""
         if self.world == 1:
             return model
-        from torch.nn.parallel import DistributedDataParallel
+        if not self.sharded:
+            from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[self.local_rank] if torch.cuda.is_available() else None)
+            return DistributedDataParallel(model, device_ids=[self.local_rank] if torch.cuda.is_available() else None)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        gathered = None if dtype == "fp32" else DTYPES[dtype]
+        layers = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=layers)
+        # The model's own parameters (embeddings, final norm, LM head); gathered in fp32 when
+        # the head must run in fp32 (learner/policy.py token_logprobs calls it directly).
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=None if fp32_lm_head else gathered,
+                                                          reduce_dtype=torch.float32))
+        return model
 
     def no_sync(self, model: torch.nn.Module, sync: bool):
-        """Gradient accumulation under DDP: backward passes inside skip the all-reduce,
-        except the one with ``sync`` (the last micro-batch's)."""
+        """Gradient accumulation: backward passes inside skip the all-reduce (DDP) or the
+        reduce-scatter (FSDP), except the one with ``sync`` (the last micro-batch's)."""
+        if self.sharded:
+            model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
         if sync or not hasattr(model, "no_sync"):
             return contextlib.nullcontext()
         return model.no_sync()
+
+    # -- rank 0 leads, the others follow ------------------------------------------------------
+    def exchange(self, work, handlers: dict):
+        """Rank 0: hand ``work`` to every rank. The others: carry out rank 0's commands
+        (:meth:`command`) until its work comes, and return it (None: released, stop)."""
+        if self.world == 1:
+            return work
+        if self.is_main:
+            return self.broadcast(work)
+        while True:
+            message = self.broadcast(None)
+            if isinstance(message, Command):
+                handlers[message.name](*message.args)
+                continue
+            self.released = message is None
+            return message
+
+    def command(self, name: str, *args) -> None:
+        """Rank 0: have every other rank (waiting in :meth:`exchange`) run ``handlers[name](*args)``
+        now, beside rank 0 doing the same: the collectives of a sharded model outside a step."""
+        if self.world > 1:
+            self.broadcast(Command(name, args))
+
+    def release(self, handlers: dict) -> None:
+        """The end of the run. Rank 0 lets the others go; they serve its commands until it does
+        (its last checkpoint may still gather the model)."""
+        if self.world == 1 or self.released:
+            return
+        if self.is_main:
+            self.broadcast(None)
+            self.released = True
+        elif self.exchange(None, handlers) is not None:
+            raise RuntimeError("rank 0 sent a step after the run ended")
+
+    def full_tensors(self, model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named parameters of ``model``, whole (every rank must ask for the same names)."""
+        params = dict(model.named_parameters())
+        return {n: full(params[n].detach()) for n in names}
+
+    def max(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank."""

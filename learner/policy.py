@@ -180,7 +180,8 @@ class LossScaler:
     def step(self, optimizer, params, grad_clip: float) -> tuple[float, bool]:
         """Unscale, clip and step; returns (gradient norm before clipping, whether the step was skipped)."""
         self.scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP: a DTensor
         if self.enabled:
             before = self.scale
             self.scaler.step(optimizer)  # skips the step if unscale_ found inf/nan

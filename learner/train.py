@@ -124,7 +124,15 @@ class Learner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         lc = cfg.learner
-        self.ranks = Ranks()
+        self.ranks = Ranks(lc.parallel)
+        if self.ranks.sharded:
+            learner_quantized = [p for p in (cfg.rollout.fleet or [cfg.rollout.precision])
+                                 if p == "int8" or (p == "fp8" and cfg.quant.quantize_on == "learner")]
+            if learner_quantized:
+                # Quantizing on the learner (and int8's monitors, which run the model) needs
+                # the whole model on rank 0; the sharded sync streams cast weights only.
+                raise SystemExit(f"learner.parallel: fsdp cannot quantize for {'/'.join(learner_quantized)} workers "
+                                 f"yet (it needs the whole model on rank 0): use learner.parallel: ddp")
         if lc.threads:
             torch.set_num_threads(lc.threads)
         torch.manual_seed(cfg.seed)
@@ -139,7 +147,10 @@ class Learner:
         self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
         if lc.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        self.train_model = self.ranks.wrap(self.model)
+        self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
+        # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
+        # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint.
+        self._commands = {"gather": partial(self.ranks.full_tensors, self.model), "snapshot": self._snapshot}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
@@ -150,7 +161,8 @@ class Learner:
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).
-            self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics)
+            self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics,
+                                   gather=self._gather if self.ranks.sharded else None)
         self.run_counters = RunCounters()
         self.dropped_this_step = 0  # while collecting the next batch: the drop rate per step
         # The prompt indices this lineage trained (in every checkpoint) and the run dropped (in
@@ -195,8 +207,11 @@ class Learner:
         while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None
-            work = self.ranks.broadcast(None if entries is None else ([e.record for e in entries], self.version))
-            if work is None:  # asked to stop
+            if self.ranks.is_main and entries is None:  # asked to stop (the others go after the last checkpoint)
+                break
+            work = self.ranks.exchange(None if entries is None else ([e.record for e in entries], self.version),
+                                       self._commands)
+            if work is None:  # released by rank 0
                 break
             records, self.run_counters.version = work
             self._crash_point("collected")
@@ -230,6 +245,7 @@ class Learner:
             self.metrics.done.set(float(self.step >= self.cfg.steps))
             self.fleet.drop()
             self.lease.release()
+        self.ranks.release(self._commands)
 
     def request_stop(self) -> None:
         """Finish the step in hand, checkpoint, acknowledge, and return from ``run``."""
@@ -362,23 +378,28 @@ class Learner:
                 share = ranks.world if len(local) else 0.0  # a rank with no rows still joins the all-reduce
                 local = local if len(local) else rows[:1]
                 parts = microbatches(batch, local, lc.max_tokens_per_microbatch)
+                n_parts = len(parts)
+                if ranks.sharded:  # every rank must run as many forwards (each one gathers the layers)
+                    parts += [parts[-1][:1]] * (ranks.max(n_parts) - n_parts)  # with weight 0
                 self.opt.zero_grad(set_to_none=True)
                 total, ppo_parts = 0.0, []
                 for i, part in enumerate(parts):
                     mb = batch.select(part).trimmed() if len(parts) > 1 else batch.select(part)
                     width = mb.mask.shape[1]
+                    weight = share if i < n_parts else 0.0
                     with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
                         pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
-                        if first_epoch and epoch == 0:
+                        if first_epoch and epoch == 0 and i < n_parts:
                             first_epoch(part, pi, ent, share > 0)
                         per_token, ppo_m = ppo_clip_terms(pi, ref[part, :width], mb.advantages, mb.mask,
                                                           weights[part, :width], lc.eps_low, lc.eps_high,
                                                           lc.log_ratio_clamp)
                         part_total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
-                        # DDP averages gradients over ranks; scaling by the world size makes it the sum.
-                        self.scaler.backward(part_total * share / denom)
-                    total += part_total.item()
-                    ppo_parts.append((ppo_m, mb.mask.sum().item()))
+                        # DDP and FSDP average gradients over ranks; scaling by the world size makes it the sum.
+                        self.scaler.backward(part_total * weight / denom)
+                    if i < n_parts:
+                        total += part_total.item()
+                        ppo_parts.append((ppo_m, mb.mask.sum().item()))
                 out.ppo_rows.append(_token_weighted(ppo_parts))
                 grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
                 out.skipped += was_skipped
@@ -452,7 +473,7 @@ class Learner:
         t0 = time.perf_counter()
         self._finish_checkpoint()  # one write at a time, in order
         state = {
-            "optimizer": self.opt.state_dict(),
+            "optimizer": checkpoint.optimizer_state(self.model, self.opt),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": torch.get_rng_state(),
@@ -465,8 +486,10 @@ class Learner:
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.version)
         weights = None
-        if self._writer is not None:
-            weights, state = checkpoint.snapshot(self.model, state)
+        if self._writer is not None or self.ranks.sharded:
+            if self.ranks.sharded:
+                self.ranks.command("snapshot")
+            weights, state = self._snapshot(state)
         write = partial(checkpoint.save, self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
                         self.cfg.learner.checkpoint_keep, before_publish=partial(self._crash_point, "checkpoint_written", self.step),
                         rollout=rollout, weights=weights)
@@ -479,6 +502,16 @@ class Learner:
         self.checkpoint_blocking_s += time.perf_counter() - t0
         if self._writer is None:
             self._finish_checkpoint()
+
+    def _snapshot(self, state: dict | None = None):
+        """Weights and trainer state copied to host memory (under FSDP gathered whole: every
+        rank runs this, rank 0 for its checkpoint and the others on its command)."""
+        return checkpoint.snapshot(self.model, state or {"optimizer": checkpoint.optimizer_state(self.model, self.opt)})
+
+    def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Rank 0 under FSDP: the named parameters whole, gathered with every rank (weight sync, one bucket)."""
+        self.ranks.command("gather", names)
+        return self.ranks.full_tensors(self.model, names)
 
     def _finish_checkpoint(self, block: bool = True) -> None:
         """Once the checkpoint being written is durable: acknowledge what it covers."""
@@ -560,7 +593,7 @@ class Learner:
 
     def _restore(self, path: Path) -> None:
         state = checkpoint.load_state(path)
-        self.opt.load_state_dict(state["optimizer"])
+        checkpoint.load_optimizer_state(self.model, self.opt, state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
@@ -645,6 +678,7 @@ class Learner:
             "queue_dead_total": counters["dead"],
             "trained_groups_total": self.run_counters.trained_groups,
             "learner_ranks": self.ranks.world,
+            "learner_parallel": self.ranks.parallel,  # none, ddp or fsdp
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
             "checkpoint_blocking_seconds": self.checkpoint_blocking_s,  # of this step: snapshot + waiting for a write
             # how long this process took from its start (a restart) to its first trained step
@@ -681,7 +715,7 @@ class Learner:
             "training": {"dtype": self.cfg.learner.dtype, "is_mode": self.cfg.learner.is_mode,
                          "advantage": self.cfg.learner.advantage, "loss_agg": self.cfg.learner.loss_agg,
                          "loss_scale": self.scaler.scale, "skipped_steps_total": self.scaler.skipped_steps,
-                         "ranks": self.ranks.world},
+                         "ranks": self.ranks.world, "parallel": self.ranks.parallel},
             "checkpoint": {"dir": str(self.ckpt_root), "last": self.last_checkpoint,
                            "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self._not_durable()),
                            "async": self._writer is not None},

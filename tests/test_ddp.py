@@ -1,8 +1,8 @@
-"""The learner under torchrun: 2 CPU ranks (DDP over gloo) take the same steps as 1 process.
+"""The learner under torchrun: 2 CPU ranks (FSDP2 or DDP over gloo) take the same steps as 1 process.
 
 Both runs read the same groups from their own stream and train 2 steps; the weights in
 their final checkpoints and the step metrics must agree to float tolerance (the gradient
-all-reduce only changes the order of float additions).
+all-reduce or reduce-scatter only changes the order of float additions).
 """
 
 from __future__ import annotations
@@ -40,14 +40,20 @@ def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **setting
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("microbatch_tokens", [0, 20], ids=["padded", "token-budget-microbatches"])
-def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path, microbatch_tokens):
+@pytest.mark.parametrize(("parallel", "microbatch_tokens"), [("ddp", 0), ("ddp", 20), ("fsdp", 0), ("fsdp", 20)],
+                         ids=["ddp-padded", "ddp-token-budget-microbatches", "fsdp-padded",
+                              "fsdp-token-budget-microbatches"])
+def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path, parallel,
+                                                           microbatch_tokens):
     """With micro-batches, the 2 ranks also accumulate gradients without syncing until each
-    one's last micro-batch (DDP no_sync) and must still match the single padded process."""
+    one's last micro-batch (DDP no_sync, FSDP set_requires_gradient_sync), run as many
+    forwards as each other under FSDP (padded with weightless ones), and must still match
+    the single padded process."""
     groups = synthetic_groups(load_policy(toy_model_path), 8, seed=21, noise=0.1)
     single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups)
     ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups,
-                                **{"learner.max_tokens_per_microbatch": microbatch_tokens})
+                                **{"learner.max_tokens_per_microbatch": microbatch_tokens,
+                                   "learner.parallel": parallel})
     learner = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*learner, str(single_dir / "config.yaml")], check=True, env=env, timeout=300,
@@ -67,6 +73,7 @@ def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_mod
     assert diff < 1e-2 * moved, f"ranks disagree with the single process by {diff} (moved {moved})"
     ma, mb = read_jsonl(single_dir / "metrics.jsonl"), read_jsonl(ddp_dir / "metrics.jsonl")
     assert len(ma) == len(mb) == 2 and [m["learner_ranks"] for m in ma + mb] == [1, 1, 2, 2]
+    assert [m["learner_parallel"] for m in ma + mb] == ["none", "none", parallel, parallel]
     for key in ("mismatch_kl", "mismatch_log_ppl_abs_diff", "learner_loss", "learner_grad_norm", "entropy"):
         for x, y in zip(ma, mb):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key

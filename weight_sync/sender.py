@@ -54,17 +54,21 @@ class SyncStats:
 
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
-                 wire_dtype: torch.dtype | None, channel: str = ""):
+                 wire_dtype: torch.dtype | None, channel: str = "",
+                 gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None):
+        """``gather(names)``: for tensors that are shards (a learner under FSDP), those
+        tensors whole, gathered with the other ranks; it is called for one bucket at a time,
+        just before packing it, so the whole model is never gathered at once."""
         self.r, self.keys = r, keys
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
         self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
-        self.bucket_bytes, self.wire_dtype = bucket_bytes, wire_dtype
+        self.bucket_bytes, self.wire_dtype, self.gather = bucket_bytes, wire_dtype, gather
         self.group: GlooGroup | None = None
         self.gate: Gate | None = None  # the current generation's (with a token)
         self.state = SyncState()
         self.manifest: Manifest | None = None
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []  # two, each the size of the largest bucket: packed in turn
         self._members: dict[str, str] = {}  # id -> incarnation of the current generation ({} without one)
         self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
         self.left_out_total = 0
@@ -126,7 +130,8 @@ class WeightSender:
         self.drop()
         if self.manifest is None or manifest.hash != self.manifest.hash:
             self.manifest = manifest
-            self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+            largest = max((b.nbytes for b in manifest.buckets), default=0)
+            self.buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(min(2, len(manifest.buckets)))]
         names = list(candidates)
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
         generation = read_sync(self.r, self.sync_key).generation + 1
@@ -181,9 +186,13 @@ class WeightSender:
 
         in_flight = post(header_tensor(version, self.manifest.hash), 0)
         pack_s = 0.0
-        for i, (bucket, buf) in enumerate(zip(self.manifest.buckets, self.buffers)):
+        for i, bucket in enumerate(self.manifest.buckets):
+            # Two buffers in turn: bucket i-2's send, the last use of this one, has finished.
+            buf = self.buffers[i % len(self.buffers)][: bucket.nbytes]
             tp = time.perf_counter()
-            pack_bucket(bucket, tensors, buf)  # while the previous bucket is on the wire
+            source = self.gather([slot.name for slot in bucket.tensors]) if self.gather else tensors
+            pack_bucket(bucket, source, buf)  # while the previous bucket is on the wire
+            del source
             pack_s += time.perf_counter() - tp
             works = post(buf, i + 1)
             finish(in_flight)
