@@ -55,6 +55,17 @@ def enable_activation_checkpointing(model) -> int:
     return len(layers)
 
 
+def compile_layers(model) -> int:
+    """``torch.compile`` each decoder layer (``learner.compile``), as FSDP2 expects: one graph
+    per layer type, reused by every layer, with dynamic sequence lengths after the second
+    shape it sees. Each new shape early in a run costs a compile (tens of seconds for the
+    toy model on a CPU), so it pays only over long runs; bench/learner.py measures it.
+    Returns how many layers were compiled."""
+    for layer in model.model.layers:
+        layer.compile()
+    return len(model.model.layers)
+
+
 def autocast(dtype: str, device_type: str = "cpu"):
     if dtype == "fp32":
         return contextlib.nullcontext()

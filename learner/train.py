@@ -50,7 +50,7 @@ from learner.loss import (
     ppo_clip_terms,
 )
 from learner.metrics import LearnerMetrics
-from learner.policy import LossScaler, enable_activation_checkpointing, load_policy, token_logprobs
+from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, load_policy, token_logprobs
 from learner.schedule import LRSchedule, apply_lr
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
@@ -147,6 +147,8 @@ class Learner:
         self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
         if lc.activation_checkpointing:
             enable_activation_checkpointing(self.model)
+        if lc.compile:
+            compile_layers(self.model)
         self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
         # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
         # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint.

@@ -166,6 +166,8 @@ class LearnerConfig(Section):
                                                      "shards them; auto = fsdp with more than one rank")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
                                            "the backward pass: less memory, one more forward")
+    compile: bool = Field(False, description="torch.compile each decoder layer: faster steps once compiled, but "
+                          "every new batch shape early in a run compiles again (tens of seconds on a CPU)")
     max_tokens_per_microbatch: int = Field(0, ge=0, description="forward each rank's rows in micro-batches of "
                                            "at most this many padded tokens (rows x their longest), shortest "
                                            "first, accumulating gradients; 0 = all rows in one forward")

@@ -21,9 +21,7 @@ from rlpipe.registry import live_workers
 from tests.conftest import wait_for
 from tests.test_demo import processes_of_run
 
-# The ranks' learner.parallel. "ddp" until learner/dist.py shards with FSDP2; then this one
-# line becomes "fsdp" (or "auto", which is fsdp with more than one rank).
-PARALLEL = "ddp"
+PARALLEL = "fsdp"  # the ranks' learner.parallel: the default with more than one rank (auto)
 
 
 def test_learner_ranks_is_one_key_that_turns_the_learner_into_torchrun():
