@@ -54,7 +54,7 @@ from learner.policy import LossScaler, compile_layers, enable_activation_checkpo
 from learner.schedule import LRSchedule, apply_lr
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.config import RunConfig
+from rlpipe.config import RunConfig, learner_quantized
 from rlpipe.proc import process_age_s
 from rlpipe.queue import Entry, IndexSet, RestartWatch, TrajectoryQueue, connect
 
@@ -125,14 +125,12 @@ class Learner:
         self.cfg = cfg
         lc = cfg.learner
         self.ranks = Ranks(lc.parallel)
-        if self.ranks.sharded:
-            learner_quantized = [p for p in (cfg.rollout.fleet or [cfg.rollout.precision])
-                                 if p == "int8" or (p == "fp8" and cfg.quant.quantize_on == "learner")]
-            if learner_quantized:
-                # Quantizing on the learner (and int8's monitors, which run the model) needs
-                # the whole model on rank 0; the sharded sync streams cast weights only.
-                raise SystemExit(f"learner.parallel: fsdp cannot quantize for {'/'.join(learner_quantized)} workers "
-                                 f"yet (it needs the whole model on rank 0): use learner.parallel: ddp")
+        if self.ranks.sharded and learner_quantized(cfg):
+            # Quantizing on the learner (and int8's monitors, which run the model) needs the
+            # whole model on rank 0; the sharded sync streams cast weights only. (validate_run
+            # says so at launch for learner.ranks; this is for a torchrun started by hand.)
+            raise SystemExit(f"learner.parallel: fsdp cannot quantize for {'/'.join(learner_quantized(cfg))} "
+                             f"workers yet (it needs the whole model on rank 0): use learner.parallel: ddp")
         if lc.threads:
             torch.set_num_threads(lc.threads)
         torch.manual_seed(cfg.seed)

@@ -321,6 +321,12 @@ def dump_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
+def learner_quantized(cfg: RunConfig) -> list[str]:
+    """The fleet's precisions whose weights the learner quantizes (int8; fp8 with quantize_on: learner)."""
+    return [p for p in dict.fromkeys(cfg.rollout.fleet or [cfg.rollout.precision])
+            if p == "int8" or (p == "fp8" and cfg.quant.quantize_on == "learner")]
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -334,5 +340,9 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("rollout.fleet: lists more precisions than there are workers")
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
+    if cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp" and learner_quantized(cfg):
+        problems.append(f"learner.parallel: fsdp (the default above one rank) cannot quantize for "
+                        f"{'/'.join(learner_quantized(cfg))} workers yet, which needs the whole model on rank 0: "
+                        f"set learner.parallel: ddp")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
