@@ -439,7 +439,7 @@ def test_redis_probes_tolerate_loading(reply, ready, alive, tmp_path):
 
 # -- the rest --------------------------------------------------------------------------------
 @pytest.mark.parametrize("target", TARGETS)
-def test_labels_resources_security(target):
+def test_labels_resources_security(target, tmp_path):
     docs = render(target)
     for obj in objects(docs, "StatefulSet") + objects(docs, "Deployment"):
         name = obj["metadata"]["name"]
@@ -459,6 +459,9 @@ def test_labels_resources_security(target):
             assert gpus == [labels["app.kubernetes.io/component"]], f"{name}: GPU"
         else:
             assert not gpus, f"{name}: GPUs belong in the gpu overlay only"
+    if target.endswith("gpu"):  # one GPU per learner rank, torchrun inside the pod
+        limits = container(workload(docs, "learner"), "learner")["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) == run_config(docs, tmp_path).learner.ranks
     # vLLM needs a real /dev/shm
     rollout = workload(docs, "rollout")
     (shm,) = [m for m in container(rollout, "rollout")["volumeMounts"] if m["mountPath"] == "/dev/shm"]
