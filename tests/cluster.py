@@ -86,6 +86,11 @@ class Cluster:
         os.killpg(self.learner.pid, signal.SIGKILL)
         self.learner.wait()
 
+    def kill_learner_rank(self, rank: int) -> None:
+        """SIGKILL one rank of a learner running under torchrun (``learner.ranks`` > 1), alone."""
+        self._fault(f"SIGKILL learner rank {rank} at step {self.step()}")
+        os.kill(learner_rank_pid(self.learner.pid, rank), signal.SIGKILL)
+
     def kill_worker(self, worker_id: str) -> None:
         self._fault(f"SIGKILL worker {worker_id} at step {self.step()}")
         os.killpg(self.workers[worker_id].pid, signal.SIGKILL)
@@ -190,6 +195,29 @@ class Cluster:
 
     def audit(self) -> dict:
         return audit(self.client(), self.cfg, list(self.workers))
+
+
+def learner_rank_pid(root: int, rank: int) -> int:
+    """The pid of learner rank ``rank`` among the descendants of ``root`` (torchrun's ranks
+    carry RANK in their environment)."""
+    children = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                children.setdefault(int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(proc.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK" in b" ".join(env):
+            return pid
+        todo += children.get(pid, [])
+    raise LookupError(f"no learner rank {rank} under pid {root}")
 
 
 def audit(r, cfg, worker_ids) -> dict:

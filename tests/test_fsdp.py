@@ -7,7 +7,10 @@ taking the same steps as one process (tests/test_ddp.py):
   back where they belong);
 - the weight sync of a sharded model gathers one bucket at a time: rank 0's resident
   memory rises by a few buckets during the sync, far less than gathering the model, and
-  the worker receives exactly the whole model.
+  the worker receives exactly the whole model;
+- one rank SIGKILLed in a live run (separate worker processes, Redis): the learner job
+  ends at once instead of hanging in a collective, its restart resumes from the last
+  checkpoint, and the pipeline is back at its steady state with nothing lost or trained twice.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from safetensors.torch import load_file
 
 from learner import checkpoint
 from learner.policy import load_policy
+from tests.cluster import Cluster, back_to_steady, segments, steady
 from tests.conftest import ROOT, free_run_id
 from tests.test_ddp import prepared_run
 from tests.test_learner import synthetic_groups
@@ -90,3 +94,31 @@ def test_sync_from_sharded_ranks_gathers_one_bucket_at_a_time(redis_server, tmp_
     assert whole_peak > got["model_bytes"] / 2, got
     assert sync_peak < 10 * got["bucket_bytes"], got
     assert sync_peak < whole_peak / 4, got
+
+
+def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(tmp_path, toy_model_path):
+    from tests.test_restarts import SETTINGS, SETTLE
+
+    settings = {**SETTINGS, "steps": 16, "learner.ranks": 2, "learner.parallel": "fsdp"}
+    cluster = Cluster(tmp_path, toy_model_path, workers=2, **settings)
+    try:
+        for w in ("w0", "w1"):
+            cluster.start_worker(w, wait=False)
+        cluster.start_learner()
+        cluster.wait_step(7)
+        cluster.kill_learner_rank(1)
+        assert cluster.learner.wait(timeout=90) != 0  # the job ends; a supervisor restarts it
+        cluster.start_learner()
+        cluster.wait_done()
+        cluster.check_alive(learner_may_exit=True)
+        cluster.stop_roles()
+        books = cluster.audit()
+    finally:
+        cluster.stop()
+    parts = segments(cluster.metrics())
+    assert len(parts) == 2 and {r["learner_parallel"] for p in parts for r in p} == {"fsdp"}, parts
+    before, after = steady([r for r in parts[0] if r["step"] > SETTLE]), steady(parts[1][SETTLE:])
+    print({"before": before, "after": after, "books": books})
+    assert back_to_steady(before, after, settings["queue.max_lag"]), (before, after)
+    assert parts[-1][-1]["step"] == settings["steps"]
+    assert books["lost"] == 0 and books["trained_twice"] == 0, books
