@@ -127,6 +127,8 @@ def select(all_groups: list[Group], only: str) -> list[Group]:
     out = []
     for g in all_groups:
         rows = [r for r in g.rows if g.name in wanted or f"{g.name}/{r.name}" in wanted]
+        if rows and rows[0] is not g.rows[0]:
+            rows.insert(0, g.rows[0])  # the ratios need the group's baseline
         if rows:
             out.append(Group(g.name, g.title, rows, g.metric))
     return out
@@ -244,6 +246,7 @@ def summarize(group: Group) -> dict:
         errors = [r["error"] for r in row.runs if "error" in r]
         rows.append({"name": row.name, "label": row.label, "settings": row.settings, "ranks": row.ranks,
                      "note": row.note, "runs": row.runs, "median": statistics.median(ok) if ok else None,
+                     "range": [min(ok), max(ok)] if ok else None,
                      "tokens_per_second": statistics.median(r["tokens_per_second"] for r in row.runs if "value" in r)
                      if ok else None, "error": errors[-1] if errors and not ok else None})
         if errors and ok:
@@ -260,21 +263,24 @@ def print_tables(results: list[dict], header: str) -> None:
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     speed = [g for g in results if g["metric"] == TOKENS]
     if speed:
-        print("\n| group | configuration | tokens/s (median) | ratio vs baseline | note |")
-        print("|---|---|---:|---:|---|")
+        print("\n| group | configuration | tokens/s (median) | rounds' range | ratio vs baseline | note |")
+        print("|---|---|---:|---:|---:|---|")
         for g in speed:
             for i, r in enumerate(g["rows"]):
                 note = f"FAILED: {r['error']}" if r["error"] else r["note"]
+                spread = f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else "-"
                 print(f"| {g['name'] if i == 0 else ''} | {r['label']}{' (baseline)' if i == 0 else ''} | "
-                      f"{fmt(r['median'], ',.0f')} | {fmt(r['ratio'], '.3f')} | {note} |")
+                      f"{fmt(r['median'], ',.0f')} | {spread} | {fmt(r['ratio'], '.3f')} | {note} |")
     for g in (g for g in results if g["metric"] == BLOCKING):
         print(f"\n{g['title']}: seconds a checkpoint step spent blocked on it (mean over checkpoint steps, "
               "median over rounds)")
-        print("\n| configuration | blocking s per checkpoint step | ratio vs baseline | tokens/s (median) | note |")
-        print("|---|---:|---:|---:|---|")
+        print("\n| configuration | blocking s per checkpoint step | rounds' range | ratio vs baseline | "
+              "tokens/s (median) | note |")
+        print("|---|---:|---:|---:|---:|---|")
         for i, r in enumerate(g["rows"]):
             note = f"FAILED: {r['error']}" if r["error"] else r["note"]
-            print(f"| {r['label']}{' (baseline)' if i == 0 else ''} | {fmt(r['median'], '.4f')} | "
+            spread = f"{r['range'][0]:.4f}..{r['range'][1]:.4f}" if r["range"] else "-"
+            print(f"| {r['label']}{' (baseline)' if i == 0 else ''} | {fmt(r['median'], '.4f')} | {spread} | "
                   f"{fmt(r['ratio'], '.3f')} | {fmt(r['tokens_per_second'], ',.0f')} | {note} |")
 
 
@@ -365,14 +371,15 @@ def print_gpu(res: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, help="times every configuration runs, interleaved (default 3; quick 1)")
-    ap.add_argument("--steps", type=int, help="learner steps per run, the first not counted (default 5; quick 2)")
-    ap.add_argument("--groups", type=int, help="groups per step (default 16; quick 4)")
+    ap.add_argument("--steps", type=int, help="learner steps per run, the first not counted (default 4; quick 2)")
+    ap.add_argument("--groups", type=int, help="groups per step (default 8; quick 4)")
     ap.add_argument("--n", type=int, default=4, help="responses per group")
     ap.add_argument("--min-len", type=int, default=4, help="shortest response (tokens, EOS included)")
     ap.add_argument("--max-len", type=int, help="longest response (default 48; quick 12)")
     ap.add_argument("--microbatch-tokens", type=int, help="the token budget row's "
                     "learner.max_tokens_per_microbatch (default 512; quick 64)")
-    ap.add_argument("--only", default="", help="comma-separated groups or group/row, e.g. dtype,parallel/fsdp")
+    ap.add_argument("--only", default="", help="comma-separated groups or group/row, e.g. dtype,parallel/fsdp "
+                    "(a group's baseline row always runs)")
     ap.add_argument("--model", default="", help="a local HF model directory (default: the toy model)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round (the test's)")
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed as failed")
@@ -386,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU (default: by its name)")
     args = ap.parse_args(argv)
     quick = args.quick
-    for key, normal, small in (("rounds", 3, 1), ("steps", 5, 2), ("groups", 16, 4), ("max_len", 48, 12),
+    for key, normal, small in (("rounds", 3, 1), ("steps", 4, 2), ("groups", 8, 4), ("max_len", 48, 12),
                                ("microbatch_tokens", 512, 64)):
         if getattr(args, key) is None:
             setattr(args, key, small if quick else normal)
