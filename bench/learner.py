@@ -39,7 +39,7 @@ token plus attention, against the GPU's dense bf16 peak; the recompute is not co
 and peak memory. On CPU it prints that it was skipped. ``torch.compile`` is not a
 learner option; its speed-up is not measured here.
 
-    python bench/learner.py                               # every group, 3 rounds (~15 min on 2 cores)
+    python bench/learner.py                               # every group, 3 rounds (about 13 min on 2 cores)
     python bench/learner.py --only dtype,microbatch --rounds 5
     python bench/learner.py --quick --only dtype/fp32,dtype/bf16 --out /tmp/l.json
 """
