@@ -13,6 +13,10 @@ checkpoints excluded) for each of
 - ``checkpoint``: the time checkpoints hold up the step (``checkpoint_blocking_seconds``,
   the mean over checkpoint steps, one checkpoint every step) with
   ``learner.async_checkpoint`` false (baseline) and true. Lower is better here.
+- ``compile``: eager (baseline) and ``learner.compile`` (each decoder layer
+  ``torch.compile``d). Its first steps (each new batch shape until shapes turn dynamic)
+  compile for tens of seconds; like every run's first step, the median leaves them out
+  only partly, so use ``--steps 8`` or more for this group.
 
 Each configuration is a real learner process (``python -m rlpipe.cli learner``, under
 ``python -m torch.distributed.run --standalone --nproc-per-node 2`` for 2 ranks), as a
@@ -36,8 +40,7 @@ Qwen2 shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocab 151936) with random weights, with and without
 ``learner.activation_checkpointing``, and reports step time, MFU (model FLOPs 6N per
 token plus attention, against the GPU's dense bf16 peak; the recompute is not counted)
-and peak memory. On CPU it prints that it was skipped. ``torch.compile`` is not a
-learner option; its speed-up is not measured here.
+and peak memory. On CPU it prints that it was skipped.
 
     python bench/learner.py                               # every group, 3 rounds (about 13 min on 2 cores)
     python bench/learner.py --only dtype,microbatch --rounds 5
@@ -63,7 +66,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlpipe.config import ConfigError, IsMode, LearnerConfig, build_config, dump_config  # noqa: E402
+from rlpipe.config import ConfigError, IsMode, build_config, dump_config  # noqa: E402
 
 TOKENS = "learner_tokens_per_second"
 BLOCKING = "checkpoint_blocking_seconds"
@@ -87,15 +90,8 @@ class Group:
     metric: str = TOKENS
 
 
-def has_key(key: str) -> bool:
-    return key in LearnerConfig.model_fields
-
-
 def groups(args) -> list[Group]:
-    ddp = {"learner.parallel": "ddp"} if has_key("parallel") else {}
     ckpt = {"learner.checkpoint_every": 1}
-    fsdp_note = "" if any("fully_shard" in p.read_text() for p in (ROOT / "learner").glob("*.py")) else \
-        "no fully_shard in learner/ yet: ran as DDP"
     return [
         Group("dtype", "training dtype (learner.dtype)",
               [Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")]),
@@ -106,13 +102,16 @@ def groups(args) -> list[Group]:
                Row("token_budget", f"token budget {args.microbatch_tokens}",
                    {"learner.max_tokens_per_microbatch": args.microbatch_tokens})]),
         Group("parallel", "2 gloo ranks, 1 thread each (learner.parallel)",
-              [Row("ddp", "ddp, 2 ranks", ddp, ranks=2,
-                   note="" if ddp else "no learner.parallel key: torchrun's default"),
-               Row("fsdp", "fsdp, 2 ranks", {"learner.parallel": "fsdp"}, ranks=2, note=fsdp_note),
+              [Row("ddp", "ddp, 2 ranks", {"learner.parallel": "ddp"}, ranks=2),
+               Row("fsdp", "fsdp, 2 ranks", {"learner.parallel": "fsdp"}, ranks=2),
                Row("single", "1 process (reference)", {})]),
         Group("checkpoint", "checkpoint time on the step's critical path (learner.async_checkpoint)",
               [Row("sync", "synchronous", {**ckpt, "learner.async_checkpoint": False}),
                Row("async", "async", {**ckpt, "learner.async_checkpoint": True})], metric=BLOCKING),
+        Group("compile", "torch.compile of each decoder layer (learner.compile), steps after the first",
+              [Row("eager", "eager", {"learner.compile": False}),
+               Row("compiled", "compiled", {"learner.compile": True},
+                   note="its first steps compile (tens of seconds each), not counted")]),
     ]
 
 
@@ -425,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
     cores = len(os.sched_getaffinity(0))
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-learner-") as tmp:
+        if args.workdir:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix="bench-learner-", dir=args.workdir) if args.workdir else tmp)
         redis = EmbeddedRedis(work / "redis").start()
         try:

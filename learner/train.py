@@ -470,8 +470,8 @@ class Learner:
         (:meth:`_finish_checkpoint`). Either way nothing is acknowledged before it is durable,
         so a learner killed mid-write restarts from the previous checkpoint and trains the
         rest again."""
+        self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
         t0 = time.perf_counter()
-        self._finish_checkpoint()  # one write at a time, in order
         state = {
             "optimizer": checkpoint.optimizer_state(self.model, self.opt),
             "schedule": self.schedule.state_dict(),

@@ -13,6 +13,7 @@ import httpx
 import psutil
 import pytest
 
+from learner import checkpoint
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, load_config
 from rlpipe.demo import run_demo
@@ -57,8 +58,12 @@ def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
     assert produced == trained + summary["groups_dropped_stale"] + summary["groups_pending"]
     assert trained == steps * cfg.learner.groups_per_step
     assert summary["groups_dead"] == 0
-    # The final checkpoint holds every step, so nothing is left unacknowledged.
-    assert summary["groups_unacknowledged"] == 0 and rows[-1]["checkpoint_step"] == steps
+    # The final checkpoint holds every step, so nothing is left unacknowledged. (The last
+    # row's checkpoint_step is the last one durable when the step ended: with async
+    # checkpoints the final write finishes after that row.)
+    final = checkpoint.latest(run_dir / "checkpoints")
+    assert summary["groups_unacknowledged"] == 0 and final.name == f"{checkpoint.PREFIX}{steps:08d}"
+    assert checkpoint.read_meta(final)["trained_groups"] == trained
 
     # It learns: the last steps' reward is clearly above the first steps'.
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
