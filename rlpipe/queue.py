@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -124,10 +123,10 @@ class OutageRetry(Retry):
     (``__deepcopy__`` returns itself) is what makes an outage one outage for all of them.
     """
 
-    def __init__(self, url: str, wait_s: float):
+    def __init__(self, url: str, wait_s: float, password: str | None = None):
         super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
         self.url, self.wait_s = redacted(url), wait_s
-        self.address = (urlsplit(url).hostname, urlsplit(url).port or 6379)
+        self._probe_url, self._password = url, password
         self.down_since: float | None = None
         self.outages = 0
         self._lock = threading.Lock()
@@ -151,13 +150,20 @@ class OutageRetry(Retry):
             self._up()
             return result
 
-    def _reachable(self) -> bool:
+    def _serving(self) -> bool:
         """A success is not proof Redis is back: redis-py's ``connect()`` succeeds at once on
-        a connection whose socket is still open to the dead server. A fresh TCP connect is."""
+        a connection whose socket is still open to the dead server, and a restarted Redis
+        answers a few commands while it replays its AOF, refusing the rest with LOADING (one
+        thread's call succeeding while another's is refused made one outage look like
+        several). Back means a fresh connection finds it done loading."""
         try:
-            socket.create_connection(self.address, timeout=1.0).close()
-            return True
-        except OSError:
+            auth = {"password": self._password} if self._password is not None else {}
+            probe = redis.Redis.from_url(self._probe_url, socket_timeout=1.0, socket_connect_timeout=1.0, **auth)
+            try:
+                return not int(probe.info("persistence").get("loading", 0))
+            finally:
+                probe.close()
+        except (redis.RedisError, OSError):
             return False
 
     def _down(self, error: Exception) -> None:
@@ -172,7 +178,7 @@ class OutageRetry(Retry):
                                        f"(redis_wait_s {self.wait_s:g}): {error}") from error
 
     def _up(self) -> None:
-        if self.down_since is not None and self._reachable():
+        if self.down_since is not None and self._serving():
             with self._lock:
                 if self.down_since is not None:
                     log.warning("Redis at %s is back after %.1fs", self.url, time.monotonic() - self.down_since)
@@ -192,7 +198,7 @@ def connect(url: str, wait_s: float = 0.0) -> redis.Redis:
     if password is not None:
         kwargs["password"] = password
     if wait_s > 0:
-        kwargs.update(retry=OutageRetry(url, wait_s), retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        kwargs.update(retry=OutageRetry(url, wait_s, password), retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     client = redis.Redis.from_url(url, **kwargs)
     if wait_s > 0:
         client.ping()  # at start: waits (saying so) up to wait_s, then RedisUnavailable names the URL

@@ -62,6 +62,44 @@ def test_a_client_rides_out_a_redis_restart_with_one_line_each_way(tmp_path, cap
         server.stop()
 
 
+def test_redis_is_back_only_once_it_has_replayed_its_aof(tmp_path, caplog):
+    """A restarted Redis answers a few commands (INFO) while it replays its AOF and refuses
+    the rest (LOADING). An INFO answered then must not end the outage (another thread's
+    next call would fail again and start a second one: the chaos test saw a worker log
+    'is back' three times for one restart): it ends, logged and counted once, when a
+    call finds Redis done loading."""
+    server = EmbeddedRedis(tmp_path).start()
+    try:
+        client = connect(server.url, wait_s=30)
+        client.set("k", "before")
+        server.kill()
+        # An AOF of 1,000,000 SETs (75 MB) takes Redis seconds to replay.
+        value = b"x" * 40
+        (tmp_path / "appendonly.aof").write_bytes(b"".join(
+            b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$40\r\n%s\r\n" % (len(key), key, value)
+            for key in (b"key:%d" % i for i in range(1_000_000))))
+        seen = []  # (time, loading) of each INFO answered
+
+        def reads():
+            while not seen or seen[-1][1]:
+                seen.append((time.time(), int(client.info("persistence")["loading"])))
+                time.sleep(0.02)
+
+        with caplog.at_level(logging.WARNING, logger="rlpipe.queue"):
+            reader = threading.Thread(target=reads)
+            reader.start()
+            server.start()  # returns once loaded; the reader's calls race the replay
+            reader.join(30)
+            assert client.incr("n") == 1 and client.get("k") is None  # the AOF replaced
+        back = [r for r in caplog.records if "is back" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(loading for _, loading in seen), "the replay was too quick to test anything"
+        assert len(back) == 1 and sum("unreachable" in m for m in lines) == 1 and outages(client) == 1, lines
+        assert back[0].created > max(t for t, loading in seen if loading), "'back' while still loading"
+    finally:
+        server.stop()
+
+
 def test_redis_down_at_start_waits_then_names_the_url(tmp_path):
     """The learner with no Redis: says it is waiting, gives up after redis_wait_s with the
     URL (password redacted) and exit code 3, no traceback."""
