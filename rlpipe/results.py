@@ -59,6 +59,7 @@ class Section:
         self.tables: list[dict] = []
         self.plots: list[dict] = []
         self.notes: list[str] = []
+        self.data = None  # the raw numbers behind the tables, for whoever wants to compute more
         self._pending_figures: list[tuple[object, str]] = []
 
     def table(self, title: str, columns: list[str], rows: list[list], note: str = "") -> None:
@@ -77,7 +78,7 @@ class Section:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "title": self.title, "command": self.command, "tables": self.tables,
-                "plots": self.plots, "notes": self.notes, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "plots": self.plots, "notes": self.notes, "data": self.data, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "machine": machine()}
 
     def write(self, path: str | os.PathLike) -> Path:

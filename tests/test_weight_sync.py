@@ -282,7 +282,10 @@ def test_the_benchmark_runs_and_reports_side_by_side_ratios(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync.py"), "--sizes", "tiny", "--repeats", "1",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (row,) = json.loads(out.read_text())
+    section = json.loads(out.read_text())
+    (row,) = section["data"]
+    assert section["name"] == "weight_sync" and section["tables"][0]["rows"][0][0] == "tiny"
+    assert (out.parent / section["plots"][0]["file"]).stat().st_size > 0
     assert row["size"] == "tiny" and row["params"] > 100_000 and row["bytes"] == 2 * row["params"]
     for key in ("raw_s", "raw_p2p_s", "rlpipe_s", "per_tensor_s"):
         assert row[key] > 0
