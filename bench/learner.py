@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed as failed")
     ap.add_argument("--seed", type=int, default=0, help="the synthetic groups and the order of each round")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "learner.json"), help="JSON of every number")
+    ap.add_argument("--json", help="also write the report section (rlpipe/results.py) here")
     ap.add_argument("--workdir", help="keep every run's directory (config, log, metrics) here")
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU part even where CUDA is available")
     ap.add_argument("--gpu-rows", type=int, default=8)
@@ -468,7 +469,52 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {out}")
+    if args.json:
+        section(report, header).write(args.json)
     return report
+
+
+def section(report: dict, header: str):
+    """The learner's part of the evidence report (rlpipe/results.py)."""
+    from rlpipe.results import Section, figure
+
+    sec = Section("learner", "Learner: training tokens/s by precision, IS mode, batching and parallelism")
+    speed = [g for g in report["groups"] if g["metric"] == TOKENS]
+    if speed:
+        sec.table("Training tokens/s (median over interleaved rounds)",
+                  ["group", "configuration", "tokens/s", "rounds' range", "vs group baseline", "note"],
+                  [[g["name"] if i == 0 else "", r["label"] + (" (baseline)" if i == 0 else ""), r["median"],
+                    f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else None, r["ratio"],
+                    f"FAILED: {r['error']}" if r["error"] else r["note"]]
+                   for g in speed for i, r in enumerate(g["rows"])], note=header)
+        fig, ((ax,),) = figure(width=max(5.5, 0.45 * sum(len(g["rows"]) for g in speed)))
+        x, labels = 0, []
+        for k, g in enumerate(speed):
+            for r in g["rows"]:
+                if r["median"] is not None:
+                    lo, hi = r["range"]
+                    ax.bar(x, r["median"], color=f"C{k}", yerr=[[r["median"] - lo], [hi - r["median"]]], capsize=3)
+                labels.append(f"{g['name']}: {r['name']}")
+                x += 1
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel("training tokens/s (bars: rounds' range)")
+        sec.plot(fig, "tokens_per_s", "Learner training tokens/s by configuration, each group its colour")
+    for g in (g for g in report["groups"] if g["metric"] == BLOCKING):
+        sec.table(f"{g['title']}: seconds a checkpoint step spent blocked on it",
+                  ["configuration", "blocking s per checkpoint step", "vs baseline", "tokens/s", "note"],
+                  [[r["label"] + (" (baseline)" if i == 0 else ""), r["median"], r["ratio"], r["tokens_per_second"],
+                    f"FAILED: {r['error']}" if r["error"] else r["note"]] for i, r in enumerate(g["rows"])])
+    gpu = report["gpu"]
+    if "skipped" in gpu:
+        sec.note(f"GPU part (a 0.5B Qwen2's step time and MFU, with and without activation checkpointing): "
+                 f"skipped, {gpu['skipped']}.")
+    else:
+        sec.note("GPU part: " + json.dumps(gpu))
+    sec.note("On this CPU (no native bf16 or fp16 arithmetic), bf16 and fp16 autocast run about 10x slower than fp32; "
+             "on GPUs they are the fast path (tensor cores), and fp32 is the slow one. The toy model is tiny, so "
+             "per-step overheads (Python, Redis, sync) weigh far more here than with a real model.")
+    sec.data = report
+    return sec
 
 
 if __name__ == "__main__":

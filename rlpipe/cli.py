@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     b = with_config(sub.add_parser("build-model", help="build (or find) the cached toy model and print its path"))
     b.add_argument("--seed", type=int)
 
+    bn = sub.add_parser("bench", help="regenerate the evidence report (docs/results.md): every benchmark in bench/")
+    bn.add_argument("--quick", action="store_true", help="toy sizes, minutes (CI); writes under runs/bench-quick/")
+    bn.add_argument("--only", default="", help="comma-separated parts to re-run (the others keep their numbers)")
+    bn.add_argument("--out", help="report directory: results.md and results/ (default docs/)")
+    bn.add_argument("--render-only", action="store_true", help="re-render results.md from the sections on disk")
     pl = sub.add_parser("plot", help="draw metrics.png for a run directory")
     pl.add_argument("run_dir")
 
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(getattr(args, "config", None), **_overrides(args)) \
-            if args.command not in ("plot", "status", "restart", "scale") else None
+            if args.command not in ("plot", "status", "restart", "scale", "bench") else None
     except (ConfigError, OSError) as e:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         return 2
@@ -167,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(format_summary(summary))
         return 0 if summary.get("completed") else 1
+
+    if args.command in ("rollout", "learner"):
+        # First: the cores the launcher gave this role (RLPIPE_CPU_AFFINITY), before any thread,
+        # vLLM's engine process or torchrun's ranks start; they all inherit the mask.
+        from rlpipe.proc import apply_cpu_affinity
+
+        apply_cpu_affinity()
 
     if args.command == "learner" and cfg.learner.ranks > 1 and "WORLD_SIZE" not in os.environ:
         # Several ranks: become `torchrun ... -m rlpipe.cli <these arguments>` (same pid, so the
@@ -233,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(plot_run(rows, Path(args.run_dir) / "metrics.png"))
         return 0
+
+    if args.command == "bench":
+        from rlpipe import bench
+
+        return bench.main(args.quick, args.only, args.out, args.render_only)
     return 2
 
 

@@ -17,7 +17,8 @@ from tests.conftest import ROOT
 def test_the_learner_benchmark_runs_two_configurations_and_reports_their_ratio(tmp_path):
     out = tmp_path / "learner.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learner.py"), "--quick", "--only",
-                           "dtype/fp32,dtype/bf16", "--rounds", "1", "--steps", "2", "--no-gpu", "--out", str(out)],
+                           "dtype/fp32,dtype/bf16", "--rounds", "1", "--steps", "2", "--no-gpu", "--out", str(out),
+                           "--json", str(tmp_path / "report" / "learner.json")],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (group,) = json.loads(out.read_text())["groups"]
@@ -30,3 +31,6 @@ def test_the_learner_benchmark_runs_two_configurations_and_reports_their_ratio(t
     assert bf16["ratio"] == pytest.approx(bf16["median"] / fp32["median"])
     assert "| dtype | fp32 (baseline) |" in proc.stdout and "ratio vs baseline" in proc.stdout
     assert proc.stderr.count("[round 1/1") == 2  # one progress line per run
+    section = json.loads((tmp_path / "report" / "learner.json").read_text())  # the evidence report's section
+    assert [row[1] for row in section["tables"][0]["rows"]] == ["fp32 (baseline)", "bf16"]
+    assert (tmp_path / "report" / section["plots"][0]["file"]).stat().st_size > 0

@@ -218,7 +218,9 @@ def test_the_rollout_benchmark_runs_and_reports_the_ratio(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ratio = rlpipe / offline" in proc.stdout
-    result = json.loads(out.read_text())["results"]["1"]
+    section = json.loads(out.read_text())
+    assert section["name"] == "rollout" and (out.parent / section["plots"][0]["file"]).exists()
+    result = section["data"]["results"]["1"]
     tokens = {phase: sum(run["tokens"] for run in runs) for phase, runs in result["runs"].items()}
     assert tokens["offline"] > 0 and abs(tokens["rlpipe"] - tokens["offline"]) <= 0.1 * tokens["offline"], tokens
     assert result["ratio"] > 0

