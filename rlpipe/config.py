@@ -22,6 +22,7 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
 IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass"]
 TrainDtype = Literal["fp32", "bf16", "fp16"]
+CPU_LIST = r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$"  # "0", "0-3", "0,2-3" (taskset -c notation); "" = not set
 
 
 class Section(BaseModel):
@@ -43,6 +44,9 @@ class TaskConfig(Section):
     type: Literal["arith", "math", "remote"] = "arith"
     digits: int = Field(2, ge=1, le=4, description="arith: operand digits")
     ops: str = Field("+", pattern=r"^[+\-*]+$", description="arith: operators to draw from")
+    arith_style: Literal["answer", "worked"] = Field("answer", description="arith: 'answer' = the bare answer, exact "
+                                                     "match; 'worked' = the response may show its work, reward reads "
+                                                     "its last number (length can grow: needs sampling.max_tokens)")
     size: int = Field(4096, ge=1, description="arith: problems per epoch (a dataset's size is its row count)")
     seed: int = Field(0, description="arith problems; the per-epoch shuffle of a dataset")
     dataset: str = Field("", description="math/remote: a .jsonl or .parquet file of rows")
@@ -70,6 +74,8 @@ class TaskConfig(Section):
             # The toy model has no chat template and was warm-started on bare "12+34=" prompts.
             raise ValueError("task.chat_template: only for task.type 'math' or 'remote' (the toy 'arith' task's "
                              "tokenizer has no chat template)")
+        if self.arith_style != "answer" and self.type != "arith":
+            raise ValueError(f"task.arith_style: only for task.type 'arith', not {self.type!r}")
         if self.system_prompt and not self.chat_template:
             raise ValueError("task.system_prompt: needs task.chat_template: true (a system turn is part of the chat "
                              "template)")
@@ -95,6 +101,9 @@ class RolloutConfig(Section):
     fleet: list[Precision] = Field([], description="a mixed fleet: the launcher runs worker i in precision "
                                    "fleet[i % len(fleet)], and the learner syncs each precision on its own")
     max_inflight_groups: int = Field(16, ge=1)
+    cpus: str = Field("", pattern=CPU_LIST, description="cores the workers run on, e.g. '0' or '0-3' (`rlpipe "
+                      "demo`/`up` share them out among the workers, each with as many OMP threads as cores); "
+                      "'' = every core this machine gives the launcher")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     kv_cache_gib: int = Field(1, ge=1)
@@ -179,6 +188,9 @@ class LearnerConfig(Section):
     lease_ttl_s: float = Field(10.0, gt=0, description="one learner per run: a restart waits up to this long "
                                "for a killed learner's lease to expire")
     threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
+    cpus: str = Field("", pattern=CPU_LIST, description="cores the learner runs on, e.g. '1' (its ranks share "
+                      "them; OMP threads = its cores, or `threads`), so it never competes with the workers for a "
+                      "core; '' = unpinned")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     read_block_ms: int = Field(200, ge=1)
@@ -332,6 +344,15 @@ def validate_run(cfg: RunConfig) -> None:
     problems = []
     if cfg.sampling.max_tokens > cfg.rollout.max_new_tokens:
         problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
+    if cfg.task.type == "arith" and cfg.task.arith_style == "worked":
+        from rlpipe.toy import ArithmeticTask
+
+        need = ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, size=cfg.task.size, style="worked",
+                              seed=cfg.task.seed).max_target_chars() + 1  # + <eos>
+        if cfg.sampling.max_tokens < need:
+            # Else a correct worked answer is cut before its last number and scores 0: no signal to learn from.
+            problems.append(f"sampling.max_tokens: task.arith_style 'worked' needs at least {need} here "
+                            f"(the longest worked answer plus <eos>), got {cfg.sampling.max_tokens}")
     if cfg.learner.minibatches > cfg.learner.groups_per_step:
         problems.append("learner.minibatches: more minibatches than groups per step")
     if cfg.learner.geo_low >= cfg.learner.geo_high:

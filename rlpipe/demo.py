@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 from rlpipe import registry
-from rlpipe.config import RunConfig, dump_config, validate_run
-from rlpipe.launcher import Launcher, worker_env
+from rlpipe.config import ConfigError, RunConfig, dump_config, validate_run
+from rlpipe.launcher import Launcher, learner_env, worker_env
+from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
 
@@ -32,7 +33,8 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     """The model directory: ``model.path`` if given, else the cached toy model for this config.
     ``model.path: toy-llama`` (or ``toy-qwen2``, the default's architecture) builds, once, the
     toy model of that architecture from the same ``model.toy_*`` keys and task (an existing
-    directory of that name is loaded as it is)."""
+    directory of that name is loaded as it is). The task's ``arith_style`` is part of the spec:
+    a ``worked`` run gets a toy warm-started on worked answers, cached under its own key."""
     from rlpipe.toy import TOY_ARCHS
 
     path = cfg.model.path
@@ -48,7 +50,7 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
         arch or "qwen2",
         hidden_size=cfg.model.toy_hidden_size,
         num_layers=cfg.model.toy_layers,
-        task=ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops),
+        task=ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, style=cfg.task.arith_style),
         seed=cfg.seed,
         target_sampled_accuracy=cfg.model.toy_target_sampled_accuracy,
     )
@@ -126,12 +128,29 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
     cfg.run_id, cfg.run_dir, cfg.redis_url, cfg.model.path = run_id, str(run_dir), redis_url, model_path
     if "int8" in (cfg.rollout.fleet or [cfg.rollout.precision]):
         cfg.quant.profile = resolve_quant_profile(cfg, model_path, log=say)
-    if cfg.learner.threads == 0 and cfg.workers >= len(os.sched_getaffinity(0)):
+    check_cpus(cfg)
+    if cfg.learner.threads == 0 and not cfg.learner.cpus and cfg.workers >= len(os.sched_getaffinity(0)):
         # Every core already runs a worker: a multi-threaded learner would fight them
         # (OpenMP threads wait on each other at every barrier) and run slower than one.
         cfg.learner.threads = 1
     dump_config(cfg, run_dir / "config.yaml")
     return cfg, run_dir, redis_server
+
+
+def check_cpus(cfg: RunConfig) -> None:
+    """``rollout.cpus`` and ``learner.cpus`` must name cores this launcher may use: a role
+    pinned to another would fail at start, after the others had begun."""
+    allowed = os.sched_getaffinity(0)
+    for key, spec in (("rollout.cpus", cfg.rollout.cpus), ("learner.cpus", cfg.learner.cpus)):
+        missing = sorted(set(parse_cpus(spec)) - allowed)
+        if missing:
+            raise ConfigError(f"{key}: cores {missing} are not among this machine's usable cores {sorted(allowed)}")
+
+
+def role_envs(cfg: RunConfig) -> tuple[list[dict[str, str]], dict[str, str]]:
+    """The environment of each worker and of the learner: their cores and OMP threads."""
+    cores = parse_cpus(cfg.rollout.cpus) or None
+    return [worker_env(i, cfg.workers, cores) for i in range(cfg.workers)], learner_env(cfg)
 
 
 def worker_precision(cfg: RunConfig, index: int) -> str:
@@ -148,10 +167,11 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
     keys = Keys(cfg.run_id)
     learner_done = False
     try:
+        worker_envs, learner_vars = role_envs(cfg)
         for i in range(cfg.workers):
             launcher.spawn(f"rollout-{i}", ["rollout", "--config", str(cfg_path), "--worker-id", f"w{i}",
-                                            "--precision", worker_precision(cfg, i)], worker_env(i, cfg.workers))
-        launcher.spawn("learner", ["learner", "--config", str(cfg_path)])
+                                            "--precision", worker_precision(cfg, i)], worker_envs[i])
+        launcher.spawn("learner", ["learner", "--config", str(cfg_path)], learner_vars)
         learner_done = _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress)
         # A done learner exits by itself (under torchrun, every rank, then torchrun): let it,
         # rather than signal it in the middle of that.

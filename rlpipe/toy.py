@@ -20,12 +20,15 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+ARITH_STYLES = ("answer", "worked")
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
@@ -39,27 +42,94 @@ class ArithmeticTask:
 
     Problem ``i`` is a pure function of ``(seed, i % size)``: every worker that is handed
     index ``i`` by the shared cursor sees the same prompt, and epochs wrap.
+
+    ``style`` is what a response looks like. ``answer``: just the answer, exact match, so a
+    response is at most a few tokens. ``worked``: the response may show its work (column by
+    column for ``+``/``-``, partial products for ``*``: ``47+38=`` -> ``7+8=15 4+3+1=8 85``)
+    and the reward reads only the last number, so response length is free to grow (seed 001's
+    length surge needs room to happen; a degenerate policy can babble and still end right).
     """
 
     digits: int = 2
     ops: str = "+"
     seed: int = 0
     size: int = 4096
+    style: str = "answer"
 
-    def problem(self, index: int) -> tuple[str, str]:
-        """Return ``(prompt, answer)`` for dataset index ``index``."""
+    def __post_init__(self):
+        if self.style not in ARITH_STYLES:
+            raise ValueError(f"arith style {self.style!r}: one of {', '.join(ARITH_STYLES)}")
+
+    def operands(self, index: int) -> tuple[int, str, int]:
+        """``(a, op, b)`` of dataset index ``index``."""
         rng = random.Random(f"arith:{self.seed}:{index % self.size}")
         hi = 10**self.digits - 1
         a, b = rng.randint(0, hi), rng.randint(0, hi)
         op = self.ops[rng.randrange(len(self.ops))]
         if op == "-" and b > a:
             a, b = b, a  # keep answers non-negative
+        return a, op, b
+
+    def problem(self, index: int) -> tuple[str, str]:
+        """Return ``(prompt, answer)`` for dataset index ``index``."""
+        a, op, b = self.operands(index)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         return f"{a}{op}{b}=", str(value)
 
+    def target(self, index: int) -> str:
+        """The response a correct policy writes for index ``index`` (the warm start trains on it)."""
+        a, op, b = self.operands(index)
+        answer = self.problem(index)[1]
+        return answer if self.style == "answer" else " ".join([*worked_steps(a, op, b), answer])
+
+    def max_target_chars(self) -> int:
+        """The longest target over the dataset: the response length a run must allow."""
+        return max(len(self.target(i)) for i in range(self.size))
+
     def reward(self, answer: str, response: str) -> float:
-        """1.0 for an exact match of the response text, else 0.0."""
-        return 1.0 if response.strip() == answer else 0.0
+        """``answer``: 1.0 for an exact match of the response text. ``worked``: 1.0 when the
+        last number in the response equals the answer. Else 0.0."""
+        if self.style == "answer":
+            return 1.0 if response.strip() == answer else 0.0
+        return 1.0 if last_number(response) == answer else 0.0
+
+
+def worked_steps(a: int, op: str, b: int) -> list[str]:
+    """The working for ``a op b``, written in the tokenizer's alphabet (digits, ``+-*=``, space).
+
+    ``+``: each column from the right, with the carry (``7+8=15 4+3+1=8``). ``-``: each column
+    with the borrow taken from the next (``17-8=9 3-3=0``). ``*``: the partial product of each
+    digit of ``b`` (``47*8=376 47*30=1410``).
+    """
+    if op == "*":
+        return [f"{a}*{int(d) * 10**i}={a * int(d) * 10**i}" for i, d in enumerate(reversed(str(b)))]
+    width = max(len(str(a)), len(str(b)))
+    xs, ys = str(a).zfill(width)[::-1], str(b).zfill(width)[::-1]
+    steps, carry = [], 0
+    for x, y in zip(map(int, xs), map(int, ys)):
+        if op == "+":
+            total = x + y + carry
+            steps.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+            carry = total // 10
+        else:
+            top = x - carry
+            carry = int(top < y)
+            top += 10 * carry
+            steps.append(f"{top}-{y}={top - y}")
+    return steps
+
+
+_NUMBER = re.compile(r"(?<![0-9])-?[0-9]+")
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` as written, canonical (``007`` -> ``7``), or None when there
+    is none. A ``-`` counts as its sign only where no digit precedes it: in ``4-3`` the last
+    number is ``3``, in ``4 -3`` it is ``-3``."""
+    match = None
+    for match in _NUMBER.finditer(text):
+        pass
+    return None if match is None else str(int(match.group()))
 
 
 @dataclass(frozen=True)
@@ -95,12 +165,16 @@ class ToyModelSpec:
         for name in ADDED_FIELDS:  # fields added later enter the hash only when set: old caches stay valid
             if spec[name] == ADDED_FIELDS[name]:
                 del spec[name]
+        for name in ADDED_TASK_FIELDS:
+            if spec["task"][name] == ADDED_TASK_FIELDS[name]:
+                del spec["task"][name]
         blob = json.dumps({"format": BUILD_FORMAT, **spec}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 # Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
 ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0}
+ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticTask's fields
 # The toy architectures, and what a toy of each differs in from the spec's defaults.
 TOY_ARCHS = {
     "qwen2": {},
@@ -199,6 +273,12 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def sft_example(tokenizer, task: ArithmeticTask, index: int) -> tuple[list[int], list[int]]:
+    """``(prompt ids, response ids)`` of one warm-start example: the target, then ``<eos>``."""
+    prompt, _ = task.problem(index)
+    return encode(tokenizer, prompt), encode(tokenizer, task.target(index))[1:] + [EOS_ID]  # drop the target's <bos>
+
+
 def warm_start(model, tokenizer, spec: ToyModelSpec, log=print) -> tuple[int, float]:
     """Supervised steps on correct examples until sampled accuracy reaches the target.
 
@@ -216,9 +296,7 @@ def warm_start(model, tokenizer, spec: ToyModelSpec, log=print) -> tuple[int, fl
         model.train()
         ids, labels = [], []
         for _ in range(spec.sft_batch):
-            prompt, answer = spec.task.problem(rng.randrange(10**9))
-            p = encode(tokenizer, prompt)
-            a = encode(tokenizer, answer)[1:] + [EOS_ID]  # drop the answer's own <bos>
+            p, a = sft_example(tokenizer, spec.task, rng.randrange(10**9))
             ids.append(p + a)
             labels.append([-100] * len(p) + a)
         width = max(map(len, ids))
@@ -272,7 +350,9 @@ def sample_responses(model, tokenizer, prompts: list[str], gen, temperature: flo
 
 def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temperature: float = 1.0) -> float:
     problems = [task.problem(i) for i in range(n)]
-    responses = sample_responses(model, tokenizer, [p for p, _ in problems], gen, temperature)
+    # Room for the longest target (8 as before for plain answers), so a correct worked answer is never cut short.
+    max_tokens = max(8, max(len(task.target(i)) for i in range(n)) + 1)
+    responses = sample_responses(model, tokenizer, [p for p, _ in problems], gen, temperature, max_tokens)
     return sum(task.reward(a, r) for (_, a), r in zip(problems, responses)) / n
 
 

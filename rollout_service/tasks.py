@@ -3,7 +3,8 @@
 A task hands out the prompt for a dataset index (the index comes from the run's shared Redis cursor, so workers never
 duplicate or skip a prompt; epochs wrap) and scores the group of responses sampled for it. Three kinds:
 
-- ``arith``: the toy arithmetic task with an exact-match reward (rlpipe/toy.py);
+- ``arith``: the toy arithmetic task with an exact-match reward, or with ``task.arith_style: worked`` a shown working
+  scored by its last number (rlpipe/toy.py);
 - ``math``: a JSONL/Parquet dataset, reward 1 when the last ``\\boxed{}`` answer equals the reference (math-verify);
 - ``remote``: a JSONL/Parquet dataset scored by an HTTP reward server, one POST per group.
 
@@ -62,10 +63,11 @@ class Task(Protocol):
 
 
 class ArithTask:
-    """The toy task: exact-match reward on small-number arithmetic, in the toy's fixed order (the demo relies on it)."""
+    """The toy task: small-number arithmetic in the toy's fixed order (the demo relies on it), scored by
+    ``ArithmeticTask.reward`` for ``task.arith_style``."""
 
     def __init__(self, cfg: TaskConfig):
-        self.task = ArithmeticTask(digits=cfg.digits, ops=cfg.ops, seed=cfg.seed, size=cfg.size)
+        self.task = ArithmeticTask(digits=cfg.digits, ops=cfg.ops, seed=cfg.seed, size=cfg.size, style=cfg.arith_style)
         self.size = cfg.size
 
     def prompt(self, index: int) -> Prompt:

@@ -304,3 +304,22 @@ def test_task_config_defaults_and_a_valid_math_config():
     assert build_config({}, environ={}).task.type == "arith"
     cfg = build_config({"task": {"type": "math", "dataset": "d.parquet", "shuffle": False}}, environ={})
     assert (cfg.task.prompt_field, cfg.task.answer_field, cfg.task.template) == ("prompt", "answer", "{prompt}")
+
+
+def test_arith_style_config():
+    cfg = build_config({"task": {"arith_style": "worked"}}, environ={})
+    assert cfg.task.arith_style == "worked"
+    assert asyncio.run(ArithTask(cfg.task).score(ArithTask(cfg.task).prompt(0), ["1 2 3", ""])) == [(0.0, None)] * 2
+    with pytest.raises(ConfigError, match=r"task\.arith_style"):
+        build_config({"task": {"arith_style": "essay"}}, environ={})
+    with pytest.raises(ConfigError, match=r"task\.arith_style: only for task\.type 'arith'"):
+        build_config({"task": {"type": "math", "dataset": "d.jsonl", "arith_style": "worked"}}, environ={})
+
+
+def test_worked_style_needs_room_for_its_longest_answer():
+    from rlpipe.config import validate_run
+
+    with pytest.raises(ConfigError, match=r"sampling\.max_tokens: task\.arith_style 'worked' needs at least 20"):
+        validate_run(build_config({"task": {"arith_style": "worked"}}, environ={}))  # the default 8 tokens
+    validate_run(build_config({"task": {"arith_style": "worked"}, "sampling": {"max_tokens": 32}}, environ={}))
+    validate_run(build_config({}, environ={}))  # the demo's default is untouched

@@ -72,3 +72,65 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     assert toy_spec("llama").key() != ToyModelSpec().key()
     with pytest.raises(FileNotFoundError, match="toy-llama"):
         resolve_model(build_config({}, environ={}, **{"model.path": "toy-gpt"}))
+
+
+# --- task.arith_style: worked ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response, reward", [
+    ("7+8=15 4+3+1=8 85", 1.0),  # the worked answer
+    ("85", 1.0),  # the bare answer is a worked answer with no working
+    ("7+8=15 4+3+1=8 085", 1.0),  # the number's value counts, not its spelling
+    ("85 7+8=15 4+3+1=8", 0.0),  # only the last number counts
+    ("8 8 8 8 8 8 8 8 85", 1.0),  # babble before the answer is free: length can grow
+    ("85 85 85 85 85 84", 0.0),  # babble that ends wrong
+    ("", 0.0), ("+= =*", 0.0),  # no number at all
+    ("4-85", 1.0),  # a '-' after a digit is an operator, not a sign
+    ("4 -85", 0.0), ("-85", 0.0),  # a sign: -85 is not 85
+])
+def test_worked_reward_reads_the_last_number(response, reward):
+    assert ArithmeticTask(style="worked").reward("85", response) == reward
+
+
+def test_worked_reward_with_subtraction_and_negative_numbers():
+    task = ArithmeticTask(style="worked", ops="-")
+    assert task.reward("0", "13-9=4 3-3=0") == 1.0 and task.reward("0", "3 -0") == 1.0
+    assert task.reward("9", "17-8=9 3-3=0 -9") == 0.0  # answers are never negative here; -9 is wrong
+
+
+def test_worked_targets_show_the_columns_and_end_in_the_answer():
+    from rlpipe.toy import last_number, worked_steps
+
+    assert worked_steps(47, "+", 38) == ["7+8=15", "4+3+1=8"]
+    assert worked_steps(47, "-", 38) == ["17-8=9", "3-3=0"]
+    assert worked_steps(47, "*", 38) == ["47*8=376", "47*30=1410"]
+    task = ArithmeticTask(style="worked", ops="+-*", size=300)
+    for i in range(task.size):
+        prompt, answer = task.problem(i)
+        assert last_number(task.target(i)) == answer and task.reward(answer, task.target(i)) == 1.0
+    assert ArithmeticTask(style="worked").max_target_chars() == 19  # "9+8=17 5+8+1=14 147"
+    assert ArithmeticTask().target(3) == ArithmeticTask().problem(3)[1]  # answer style: the bare answer
+    with pytest.raises(ValueError, match="arith style"):
+        ArithmeticTask(style="essay")
+
+
+def test_worked_warm_start_examples_round_trip_through_the_tokenizer(tmp_path):
+    """Every character of a worked answer is in the toy alphabet: no <unk>, decoded back exactly."""
+    from rlpipe.toy import UNK_ID, sft_example
+
+    tok = build_tokenizer(tmp_path)
+    task = ArithmeticTask(style="worked", ops="+-*", size=200)
+    for i in range(task.size):
+        prompt_ids, response_ids = sft_example(tok, task, i)
+        assert UNK_ID not in prompt_ids + response_ids and response_ids[-1] == EOS_ID
+        assert tok.decode(prompt_ids, skip_special_tokens=True) == task.problem(i)[0]
+        assert tok.decode(response_ids, skip_special_tokens=True) == task.target(i)
+
+
+def test_worked_style_is_its_own_toy_and_the_answer_toy_keeps_its_key():
+    from rlpipe.config import build_config
+    from rlpipe.toy import toy_spec
+
+    assert ToyModelSpec().key() == "494a98eff854"  # the key before arith_style existed: caches stay valid
+    assert toy_spec(task=ArithmeticTask(style="worked")).key() != ToyModelSpec().key()
+    assert build_config({}, environ={}).task.arith_style == "answer"
