@@ -1,0 +1,366 @@
+"""The seeds' findings reproduced on the toy task, each with at least 2 seeds, learning
+curves and mismatch plots.
+
+Every finding is an entry of ``FINDINGS``: its arms (config keys that differ), its defaults
+(``steps`` and config keys every arm shares), the ``metrics.jsonl`` keys to plot over
+steps, the per-run numbers of its table, and notes. Each arm x seed is a whole
+``rlpipe demo`` run (Redis, workers and learner as separate processes), kept in
+``<out>/<finding>/runs/<arm>-s<seed>/``; ``--from-runs`` redoes the tables and plots from
+the kept runs without training. Each finding writes one ``rlpipe.results`` section,
+``<json-dir>/<finding>.json`` plus its PNGs: a table per arm and seed with each arm's
+mean over seeds, one plot panel per curve (each seed faint, the mean over seeds bold) and
+the notes.
+
+    precision   seed 000: bf16 vs fp16 for rollout and training, and rollout-only with an fp32 learner
+    int8        seed 002: does int8 W8A8 rollout need TIS?  (was bench/int8_tis.py)
+    surge       seed 001: length-triggered LR decay  (not yet here; see the comment in FINDINGS)
+
+    python bench/seeds.py --finding precision,int8               # 2 seeds each, the lead's full runs
+    python bench/seeds.py --finding int8 --seeds 0,1 --steps 60  # seed 002 as bench/int8_tis.py ran it
+    python bench/seeds.py --finding precision,int8 --from-runs   # redo tables and plots
+    python bench/seeds.py --finding precision,int8 --quick --json-dir /tmp/seeds --out /tmp/seeds/runs  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
+    sys.path.pop(0)  # bench/ first on the path: bench/queue.py would shadow the standard library's queue
+sys.path.insert(0, str(ROOT))
+
+from rlpipe.results import Section, figure, render_section, this_command  # noqa: E402
+
+Stat = Callable[[list[dict]], float | int | None]
+
+
+# --- per-run numbers, each computed from one run's metrics.jsonl rows ---------------------------
+
+def mean_of(key: str) -> Stat:
+    """The mean over steps of ``key``, steps without it left out (nan if none has it)."""
+    def stat(rows):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.fmean(values) if values else float("nan")
+    return stat
+
+
+def first(key: str, k: int = 3) -> Stat:
+    return lambda rows: mean_of(key)(rows[:k])
+
+
+def final(key: str, k: int = 5) -> Stat:
+    return lambda rows: mean_of(key)(rows[-k:])
+
+
+def last(key: str) -> Stat:
+    return lambda rows: rows[-1].get(key) if rows else None
+
+
+def lowest(key: str) -> Stat:
+    return lambda rows: min((r[key] for r in rows if r.get(key) is not None), default=None)
+
+
+def stale_groups(rows: list[dict]) -> int:
+    """Trained groups with staleness above 0, from each step's ``staleness_hist``."""
+    return sum(n for r in rows for s, n in (r.get("staleness_hist") or {}).items() if int(s) > 0)
+
+
+def total_groups(rows: list[dict]) -> int:
+    return sum(r.get("groups", 0) for r in rows)
+
+
+def steps_without_fresh(rows: list[dict]) -> int:
+    return sum(1 for r in rows if r.get("mismatch_kl_fresh") is None)
+
+
+@dataclass
+class Finding:
+    title: str
+    arms: dict[str, dict]       # arm -> config keys that make it
+    defaults: dict              # steps and config keys every arm shares (under --set and --steps)
+    curves: list[str]           # metrics.jsonl keys plotted over steps
+    columns: dict[str, Stat]    # table column -> number per run
+    notes: list[str] = field(default_factory=list)
+    quick_arms: list[str] = field(default_factory=list)  # the arms --quick runs (default: the first)
+
+
+FINDINGS: dict[str, Finding] = {
+    "precision": Finding(
+        title="Seed 000 on the toy task: BF16 vs FP16, rollout and training",
+        arms={"bf16": {"rollout.precision": "bf16", "learner.dtype": "bf16"},
+              "fp16": {"rollout.precision": "fp16", "learner.dtype": "fp16"},
+              "bf16/fp32": {"rollout.precision": "bf16", "learner.dtype": "fp32"},
+              "fp16/fp32": {"rollout.precision": "fp16", "learner.dtype": "fp32"}},
+        defaults={"steps": 30, "queue.max_lag": 0, "learner.groups_per_step": 16},
+        curves=["reward_mean", "mismatch_k3_kl", "mismatch_kl_fresh", "mismatch_log_ppl_abs_diff",
+                "learner_loss_scale"],
+        columns={"steps": len,
+                 "groups": total_groups,
+                 "stale groups": stale_groups,
+                 "steps w/o fresh": steps_without_fresh,
+                 "KL (k1, all)": mean_of("mismatch_kl"),
+                 "KL (k1, staleness 0)": mean_of("mismatch_kl_fresh"),
+                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
+                 "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean"),
+                 "skipped steps": last("learner_skipped_steps_total"),
+                 "min loss scale": lowest("learner_loss_scale"),
+                 "RL seconds": last("time")},
+        notes=["Arms are `rollout precision/learner dtype`; `bf16` and `fp16` use the same precision for both "
+               "(the seed's setting), `bf16/fp32` and `fp16/fp32` keep the learner in fp32 so the rollout "
+               "precision's own share of the mismatch shows. The learner's bf16/fp16 are autocast over fp32 master "
+               "weights; fp16 has dynamic loss scaling, and its overflowing steps are skipped (`skipped steps`).",
+               "Reduced for this CPU: the learner in bf16/fp16 trains about 10x slower than in fp32 here (no native "
+               "bf16, see docs/bench/learner.md), so by default a run is 30 steps of 16 groups x 8 samples (the "
+               "demo's default is 100 steps of 64 groups), about 3-4 minutes per bf16/fp16 run on 2 cores; the "
+               "settings actually used are under the table.",
+               "`queue.max_lag` is 0, yet earlier runs trained a few groups above staleness 0, and at this size "
+               "those stale groups dominate fp16's all-groups KL. So `KL (k1, staleness 0)` is the learner's "
+               "`mismatch_kl_fresh` (staleness-0 groups only, the mean over the steps that had any; "
+               "`steps w/o fresh` had none), and `stale groups` counts the trained groups above staleness 0 from "
+               "each step's `staleness_hist`.",
+               "The k1 KL is an unbiased but noisy estimate that goes negative on single steps when the true KL is "
+               "tiny; k3 is never negative and is what the KL panel plots. `|log ppl diff|` is "
+               "|log ppl(rollout) - log ppl(train)| per step, seed 001's indicator."],
+        quick_arms=["fp16"]),
+    "int8": Finding(
+        title="Seed 002 on the toy task: int8 rollout with and without token TIS",
+        arms={"bf16": {"rollout.precision": "bf16", "learner.is_mode": "none"},
+              "int8": {"rollout.precision": "int8", "learner.is_mode": "none"},
+              "int8+tis": {"rollout.precision": "int8", "learner.is_mode": "token_tis"}},
+        defaults={"steps": 60, "queue.max_lag": 0},
+        curves=["reward_mean", "mismatch_k3_kl", "is_truncated_fraction", "quant_kl_vs_bf16"],
+        columns={"steps": len,
+                 "stale groups": stale_groups,
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean"),
+                 "KL (k1, all)": mean_of("mismatch_kl"),
+                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
+                 "KL (k1, staleness 0)": mean_of("mismatch_kl_fresh"),
+                 "IS truncated": mean_of("is_truncated_fraction"),
+                 "int8 vs bf16 KL (probe)": mean_of("quant_kl_vs_bf16"),
+                 "RL seconds": last("time")},
+        notes=["Arms: `bf16` rollout without correction (the baseline), `int8` W8A8 rollout without correction, "
+               "`int8+tis` int8 rollout with token-level TIS (`is_cap` C = 2); all else is the demo's defaults.",
+               "`queue.max_lag` is 0, so the mismatch measured is the precision's, not the policy lag's. "
+               "`int8 vs bf16 KL (probe)` is the learner's own next-token KL of the quantized policy against the "
+               "bf16 one on its probe set (nan for the bf16 arm, which quantizes nothing).",
+               "Earlier results of this comparison (bench/int8_tis.py, now this finding): docs/int8_tis_w8/ "
+               "(full-range int8 weights, which saturate on this AVX2 CPU) and docs/int8_tis_w7/ (7-bit weights)."],
+        quick_arms=["int8+tis"]),
+    # "surge" (seed 001, length-triggered LR decay) goes here. Arms such as
+    #   "constant":     {"learner.schedule.kind": "constant"},
+    #   "length_surge": {"learner.schedule.kind": "length_surge"},
+    # on a task variant whose response length surges within the run; curves
+    #   ["response_length_mean", "learner_grad_norm", "mismatch_log_ppl_abs_diff", "learner_lr", "reward_mean"]
+    # and columns such as the surge step (rows[-1]["lr_schedule"]["surge_step"]), LR halvings, final LR,
+    # reward end and the peak |log ppl diff| before and after the surge.
+}
+
+QUICK = {"steps": 3, "learner.groups_per_step": 8}  # --quick: 1 seed, the quick arms, these settings
+
+
+def slug(arm: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", arm)
+
+
+def run_id(arm: str, seed: int) -> str:
+    return f"{slug(arm)}-s{seed}"
+
+
+def parse_sets(items: list[str]) -> dict:
+    sets = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        sets[key] = yaml.safe_load(value)
+    return sets
+
+
+def run_finding(name: str, f: Finding, arms: list[str], seeds: list[int], settings: dict, out: Path) -> dict:
+    """Train every arm x seed as a whole demo run; returns {arm: {seed: metrics rows}} of those that finished."""
+    from learner.metrics import read_jsonl
+    from rlpipe.config import build_config
+    from rlpipe.demo import run_demo
+
+    runs_dir = out / name / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    (out / name / "settings.json").write_text(json.dumps({"command": this_command(), "settings": settings,
+                                                          "arms": arms, "seeds": seeds}, indent=1))
+    todo = [(seed, arm) for seed in seeds for arm in arms]
+    for i, (seed, arm) in enumerate(todo, 1):
+        rid = run_id(arm, seed)
+        print(f"[seeds] {name} {i}/{len(todo)}: {rid} ({settings['steps']} steps)", file=sys.stderr, flush=True)
+        shutil.rmtree(runs_dir / rid, ignore_errors=True)  # a kept run dir would be resumed, not trained anew
+        t0 = time.time()
+        try:
+            cfg = build_config({}, environ={}, seed=seed, run_id=rid, **settings, **f.arms[arm])
+            run_demo(cfg, runs_dir=str(runs_dir), progress=False, timeout_s=7200)
+        except Exception as e:  # one failed run should not lose the others
+            print(f"[seeds] {rid} failed after {time.time() - t0:.0f}s: {type(e).__name__}: {e}", file=sys.stderr)
+            (runs_dir / rid).mkdir(parents=True, exist_ok=True)
+            (runs_dir / rid / "failed.txt").write_text(f"{type(e).__name__}: {e}\n")
+            continue
+        rows = read_jsonl(runs_dir / rid / "metrics.jsonl")
+        print(f"[seeds] {rid}: {len(rows)} steps in {time.time() - t0:.0f}s, reward end "
+              f"{final('reward_mean')(rows):.3f}, k3 KL {mean_of('mismatch_k3_kl')(rows):.2e}", file=sys.stderr,
+              flush=True)
+    return load_runs(name, f, out, arms, seeds)
+
+
+def load_runs(name: str, f: Finding, out: Path, arms: list[str] | None = None,
+              seeds: list[int] | None = None) -> dict[str, dict[int, list[dict]]]:
+    """The kept runs of a finding: {arm: {seed: metrics rows}}; all seeds found when ``seeds`` is None."""
+    from learner.metrics import read_jsonl
+
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for arm in arms or list(f.arms):
+        runs[arm] = {}
+        for path in sorted((out / name / "runs").glob(f"{slug(arm)}-s*/metrics.jsonl")):
+            seed = path.parent.name[len(slug(arm)) + 2:]
+            if not seed.isdigit() or (seeds is not None and int(seed) not in seeds) or \
+                    (path.parent / "failed.txt").exists():
+                continue
+            rows = read_jsonl(path)
+            if rows:
+                runs[arm][int(seed)] = rows
+    return runs
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.fmean(values) if values else None
+
+
+def write_section(name: str, f: Finding, runs: dict[str, dict[int, list[dict]]], settings: dict,
+                  command: str | None = None, failed: list[str] | None = None) -> Section:
+    """The finding's section: one table (each arm's seeds, then their mean), one plot of the curves, the notes."""
+    sec = Section(name, f.title, command)
+    columns = list(f.columns)
+    table = []
+    for arm, by_seed in runs.items():
+        arm_rows = [[arm, seed, *[f.columns[c](rows) for c in columns]] for seed, rows in sorted(by_seed.items())]
+        table += arm_rows
+        if len(arm_rows) > 1:
+            table.append([arm, "mean", *[_mean([r[2 + j] for r in arm_rows]) for j in range(len(columns))]])
+    sec.table("Per arm and seed", ["arm", "seed", *columns], table,
+              note="Means over each run's steps; reward start = first 3 steps, reward end = last 5 steps; "
+                   "`mean` rows average the seeds above them. Settings: "
+                   + ", ".join(f"{k}={v}" for k, v in settings.items()) + ".")
+    curves = [c for c in f.curves if any(c in r for by_seed in runs.values() for rows in by_seed.values() for r in rows)]
+    if curves:
+        ncols = min(3, len(curves))
+        fig, axes = figure(ncols=ncols, nrows=math.ceil(len(curves) / ncols), width=4.6, height=3.6)
+        axes = list(axes.flat)
+        for ax, key in zip(axes, curves):
+            plot_curve(ax, key, runs)
+        for ax in axes[len(curves):]:
+            ax.set_visible(False)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f.title)
+        fig.tight_layout()
+        sec.plot(fig, "curves", "Per learner step, each arm a color: every seed faint, the mean over seeds bold. "
+                                "KL-like panels use a log scale where every value is positive.")
+    for n in f.notes:
+        sec.note(n)
+    missing = [c for c in f.curves if c not in curves]
+    if missing:
+        sec.note(f"Not in any run's metrics.jsonl, so not plotted: {', '.join(missing)}.")
+    if failed:
+        sec.note(f"Runs that failed (see their run dir's failed.txt and logs/): {', '.join(failed)}.")
+    return sec
+
+
+def plot_curve(ax, key: str, runs: dict[str, dict[int, list[dict]]]) -> None:
+    positive = True
+    for i, (arm, by_seed) in enumerate(runs.items()):
+        color = f"C{i}"
+        per_step: dict[int, list[float]] = {}
+        for rows in by_seed.values():
+            have = [r for r in rows if r.get(key) is not None]
+            ax.plot([r["step"] for r in have], [r[key] for r in have], color=color, alpha=0.25, linewidth=1)
+            for r in have:
+                per_step.setdefault(r["step"], []).append(r[key])
+                positive = positive and r[key] > 0
+        steps = sorted(per_step)
+        if steps:
+            ax.plot(steps, [statistics.fmean(per_step[s]) for s in steps], color=color, linewidth=2.2,
+                    label=f"{arm} ({len(by_seed)} seed{'s' if len(by_seed) != 1 else ''})")
+    if positive and any(s in key for s in ("kl", "diff", "scale")):
+        ax.set_yscale("log")
+    ax.set(xlabel="learner step", title=key)
+    ax.grid(alpha=0.3)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Section]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--finding", default=",".join(FINDINGS), help=f"comma-separated, of {', '.join(FINDINGS)}")
+    ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1; with --from-runs every seed kept)")
+    ap.add_argument("--arms", default=None, help="comma-separated arms to run (default: every arm of the finding)")
+    ap.add_argument("--steps", type=int, default=None, help="override the finding's steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 1 seed, the fewest arms, 3 steps of 8 groups")
+    ap.add_argument("--json-dir", default=str(ROOT / "docs" / "results"), help="writes <json-dir>/<finding>.json")
+    ap.add_argument("--out", default="runs/seeds", help="runs are kept in <out>/<finding>/runs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config key for every arm, e.g. --set quant.activations=dynamic")
+    ap.add_argument("--from-runs", action="store_true", help="redo tables and plots from the runs kept in --out")
+    args = ap.parse_args(argv)
+    names = args.finding.split(",")
+    for name in names:
+        if name not in FINDINGS:
+            ap.error(f"unknown finding {name!r} (have {', '.join(FINDINGS)})")
+    out = Path(args.out).resolve()
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    sections = {}
+    for name in names:
+        f = FINDINGS[name]
+        if args.arms:  # with several findings, each takes the arms it has
+            arms = [a for a in args.arms.split(",") if a in f.arms]
+            if not arms:
+                ap.error(f"{name}: none of --arms {args.arms} (have {', '.join(f.arms)})")
+        else:
+            arms = (f.quick_arms or list(f.arms)[:1]) if args.quick else list(f.arms)
+        settings = {**f.defaults, **(QUICK if args.quick else {}), **parse_sets(args.set)}
+        if args.steps:
+            settings["steps"] = args.steps
+        command, failed = None, []
+        if args.from_runs:
+            kept = out / name / "settings.json"
+            if kept.exists():  # the command and settings that trained the runs
+                info = json.loads(kept.read_text())
+                command, settings = info["command"] + "  (tables redone with --from-runs)", info["settings"]
+            runs = load_runs(name, f, out, arms, seeds)
+        else:
+            run_seeds = seeds or ([0] if args.quick else [0, 1])
+            runs = run_finding(name, f, arms, run_seeds, settings, out)
+            failed = [run_id(a, s) for a in arms for s in run_seeds if s not in runs.get(a, {})]
+        runs = {a: by_seed for a, by_seed in runs.items() if by_seed}
+        if not runs:
+            print(f"[seeds] {name}: no runs in {out / name / 'runs'}", file=sys.stderr)
+            continue
+        sec = write_section(name, f, runs, settings, command, failed)
+        path = sec.write(Path(args.json_dir) / f"{name}.json")
+        print(render_section(sec.to_dict()))
+        print(f"[seeds] wrote {path} and its plots", file=sys.stderr)
+        sections[name] = sec
+    return sections
+
+
+if __name__ == "__main__":
+    main()

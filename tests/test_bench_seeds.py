@@ -1,0 +1,78 @@
+"""bench/seeds.py's tables and plots (not its training): ``--from-runs`` over kept runs made of
+synthetic metrics.jsonl rows, no engines. Checks the per-arm-and-seed table with its mean rows,
+the stale groups counted from staleness_hist, the staleness-0 KL leaving out steps without
+fresh groups, failed runs left out, and the plot written next to the section's JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def row(step, kl, fresh=None, hist=None, reward=0.5, skipped=0, scale=65536.0):
+    r = {"step": step, "reward_mean": reward, "mismatch_kl": kl, "mismatch_k3_kl": abs(kl) + 1e-6,
+         "mismatch_log_ppl_abs_diff": abs(kl) * 10, "learner_skipped_steps_total": skipped,
+         "learner_loss_scale": scale, "staleness_hist": hist or {"0": 8}, "groups": sum((hist or {"0": 8}).values()),
+         "time": 10.0 * step}
+    if fresh is not None:
+        r["mismatch_kl_fresh"] = fresh
+    return r
+
+
+def write_run(runs, name, rows, failed=False):
+    d = runs / name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if failed:
+        (d / "failed.txt").write_text("RuntimeError: boom\n")
+
+
+def test_from_runs_tables_and_plots_from_kept_runs(tmp_path):
+    runs = tmp_path / "out" / "precision" / "runs"
+    write_run(runs, "bf16-s0", [row(s, 1e-4, fresh=1e-4, reward=0.1 * s) for s in range(1, 7)])
+    write_run(runs, "bf16-s1", [row(s, 3e-4, fresh=3e-4, reward=0.2) for s in range(1, 7)])
+    # fp16 seed 0: step 2 has 2 stale groups among 8; step 3 only stale ones (no fresh KL); 1 skipped step
+    fp16 = [row(1, 1e-5, fresh=1e-5), row(2, 5e-3, fresh=2e-5, hist={"0": 6, "1": 2}),
+            row(3, 9e-3, hist={"1": 8}, skipped=1, scale=32768.0), row(4, 3e-5, fresh=3e-5, skipped=1)]
+    write_run(runs, "fp16-s0", fp16)
+    write_run(runs, "fp16-s1", [row(s, 1e-5, fresh=1e-5) for s in range(1, 5)])
+    write_run(runs, "fp16-s2", [row(1, 1.0, fresh=1.0)], failed=True)  # a failed run: left out
+    write_run(runs, "bf16-fp32-s0", [row(s, 7e-4, fresh=7e-4) for s in range(1, 4)])  # another arm, not bf16's
+    (runs.parent / "settings.json").write_text(json.dumps({"command": "python bench/seeds.py --finding precision",
+                                                           "settings": {"steps": 6, "queue.max_lag": 0}}))
+    json_dir = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "seeds.py"), "--finding", "precision", "--from-runs",
+                           "--out", str(tmp_path / "out"), "--json-dir", str(json_dir)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    sec = json.loads((json_dir / "precision.json").read_text())
+    assert sec["name"] == "precision" and sec["command"].startswith("python bench/seeds.py --finding precision")
+    (table,) = sec["tables"]
+    cols = table["columns"]
+    rows = {(r[0], r[1]): dict(zip(cols, r)) for r in table["rows"]}
+    assert [(r[0], r[1]) for r in table["rows"]] == [("bf16", 0), ("bf16", 1), ("bf16", "mean"), ("fp16", 0),
+                                                     ("fp16", 1), ("fp16", "mean"), ("bf16/fp32", 0)]
+    f0 = rows[("fp16", 0)]
+    assert f0["steps"] == 4 and f0["groups"] == 32
+    assert f0["stale groups"] == 10 and f0["steps w/o fresh"] == 1
+    assert f0["KL (k1, staleness 0)"] == pytest.approx(statistics.fmean([1e-5, 2e-5, 3e-5]))
+    assert f0["KL (k1, all)"] == pytest.approx(statistics.fmean([1e-5, 5e-3, 9e-3, 3e-5]))
+    assert f0["skipped steps"] == 1 and f0["min loss scale"] == 32768.0
+    assert rows[("fp16", 1)]["stale groups"] == 0
+    assert rows[("bf16", "mean")]["KL (k1, all)"] == pytest.approx(2e-4)
+    assert rows[("bf16", 0)]["reward end"] == pytest.approx(statistics.fmean([0.2, 0.3, 0.4, 0.5, 0.6]))
+    assert rows[("bf16", 0)]["reward start"] == pytest.approx(0.2)
+    assert rows[("bf16/fp32", 0)]["KL (k1, all)"] == pytest.approx(7e-4)
+    assert "steps=6" in table["note"]
+
+    (plot,) = sec["plots"]
+    assert plot["file"] == "precision_curves.png" and (json_dir / plot["file"]).stat().st_size > 10_000
+    assert any("staleness 0" in n for n in sec["notes"])
+    assert "| fp16 | mean |" in proc.stdout  # the tables are printed
