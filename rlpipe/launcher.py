@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from rlpipe.auth import SYNC_TOKEN_ENV, sync_token
+from rlpipe.proc import AFFINITY_ENV, parse_cpus
 
 # Environment every role gets: no hub, no telemetry, quiet vLLM.
 ROLE_ENV = {
@@ -61,6 +62,12 @@ class Launcher:
         with open(self.log_dir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True, cwd=os.getcwd())
+        cpus = parse_cpus(full_env.get(AFFINITY_ENV, ""))
+        if cpus:  # from its start on: the role pins itself too, but only once it has imported rlpipe
+            try:
+                os.sched_setaffinity(proc.pid, cpus)
+            except ProcessLookupError:  # exited at once: check() reports it
+                pass
         extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
         with open(self.run_dir / "commands.txt", "a") as f:
             f.write(f"{name}: {extra} {shlex.join(cmd)}\n")
@@ -149,9 +156,23 @@ def torchrun_command(cfg, argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def worker_env(index: int, n_workers: int, cores: list[int] | None = None) -> dict[str, str]:
-    """Give worker ``index`` its share of this machine's cores: an equal slice when there
-    are more cores than workers, else one core each, round-robin."""
+    """Give worker ``index`` its share of ``cores`` (``rollout.cpus``; by default this
+    machine's): an equal slice when there are more cores than workers, else one core each,
+    round-robin. The engine runs in the worker's process tree with vLLM's own OpenMP binding
+    off (the ``uni`` executor, rollout_service/vllm_compat.py), so this mask and
+    ``OMP_NUM_THREADS`` are all that place it."""
     cores = cores or sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // n_workers)
     mine = [cores[(index * per + k) % len(cores)] for k in range(per)]
-    return {"RLPIPE_CPU_AFFINITY": ",".join(map(str, mine)), "OMP_NUM_THREADS": str(per)}
+    return {AFFINITY_ENV: ",".join(map(str, mine)), "OMP_NUM_THREADS": str(per)}
+
+
+def learner_env(cfg) -> dict[str, str]:
+    """Pin the learner to ``learner.cpus`` (none: ``{}``), with one OMP thread per core (or
+    ``learner.threads``); with several ranks torchrun inherits the mask and
+    :func:`torchrun_command` gives each rank its share of it."""
+    cores = parse_cpus(cfg.learner.cpus)
+    if not cores:
+        return {}
+    threads = cfg.learner.threads or max(1, len(cores) // cfg.learner.ranks)
+    return {AFFINITY_ENV: ",".join(map(str, cores)), "OMP_NUM_THREADS": str(threads)}

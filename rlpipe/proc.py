@@ -1,4 +1,4 @@
-"""Process plumbing shared by every role: logging set-up and the orphan guard."""
+"""Process plumbing shared by every role: logging set-up, CPU pinning and the orphan guard."""
 
 from __future__ import annotations
 
@@ -18,6 +18,30 @@ def setup_logging(role: str, level: str | None = None) -> None:
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+AFFINITY_ENV = "RLPIPE_CPU_AFFINITY"
+
+
+def parse_cpus(spec: str) -> list[int]:
+    """A CPU list such as ``"0"``, ``"0-3"`` or ``"0,2-3"`` (the kernel's own notation, as in
+    ``taskset -c``) as sorted core ids; ``""`` is the empty list."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.replace(" ", "").split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+def apply_cpu_affinity() -> list[int]:
+    """Pin this process to the cores in ``RLPIPE_CPU_AFFINITY`` (set by the launcher from
+    ``rollout.cpus`` / ``learner.cpus``), so a role keeps its own cores. Called before
+    anything starts threads or children: vLLM's engine process and torchrun's learner
+    ranks inherit the mask. Returns the cores (empty: unset, left as it was)."""
+    cpus = parse_cpus(os.environ.get(AFFINITY_ENV, ""))
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    return cpus
 
 
 def exit_with_parent() -> None:

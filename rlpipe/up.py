@@ -35,7 +35,8 @@ import yaml
 
 from rlpipe import registry
 from rlpipe.config import RunConfig
-from rlpipe.launcher import Launcher, kill_group, worker_env
+from rlpipe.launcher import Launcher, kill_group, learner_env, worker_env
+from rlpipe.proc import parse_cpus
 
 STATE_FILE, DESIRED_FILE = "up.json", "desired.json"
 BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 1.0, 30.0, 60.0
@@ -118,13 +119,13 @@ class Supervisor:
     def _role(self, name: str) -> Role:
         cfg_arg = ["--config", str(self.cfg_path)]
         if name == "learner":
-            return Role(name, ["learner", *cfg_arg])
+            return Role(name, ["learner", *cfg_arg], learner_env(self.cfg))
         from rlpipe.demo import worker_precision
 
         i = int(name[1:])
         return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", worker_precision(self.cfg, i),
                            "--address-file", str(self.run_dir / "addresses" / name)],
-                    worker_env(i, max(i + 1, self.cfg.workers)))
+                    worker_env(i, max(i + 1, self.cfg.workers), parse_cpus(self.cfg.rollout.cpus) or None))
 
     def _stop(self, role: Role) -> None:
         if role.stopping_since is None and role.running:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -21,19 +20,6 @@ from rlpipe.config import RunConfig
 from rlpipe.proc import bind_socket
 
 log = logging.getLogger(__name__)
-
-
-def apply_cpu_affinity() -> None:
-    """Pin this worker (and the engine process it starts) to ``RLPIPE_CPU_AFFINITY``
-    (e.g. ``"1"`` or ``"0-3"``), as the launcher does to give each worker its own cores."""
-    spec = os.environ.get("RLPIPE_CPU_AFFINITY", "")
-    if not spec:
-        return
-    cpus = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    os.sched_setaffinity(0, cpus)
 
 
 def check_tokenizer(cfg: RunConfig) -> None:
@@ -56,7 +42,6 @@ def check_tokenizer(cfg: RunConfig) -> None:
 def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> None:
     import uvicorn
 
-    apply_cpu_affinity()
     check_tokenizer(cfg)
 
     from rollout_service.app import create_app

@@ -74,3 +74,19 @@ def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
     for path in configs:
         validate_run(load_config(path, environ={}))
     assert load_config(configs[0].parent / "demo.yaml", environ={}) == build_config({}, environ={})
+
+
+def test_role_cpus_give_each_role_its_cores_and_must_exist():
+    from rlpipe.demo import check_cpus, role_envs
+    from rlpipe.proc import parse_cpus
+
+    assert parse_cpus("0,2-3") == [0, 2, 3] and parse_cpus("") == []
+    cfg = build_config({}, environ={}, workers=2, **{"rollout.cpus": "0-3", "learner.cpus": "4-5"})
+    workers, learner = role_envs(cfg)
+    assert [(w["RLPIPE_CPU_AFFINITY"], w["OMP_NUM_THREADS"]) for w in workers] == [("0,1", "2"), ("2,3", "2")]
+    assert learner == {"RLPIPE_CPU_AFFINITY": "4,5", "OMP_NUM_THREADS": "2"}
+    assert role_envs(build_config({}, environ={}))[1] == {}  # unset: the learner is not pinned, as before
+    with pytest.raises(ConfigError, match="learner.cpus"):
+        check_cpus(build_config({}, environ={}, **{"learner.cpus": "100000"}))
+    with pytest.raises(ConfigError, match="rollout.cpus"):
+        build_config({}, environ={}, **{"rollout.cpus": "first"})
