@@ -22,7 +22,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Keys that are not gauges: counters exported by their own collectors, and bookkeeping.
-NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total", "weight_sync_seconds"}
+# (rollout_idle_seconds_total is each worker's own counter rlpipe_rollout_idle_seconds_total.)
+NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total", "weight_sync_seconds",
+              "rollout_idle_seconds_total"}
 
 
 def flatten(row: dict, prefix: str = "") -> dict[str, float]:

@@ -662,7 +662,11 @@ class Learner:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _finish_step(self, m: dict, train_s: float, step_s: float) -> None:
+        now = time.time()
         counters = self.queue.counters()
+        # The fleet's idle seconds at this row's time: over any steps, its change divided by
+        # workers x elapsed time is the rollout idle fraction (the learner's: wait / wall).
+        idle_s, workers = registry.fleet_idle_seconds(self.r, self.keys, now)
         self.metrics.queue_dead.inc(counters["dead"] - self.dead_seen)
         self.dead_seen = counters["dead"]
         m.update({
@@ -684,8 +688,10 @@ class Learner:
             # how long this process took from its start (a restart) to its first trained step
             **({"learner_start_to_first_step_seconds": process_age_s()}
                if not self.last_metrics else {}),
+            "rollout_idle_seconds_total": idle_s,
+            "rollout_workers": workers,
             "lr_schedule": self.schedule.state(),
-            "time": time.time() - self.started_at,
+            "time": now - self.started_at,
         })
         self.last_metrics = m
         self.checkpoint_blocking_s = 0.0

@@ -56,6 +56,20 @@ def live_workers(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
     return out
 
 
+def fleet_idle_seconds(r: redis.Redis, keys: Keys, now: float | None = None) -> tuple[float, int]:
+    """The live workers' idle seconds summed (no group in flight while serving, see
+    rollout_service.loop), exact at ``now``: each worker publishes its ended idle periods and
+    when the current one began; and how many live workers there are. A bench divides the
+    change over some steps by workers x wall time to get the fleet's idle fraction."""
+    now = time.time() if now is None else now
+    workers = live_workers(r, keys)
+    total = 0.0
+    for fields in workers.values():
+        since = float(fields.get("idle_since", 0) or 0)
+        total += float(fields.get("idle_seconds", 0) or 0) + (max(0.0, now - since) if since > 0 else 0.0)
+    return total, len(workers)
+
+
 def worker_incarnations(r: redis.Redis, keys: Keys) -> dict[str, str]:
     """Live workers, id -> incarnation: how weight sync tells a returning worker from the
     one it left out (see weight_sync.sender)."""

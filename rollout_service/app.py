@@ -220,6 +220,8 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     @app.get("/metrics", response_class=Response)
     async def prometheus():
         """Prometheus text format."""
+        if app.state.loop is not None:
+            app.state.loop.idle_seconds()  # the idle counter, up to this moment
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status", dependencies=authorized, responses={401: ERRORS[401]})
@@ -247,6 +249,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             "queue": backlog,
             "sync_generation": loop.generation if loop else 0,
             "paused_seconds_total": engine.paused_seconds_total,
+            "idle_seconds_total": loop.idle_seconds() if loop else 0.0,  # no group in flight while serving
             # updates after which running requests kept the prefix cache from being reset
             "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,
             "last_error": loop.last_error if loop else None,

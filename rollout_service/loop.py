@@ -81,6 +81,11 @@ class RolloutLoop:
         self.failed_here: set[int] = set()  # prompt indices whose group failed once on this worker
         self.pause_until = 0.0  # monotonic time before which no group starts (after a reward error)
         self.redis_restarts = RestartWatch(self.r, every_s=0.25)  # see _after_redis_restart
+        # Idle time: seconds with no group in flight while serving (held by back-pressure, or
+        # waiting for weights), as (ended periods' total, wall-clock start of the current one or
+        # None), replaced as one tuple so a thread publishing it never sees half an update.
+        self._idle: tuple[float, float | None] = (0.0, time.time())
+        self._idle_exported = 0.0  # how much of it the Prometheus counter holds
 
     def start(self) -> None:
         # Prompts leased by this worker id's previous life (killed before it pushed them) go back now.
@@ -137,7 +142,7 @@ class RolloutLoop:
                 for index, attempt in leased:
                     group = _Group(index, attempt)
                     task = asyncio.create_task(self._run_group(group))
-                    self.groups[task] = group
+                    self._enter(task, group)
                     task.add_done_callback(self._group_done)
                 self.metrics.inflight.set(len(self.groups))
                 await asyncio.to_thread(self._publish)
@@ -175,8 +180,30 @@ class RolloutLoop:
                         "fleet_inflight_groups": lease.fleet_leased, "allowance": lease.allowance}
         return lease.prompts
 
+    def _enter(self, task: asyncio.Task, group: _Group) -> None:
+        """A group is in flight: an idle period (none were) ends now."""
+        closed, since = self._idle
+        if since is not None:
+            self._idle = (closed + max(0.0, time.time() - since), None)
+        self.groups[task] = group
+
+    def _leave(self, task: asyncio.Task) -> None:
+        """A group left the in-flight set: with none left, an idle period begins now."""
+        if self.groups.pop(task, None) is not None and not self.groups:
+            self._idle = (self._idle[0], time.time())
+
+    def idle_seconds(self, now: float | None = None) -> float:
+        """Seconds this worker has had no group in flight since it began serving, up to ``now``;
+        brings the Prometheus counter ``rlpipe_rollout_idle_seconds_total`` up to date."""
+        closed, since = self._idle
+        total = closed + (max(0.0, (now or time.time()) - since) if since is not None else 0.0)
+        if total > self._idle_exported:
+            self.metrics.idle_seconds.inc(total - self._idle_exported)
+            self._idle_exported = total
+        return total
+
     def _group_done(self, task: asyncio.Task) -> None:
-        self.groups.pop(task, None)
+        self._leave(task)
         self.metrics.inflight.set(len(self.groups))
         if not task.cancelled() and task.exception() is not None:  # Redis gone past redis_wait_s mid-push
             self.last_error = repr(task.exception())
@@ -212,7 +239,7 @@ class RolloutLoop:
         group.phase = "pushing"
         pushed = await asyncio.to_thread(self.queue.push, record, self.worker_id)
         # Leave the in-flight count now, so the registry never counts a pushed group twice.
-        self.groups.pop(asyncio.current_task(), None)
+        self._leave(asyncio.current_task())
         await asyncio.to_thread(self._publish)
         if pushed is None:
             log.warning("prompt %d was re-issued while I generated it (my heartbeat had expired): not pushed", index)
@@ -305,12 +332,16 @@ class RolloutLoop:
 
     # -- registry ------------------------------------------------------------------------
     def _publish(self) -> None:
+        # Idle time as the ended periods and the current one's start, so a reader (the learner,
+        # registry.fleet_idle_seconds) gets it exact at the moment it reads, not as of this write.
+        closed, since = self._idle
+        self.idle_seconds()
         registry.heartbeat_worker(
             self.r, self.keys, self.worker_id, self.cfg.rollout.heartbeat_ttl_s,
             address=self.address, version=self.engine.version, precision=self.engine.profile.precision,
             inflight=len(self.groups), incarnation=self.follower.incarnation, generation=self.generation,
             weights=self.engine.weights_source, last_sync=json.dumps(self.last_sync),
-            last_error=self.last_error or "")
+            last_error=self.last_error or "", idle_seconds=closed, idle_since=since or 0.0)
 
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():

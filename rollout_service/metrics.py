@@ -28,6 +28,8 @@ class RolloutMetrics:
         self.paused_seconds = counter("rollout_paused_seconds", "time generation was paused for weight updates")
         self.inflight = gauge("rollout_inflight_groups", "groups being generated now")
         self.backpressure_waits = counter("rollout_backpressure_waits", "times a free slot waited for the learner")
+        self.idle_seconds = counter("rollout_idle_seconds", "time with no group in flight while serving "
+                                    "(held by back-pressure or waiting for weights)")
         self.sync_seconds = Histogram(
             "rlpipe_weight_sync_seconds", "weight update time on the worker, by phase", list(labels) + ["phase"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)

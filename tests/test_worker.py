@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from learner.policy import load_policy
+from rlpipe import registry
 from tests.conftest import learner_logprobs, wait_for
 
 pytestmark = pytest.mark.slow
@@ -88,6 +90,38 @@ def test_health_ready_metrics_status(worker):
     groups = [line for line in metrics.splitlines() if line.startswith("rlpipe_rollout_groups_total")]
     assert groups and float(groups[0].split()[-1]) >= 1
     assert "rlpipe_rollout_policy_version" in metrics and "rlpipe_weight_sync_pause_seconds" in metrics
+
+
+def test_a_worker_held_by_back_pressure_counts_idle_seconds_and_generating_is_not_idle(worker, toy_model_path):
+    """max_lag 0 and a learner that consumes nothing: once its one group is pushed the worker
+    has nothing in flight, and every second of that is idle (what the learner sums into its
+    metrics, and the worker's Prometheus counter); the time it generates is not."""
+    def held():  # the registry says so: its last group pushed, the idle period published
+        fields = registry.live_workers(worker.r, worker.keys)["w0"]
+        return fields["inflight"] == "0" and float(fields["idle_since"]) > 0
+
+    def idle_now() -> tuple[float, float]:
+        now = time.time()
+        total, workers = registry.fleet_idle_seconds(worker.r, worker.keys, now)
+        assert workers == 1
+        return now, total
+
+    model = load_policy(toy_model_path)
+    worker.next_group(worker.sync(model))
+    wait_for(held, 30, what="the worker held by back-pressure")
+    t0, idle0 = idle_now()
+    time.sleep(1.0)
+    t1, idle1 = idle_now()
+    assert idle1 - idle0 == pytest.approx(t1 - t0, abs=0.02)
+    scraped = [line for line in worker.http.get("/metrics").text.splitlines()
+               if line.startswith("rlpipe_rollout_idle_seconds_total")]
+    t2, idle2 = idle_now()
+    assert scraped and idle1 - 0.02 <= float(scraped[0].split()[-1]) <= idle2 + 0.02
+    # The next version lets one group through: the seconds it generated are not idle.
+    rec = worker.next_group(worker.sync(model))
+    wait_for(held, 30, what="the worker held again")
+    t3, idle3 = idle_now()
+    assert 0 < idle3 - idle1 <= (t3 - t1) - rec.gen_seconds + 0.02
 
 
 @pytest.mark.parametrize("body, field", [
