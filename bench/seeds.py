@@ -171,7 +171,7 @@ FINDINGS: dict[str, Finding] = {
     # reward end and the peak |log ppl diff| before and after the surge.
 }
 
-QUICK = {"steps": 3, "learner.groups_per_step": 8}  # --quick: 1 seed, the quick arms, these settings
+QUICK = {"steps": 3, "learner.groups_per_step": 8, "workers": 1}  # --quick: 1 seed, the quick arms, these settings
 
 
 def slug(arm: str) -> str:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
     ap.add_argument("--arms", default=None, help="comma-separated arms to run (default: every arm of the finding)")
     ap.add_argument("--steps", type=int, default=None, help="override the finding's steps")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 1 seed, the fewest arms, 3 steps of 8 groups")
+                    help="a smoke run: 1 seed, the fewest arms, 3 steps of 8 groups, 1 worker")
     ap.add_argument("--json-dir", default=str(ROOT / "docs" / "results"), help="writes <json-dir>/<finding>.json")
     ap.add_argument("--out", default="runs/seeds", help="runs are kept in <out>/<finding>/runs")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
