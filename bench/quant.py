@@ -105,7 +105,7 @@ def bench_rollout(args, workdir: Path) -> list[dict]:
     for order in (PRECISIONS, PRECISIONS[::-1])[: args.rounds]:
         for p in order:
             prof = profiles.get(p.partition("-")[2], "")
-            cmd = [sys.executable, __file__, "--engine", p, "--model", model, "--profile", prof,
+            cmd = [sys.executable, "-P", __file__, "--engine", p, "--model", model, "--profile", prof,
                    "--prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
                    "--repeats", str(args.repeats)]
             proc = subprocess.run(["taskset", "-c", "0", *cmd], capture_output=True, text=True, env=env, timeout=1800)

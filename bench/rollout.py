@@ -149,7 +149,7 @@ async def _run_rlpipe(args, model: str) -> list[dict]:
 
 
 def run_phase(args, phase: str, model: Path, workdir: Path, threads: int) -> list[dict]:
-    cmd = [sys.executable, __file__, "--phase", phase, "--model", str(model), "--workdir", str(workdir)]
+    cmd = [sys.executable, "-P", __file__, "--phase", phase, "--model", str(model), "--workdir", str(workdir)]
     for flag in ("groups", "n", "max_tokens", "precision", "repeats"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}

@@ -1,4 +1,4 @@
-"""bench/queue.py's plumbing (not its speeds): a --quick run writes a results section whose
+"""bench/queue_cost.py's plumbing (not its speeds): a --quick run writes a results section whose
 per-group and per-step numbers are positive, whose 8k group is more bytes than its 1k
 group, and whose plot is on disk beside the JSON."""
 
@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 
 def test_the_queue_benchmark_writes_a_section_with_per_group_and_per_step_costs(tmp_path):
     out = tmp_path / "results" / "queue.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "queue.py"), "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "queue_cost.py"), "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sec = json.loads(out.read_text())

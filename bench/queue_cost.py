@@ -21,29 +21,22 @@ groups of each size, built by ``bench/learner.py``'s ``ragged_groups`` (mu is th
 own log-prob plus noise). The toy is trained on 64 positions; longer rows cost the same
 compute, their values mean nothing.
 
-    python bench/queue.py                    # 200 repetitions, 8 groups per step
-    python bench/queue.py --quick --json /tmp/queue.json
+    python bench/queue_cost.py                    # 200 repetitions, 8 groups per step
+    python bench/queue_cost.py --quick --json /tmp/queue.json
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import statistics
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and this file would shadow the
-# standard library's ``queue`` (concurrent.futures imports it): take that folder off.
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+import numpy as np
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-ROOT = Path(HERE).parent
+ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import rlpipe.queue as rq  # noqa: E402
