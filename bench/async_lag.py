@@ -44,8 +44,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
-    sys.path.pop(0)  # bench/ first on the path: bench/queue.py would shadow the standard library's queue
 sys.path.insert(0, str(ROOT))
 
 from rlpipe.results import Section, figure  # noqa: E402

@@ -38,8 +38,6 @@ from typing import Callable
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
-    sys.path.pop(0)  # bench/ first on the path: bench/queue.py would shadow the standard library's queue
 sys.path.insert(0, str(ROOT))
 
 from rlpipe.results import Section, figure, render_section, this_command  # noqa: E402
