@@ -58,9 +58,13 @@ PARTS = (
          ("learner",)),
     Part("async", "async vs sync on dedicated cores, and mismatch attribution", "bench/async_lag.py",
          (), ("--quick",), ("async", "attribution"), "--json-dir"),
-    Part("seeds", "the seeds' findings: precision (000), length surge (001), int8 + TIS (002)", "bench/seeds.py",
-         ("--finding", "precision,surge,int8"), ("--finding", "precision,surge,int8", "--quick"),
-         ("precision", "surge", "int8"), "--json-dir"),
+    Part("precision", "seed 000: bf16 vs fp16, rollout and training", "bench/seeds.py",
+         ("--finding", "precision", "--arms", "bf16,fp16"), ("--finding", "precision", "--quick"),
+         ("precision",), "--json-dir"),
+    Part("surge", "seed 001: constant LR vs the length-surge decay", "bench/seeds.py",
+         ("--finding", "surge"), ("--finding", "surge", "--quick"), ("surge",), "--json-dir"),
+    Part("int8", "seed 002: int8 rollout with and without TIS, against bf16", "bench/seeds.py",
+         ("--finding", "int8", "--steps", "40"), ("--finding", "int8", "--quick"), ("int8",), "--json-dir"),
 )
 ORDER = [s for p in PARTS for s in p.sections]
 
