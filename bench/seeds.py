@@ -13,7 +13,7 @@ the notes.
 
     precision   seed 000: bf16 vs fp16 for rollout and training, and rollout-only with an fp32 learner
     int8        seed 002: does int8 W8A8 rollout need TIS?  (was bench/int8_tis.py)
-    surge       seed 001: length-triggered LR decay  (not yet here; see the comment in FINDINGS)
+    surge       seed 001: constant LR vs the length-surge decay, on the worked-answer arith variant
 
     python bench/seeds.py --finding precision,int8               # 2 seeds each, the lead's full runs
     python bench/seeds.py --finding int8 --seeds 0,1 --steps 60  # seed 002 as bench/int8_tis.py ran it
@@ -69,6 +69,15 @@ def last(key: str) -> Stat:
 
 def lowest(key: str) -> Stat:
     return lambda rows: min((r[key] for r in rows if r.get(key) is not None), default=None)
+
+
+def highest(key: str) -> Stat:
+    return lambda rows: max((r[key] for r in rows if r.get(key) is not None), default=None)
+
+
+def surge_step(rows: list[dict]) -> int | None:
+    """The step ``length_surge`` saw the surge at (None: never, or another schedule)."""
+    return (rows[-1].get("lr_schedule") or {}).get("surge_step") if rows else None
 
 
 def stale_groups(rows: list[dict]) -> int:
@@ -160,13 +169,47 @@ FINDINGS: dict[str, Finding] = {
                "Earlier results of this comparison (bench/int8_tis.py, now this finding): docs/int8_tis_w8/ "
                "(full-range int8 weights, which saturate on this AVX2 CPU) and docs/int8_tis_w7/ (7-bit weights)."],
         quick_arms=["int8+tis"]),
-    # "surge" (seed 001, length-triggered LR decay) goes here. Arms such as
-    #   "constant":     {"learner.schedule.kind": "constant"},
-    #   "length_surge": {"learner.schedule.kind": "length_surge"},
-    # on a task variant whose response length surges within the run; curves
-    #   ["response_length_mean", "learner_grad_norm", "mismatch_log_ppl_abs_diff", "learner_lr", "reward_mean"]
-    # and columns such as the surge step (rows[-1]["lr_schedule"]["surge_step"]), LR halvings, final LR,
-    # reward end and the peak |log ppl diff| before and after the surge.
+    "surge": Finding(
+        title="Seed 001 on the toy task: constant LR vs the length-surge decay, at a higher LR",
+        arms={"constant": {"learner.schedule.kind": "constant"},
+              "length_surge": {"learner.schedule.kind": "length_surge"}},
+        defaults={"steps": 30, "task.arith_style": "worked", "sampling.max_tokens": 48,
+                  "learner.groups_per_step": 32, "learner.lr": 1e-3},
+        curves=["response_length_mean", "learner_grad_norm", "mismatch_log_ppl_abs_diff", "learner_lr",
+                "reward_mean"],
+        columns={"steps": len,
+                 "surge step": surge_step,
+                 "final LR": last("learner_lr"),
+                 "length start": first("response_length_mean"),
+                 "length max": highest("response_length_mean"),
+                 "length end": final("response_length_mean"),
+                 "grad norm max": highest("learner_grad_norm"),
+                 "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
+                 "|log ppl diff| max": highest("mismatch_log_ppl_abs_diff"),
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean")},
+        notes=["Made harder in a stated way: the demo's task never surges (a response is the bare answer, at "
+               "most 8 tokens), so this finding uses `task.arith_style: worked`: the response may show its work "
+               "(`47+38=` -> `7+8=15 4+3+1=8 85`, about 17 tokens) and the reward reads only its last number, so "
+               "length is free to grow and a degenerate policy can babble; its own toy is warm-started on worked "
+               "answers (seed 0: sampled accuracy 0.38 after 175 steps).",
+               "The instability is provoked with a higher LR and nothing else: `learner.lr` 1e-3, the LR "
+               "../shared/TOY_TASK_NOTES.md measured to collapse the toy within seconds, against the default 3e-4; "
+               "both arms use it with the schedule's defaults (5 warmup steps; surge at smoothed length >= 2.0 x its "
+               "recent minimum). `sampling.max_tokens` is 48, not the 32 the longest worked answer needs (19 "
+               "characters + `<eos>`): at 32 a 2x surge from about 17 tokens cannot happen at all, and one run at 32 "
+               "sat at the cap (31.2). 32 groups x 8 samples per step keep a run to about 7 minutes on the shared "
+               "2 cores.",
+               "Until a surge is seen the two arms train identically, so without one they differ only by run-to-run "
+               "noise (async rollouts make runs of the same seed differ). `learner_grad_norm` is 0 on steps where "
+               "every group had equal rewards (nothing to train), which after a collapse is most steps.",
+               "Seen when this entry was added (seed 0, one run per arm and cap, plain demo runs): at 3e-4 reward "
+               "held (0.41 -> 0.45) at length 17; at 1e-3 every run collapsed (reward 0.41 -> 0 by steps 9-12) "
+               "after grad norm (0.6 -> 1.4-6.2) and |log ppl diff| (0.001 -> 0.3-0.8) rose, and the length moved "
+               "only after the collapse and either way: up to 45 (constant, cap 48), up to 31 (length_surge, cap "
+               "32), down to 1.5 (length_surge, cap 48). The length surge never fired the trigger before the "
+               "collapse: on this toy, length is not an early warning, the grad norm and the mismatch are."],
+        quick_arms=["length_surge"]),
 }
 
 QUICK = {"steps": 3, "learner.groups_per_step": 8, "workers": 1}  # --quick: 1 seed, the quick arms, these settings
