@@ -33,7 +33,9 @@ def this_command() -> str:
         script = script.relative_to(ROOT)
     except ValueError:
         pass
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    root = str(ROOT) + os.sep
+    args = [a.replace(root, "") for a in sys.argv[1:]]  # paths in the repository, as typed from its root
+    return shlex.join(["python", str(script), *args])
 
 
 def _cell(v) -> str:
@@ -41,6 +43,8 @@ def _cell(v) -> str:
         return "–"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if isinstance(v, int) and abs(v) >= 10_000:
+        return f"{v:,}"
     if isinstance(v, float):
         if math.isnan(v):
             return "nan"
@@ -127,7 +131,8 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 5.5, height: float = 3
 
 def render_section(sec: dict, link_dir: str = "") -> str:
     """Markdown for one section: title, command, tables, plots, notes."""
-    out = [f"## {sec['title']}", "", f"`{sec['command']}`  ", f"_{sec.get('written', '')} on {sec.get('machine', '')}_", ""]
+    command = sec["command"].replace(str(ROOT) + os.sep, "")
+    out = [f"## {sec['title']}", "", f"`{command}`  ", f"_{sec.get('written', '')} on {sec.get('machine', '')}_", ""]
     for t in sec["tables"]:
         out += [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |",
                 "|" + "---|" * len(t["columns"])]
