@@ -134,9 +134,9 @@ def render_section(sec: dict, link_dir: str = "") -> str:
     command = sec["command"].replace(str(ROOT) + os.sep, "")
     out = [f"## {sec['title']}", "", f"`{command}`  ", f"_{sec.get('written', '')} on {sec.get('machine', '')}_", ""]
     for t in sec["tables"]:
-        out += [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |",
+        out += [f"**{t['title']}**", "", "| " + " | ".join(c.replace("|", "\\|") for c in t["columns"]) + " |",
                 "|" + "---|" * len(t["columns"])]
-        out += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in t["rows"]]
+        out += ["| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |" for row in t["rows"]]
         out += ["", t["note"], ""] if t.get("note") else [""]
     for p in sec["plots"]:
         out += [f"![{p['caption'] or p['file']}]({link_dir}{p['file']})", ""]

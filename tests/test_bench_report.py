@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 
 def write_section(json_dir, name, value):
     sec = Section(name, f"Title of {name}", command=f"python bench/{name}.py --x")
-    sec.table("numbers", ["what", "value"], [["a", value], ["b", None]], note="a note under the table")
+    sec.table("numbers", ["what", "|value|"], [["a", value], ["b", None]], note="a note under the table")
     fig, ((ax,),) = figure()
     ax.plot([1, 2, 3])
     sec.plot(fig, "curve", "a caption")
@@ -31,6 +31,7 @@ def test_the_report_renders_every_section_in_order_and_names_what_is_missing(tmp
     assert "`python bench/queue.py --x`" in text and "| a | 0.25 |" in text and "| b | – |" in text
     assert "![a caption](results/queue_curve.png)" in text and (json_dir / "queue_curve.png").stat().st_size > 0
     assert "- [Title of queue](#title-of-queue)" in text
+    assert "| what | \\|value\\| |" in text  # a pipe in a cell would split the markdown table
     assert "async (failed in the last run)" in text and "learner (not run yet)" in text
     assert set(bench.ORDER) == {s for p in bench.PARTS for s in p.sections}
 
