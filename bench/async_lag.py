@@ -317,8 +317,13 @@ def async_section(stats, curves, seeds, lags, settings, placements) -> Section:
              "faint); right: speedup over the same seed's sync run against (R+L)/max(R,L)")
     sec.note(f"Settings: {settings}. Each run is `rlpipe demo` with `rollout.cpus`/`learner.cpus`, so neither "
              "role runs on the other's core; runs alternate the order of lags from seed to seed.")
-    if placements:
-        sec.note("Observed placement (every thread's Cpus_allowed_list, sampled every 2 s): " + " | ".join(placements))
+    if placements:  # runs with the same placement (the rule) named together
+        runs_by_text: dict[str, list[str]] = {}
+        for p in placements:
+            run, _, text = p.partition(": ")
+            runs_by_text.setdefault(text, []).append(run)
+        sec.note("Observed placement (every thread's Cpus_allowed_list, sampled every 2 s): " + " | ".join(
+            f"{', '.join(runs)}: {text}" for text, runs in runs_by_text.items()))
     return sec
 
 
