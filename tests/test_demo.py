@@ -24,6 +24,16 @@ from tests.conftest import wait_for
 pytestmark = pytest.mark.slow
 
 
+def describe(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {p.status()} ppid {p.ppid()}: {' '.join(p.cmdline())[:160]}")
+        except psutil.Error:
+            pass
+    return out
+
+
 def processes_of_run(launcher_pid: int, run_dir: Path) -> list[psutil.Process]:
     """Every process a run started: roles (and their engines) carry the launcher's pid in
     their environment; the embedded Redis runs in the run directory (it rewrites its title)."""
@@ -169,7 +179,10 @@ def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
         if how == signal.SIGINT:
             assert demo.returncode == 130
         # A Ctrl-C stops children in order; a killed launcher's children notice and stop themselves.
-        wait_for(lambda: not processes_of_run(demo.pid, run_dir), 45, interval=0.5, what="every child to exit")
+        try:
+            wait_for(lambda: not processes_of_run(demo.pid, run_dir), 45, interval=0.5, what="every child to exit")
+        except TimeoutError as e:  # name the survivors: which role, in which state
+            raise AssertionError(f"{e}: {describe(processes_of_run(demo.pid, run_dir))}") from None
     finally:
         if demo.poll() is None:
             demo.kill()
