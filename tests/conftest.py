@@ -65,6 +65,16 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         time.sleep(interval)
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test will Ctrl-C: SIGINT back to its default. A test run
+    started in the background without job control (``cmd &`` in a script, nohup) ignores
+    SIGINT, every child inherits that, and Python then installs no KeyboardInterrupt
+    handler: the test's SIGINT would never reach the demo (it failed so in a CI run)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_run_id(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
 

@@ -19,7 +19,7 @@ from rlpipe.config import build_config, load_config
 from rlpipe.demo import run_demo
 from rlpipe.queue import Keys, connect
 from rlpipe.registry import learner_state, live_workers
-from tests.conftest import wait_for
+from tests.conftest import interruptible, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +166,7 @@ def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
     run_dir = tmp_path / "stop"
     log = open(tmp_path / "demo.log", "wb")
     demo = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "demo", "--steps", "500", "--run-id", "stop",
-                             "--runs-dir", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT)
+                             "--runs-dir", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=interruptible)
     try:
         wait_for(lambda: demo.poll() is not None or len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, 300,
                  interval=0.5, what="the first learner step")

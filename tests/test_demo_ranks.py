@@ -18,7 +18,7 @@ from rlpipe.checkpoints import PREFIX, latest
 from rlpipe.config import build_config, load_config
 from rlpipe.queue import Keys, connect
 from rlpipe.registry import live_workers
-from tests.conftest import wait_for
+from tests.conftest import interruptible, wait_for
 from tests.test_demo import processes_of_run
 
 PARALLEL = "fsdp"  # the ranks' learner.parallel: the default with more than one rank (auto)
@@ -46,7 +46,8 @@ def test_two_learner_ranks_train_the_toy_llama_sync_a_bf16_worker_and_stop_clean
     demo = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "demo", "--learner-ranks", "2", "--workers", "1",
                              "--precision", "bf16", "--steps", "200", "--run-id", "ranks", "--runs-dir", str(tmp_path),
                              "--set", "model.path=toy-llama", "--set", f"learner.parallel={PARALLEL}",
-                             "--set", "learner.groups_per_step=8"], stdout=log, stderr=subprocess.STDOUT)
+                             "--set", "learner.groups_per_step=8"], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=interruptible)
     try:
         wait_for(lambda: demo.poll() is not None or len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, 420,
                  interval=0.5, what="3 learner steps")
