@@ -131,8 +131,7 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 5.5, height: float = 3
 
 def render_section(sec: dict, link_dir: str = "") -> str:
     """Markdown for one section: title, command, tables, plots, notes."""
-    command = sec["command"].replace(str(ROOT) + os.sep, "")
-    out = [f"## {sec['title']}", "", f"`{command}`  ", f"_{sec.get('written', '')} on {sec.get('machine', '')}_", ""]
+    out = [f"## {sec['title']}", "", f"`{sec['command']}`  ", f"_{sec.get('written', '')} on {sec.get('machine', '')}_", ""]
     for t in sec["tables"]:
         out += [f"**{t['title']}**", "", "| " + " | ".join(c.replace("|", "\\|") for c in t["columns"]) + " |",
                 "|" + "---|" * len(t["columns"])]
