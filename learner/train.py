@@ -54,7 +54,7 @@ from learner.policy import LossScaler, compile_layers, enable_activation_checkpo
 from learner.schedule import LRSchedule, apply_lr
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.config import RunConfig, learner_quantized
+from rlpipe.config import RunConfig, learner_quantized, without_secrets
 from rlpipe.proc import process_age_s
 from rlpipe.queue import Entry, IndexSet, RestartWatch, TrajectoryQueue, connect
 
@@ -157,7 +157,7 @@ class Learner:
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None, lc.trackers, cfg.run_id,
-                                      cfg.model_dump(mode="json"))
+                                      without_secrets(cfg).model_dump(mode="json"))  # trackers write it down
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).

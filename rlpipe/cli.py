@@ -19,9 +19,7 @@ import argparse
 import os
 import sys
 
-import yaml
-
-from rlpipe.config import ConfigError, load_config
+from rlpipe.config import ConfigError, check_model_path, load_config, parse_yaml
 
 LEARNER_RANKS_HELP = "run the learner as N data-parallel ranks under torchrun (sets learner.ranks)"
 
@@ -97,7 +95,7 @@ def _overrides(args) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = parse_yaml(value, f"--set {key.strip()}")
     if "," in (getattr(args, "precision", None) or ""):
         fleet = [p.strip() for p in args.precision.split(",")]
         out["rollout.fleet"], args.precision = fleet, fleet[0]
@@ -110,27 +108,43 @@ def _overrides(args) -> dict:
     return out
 
 
+def _usage_error(e: Exception) -> int:
+    """A bad config, file, port or argument: one line naming it, exit 2 (no traceback)."""
+    print("rlpipe: error: " + " ".join(str(e).split("\n")), file=sys.stderr)
+    return 2
+
+
+def check_launch(cfg, command: str) -> None:
+    """What can be known wrong before anything starts: an exposed API or sync store, the
+    model, and the ports this command will listen on (a rank under torchrun leaves the
+    learner's port to rank 0, checked before torchrun started)."""
+    from rlpipe.auth import check_exposure, check_sync_exposure
+    from rlpipe.proc import check_listen
+
+    if command == "rollout":
+        check_exposure(cfg.rollout.host, "rollout.host", cfg.allow_unauthenticated)
+    if command == "learner":
+        check_exposure(cfg.learner.host, "learner.host", cfg.allow_unauthenticated)
+        check_sync_exposure(cfg.sync.host)
+    if command in ("demo", "up", "calibrate", "build-model", "rollout", "learner"):
+        check_model_path(cfg.model.path, builds_toy=command not in ("rollout", "learner"))
+    if command == "rollout" or (command in ("demo", "up") and cfg.rollout.port):
+        check_listen("rollout", cfg.rollout.host, cfg.rollout.port)
+    if (command == "learner" and "WORLD_SIZE" not in os.environ) or (command in ("demo", "up") and cfg.learner.port):
+        check_listen("learner", cfg.learner.host, cfg.learner.port)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(getattr(args, "config", None), **_overrides(args)) \
             if args.command not in ("plot", "status", "restart", "scale", "bench") else None
-    except (ConfigError, OSError) as e:
-        print(f"rlpipe: error: {e}", file=sys.stderr)
-        return 2
-
-    from rlpipe.auth import check_exposure, check_sync_exposure
-    from rlpipe.proc import exit_with_parent, setup_logging
-
-    try:
-        if args.command == "rollout":
-            check_exposure(cfg.rollout.host, "rollout.host", cfg.allow_unauthenticated)
-        if args.command == "learner":
-            check_exposure(cfg.learner.host, "learner.host", cfg.allow_unauthenticated)
-            check_sync_exposure(cfg.sync.host)
+        if cfg is not None:
+            check_launch(cfg, args.command)
     except ConfigError as e:
-        print(f"rlpipe: error: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(e)
+
+    from rlpipe.proc import exit_with_parent, setup_logging
 
     if args.command in ("status", "restart", "scale"):
         from rlpipe import up

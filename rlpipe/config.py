@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -282,6 +283,18 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
     tree[path[-1]] = value
 
 
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML, or a one-line ConfigError naming ``where`` (a file, ``--set KEY``, an
+    environment variable) and the line and column: yaml's own message spans several lines."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
+
+
 def env_overrides(environ: dict[str, str] | None = None) -> dict:
     """``RLPIPE_LEARNER__LR=1e-4`` -> ``{"learner": {"lr": 1e-4}}`` (values parsed as YAML).
 
@@ -293,7 +306,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict:
     for name, raw in environ.items():
         if name.startswith("RLPIPE_") and "__" in name:
             path = [p.lower() for p in name[len("RLPIPE_") :].split("__")]
-            _set_path(out, path, yaml.safe_load(raw) if raw != "" else "")
+            _set_path(out, path, parse_yaml(raw, name) if raw != "" else "")
     return out
 
 
@@ -322,15 +335,78 @@ def build_config(data: dict | None = None, environ: dict[str, str] | None = None
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> RunConfig:
     data = {}
     if path:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+        data = parse_yaml(text, str(path)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return build_config(data, environ, **overrides)
 
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """Write ``cfg`` for the roles to read, readable by its owner only (mode 0600): a config
+    written by hand or by a test may hold a password in ``redis_url``. A launcher writes
+    :func:`without_secrets` of its config and hands the secrets over in :func:`secret_env`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through os.open
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def _split_password(url: str) -> tuple[str, str | None]:
+    """``redis://user:pw@host:6379/0`` -> (``redis://user@host:6379/0``, ``pw``), the password
+    %-decoded as redis-py decodes it."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1])), unquote(parts.password)
+
+
+def without_secrets(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as a run may keep it on disk (config.yaml, a tracker's copy): ``redis_url``
+    without its password. Tokens never are config keys (rlpipe/auth.py reads them from the
+    environment), so the password is the one secret a config can hold."""
+    public = cfg.model_copy(deep=True)
+    public.redis_url = _split_password(cfg.redis_url)[0]
+    return public
+
+
+def secret_env(cfg: RunConfig) -> dict[str, str]:
+    """The environment that gives a launcher's children what :func:`without_secrets` took
+    out: ``RLPIPE_REDIS_PASSWORD``, which rlpipe.queue.connect uses for a URL without one."""
+    from rlpipe.queue import PASSWORD_ENV
+
+    password = _split_password(cfg.redis_url)[1]
+    return {PASSWORD_ENV: password} if password is not None else {}
+
+
+def check_model_path(path: str | None, builds_toy: bool = True) -> None:
+    """``model.path`` names a model, checked before anything starts (else a transformers
+    traceback, after Redis and the engine): a Hugging Face model directory (with a
+    config.json) or, where the command builds one (``builds_toy``: demo, up, calibrate,
+    build-model), null or a toy model's name (``toy-<arch>``, rlpipe/toy.py). A role
+    (rollout, learner) loads the directory its launcher resolved."""
+    from rlpipe.toy import TOY_ARCHS, TOY_PREFIX
+
+    toys = ", ".join(TOY_PREFIX + a for a in TOY_ARCHS)
+    if path is None:
+        if builds_toy:
+            return
+        raise ConfigError("model.path: not set; a role needs a model directory (`rlpipe build-model` builds the toy one)")
+    p = Path(path)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return
+        raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
+    if builds_toy and path.startswith(TOY_PREFIX) and path[len(TOY_PREFIX):] in TOY_ARCHS:
+        return
+    hint = f" nor a toy model ({toys})" if builds_toy else ""
+    raise ConfigError(f"model.path: {path} is not a directory{hint}")
 
 
 def learner_quantized(cfg: RunConfig) -> list[str]:

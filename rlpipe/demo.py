@@ -20,14 +20,12 @@ import time
 from pathlib import Path
 
 from rlpipe import registry
-from rlpipe.config import ConfigError, RunConfig, dump_config, validate_run
-from rlpipe.launcher import Launcher, learner_env, worker_env
+from rlpipe.config import ConfigError, RunConfig, check_model_path, dump_config, secret_env, validate_run, \
+    without_secrets
+from rlpipe.launcher import Launcher, learner_env, make_run_dir, worker_env
 from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
-
-TOY_PREFIX = "toy-"  # model.path "toy-<arch>" names a toy model (rlpipe/toy.py TOY_ARCHS), built like the default
-
 
 def resolve_model(cfg: RunConfig, log=print) -> str:
     """The model directory: ``model.path`` if given, else the cached toy model for this config.
@@ -35,16 +33,15 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     toy model of that architecture from the same ``model.toy_*`` keys and task (an existing
     directory of that name is loaded as it is). The task's ``arith_style`` is part of the spec:
     a ``worked`` run gets a toy warm-started on worked answers, cached under its own key."""
-    from rlpipe.toy import TOY_ARCHS
+    from rlpipe.toy import TOY_PREFIX
 
     path = cfg.model.path
-    arch = path[len(TOY_PREFIX):] if path and path.startswith(TOY_PREFIX) and not Path(path).is_dir() else None
-    if path and arch not in TOY_ARCHS:
-        if not Path(path).is_dir():
-            hint = f" (nor a toy model: {', '.join(TOY_PREFIX + a for a in TOY_ARCHS)})" if arch is not None else ""
-            raise FileNotFoundError(f"model.path: {path} is not a directory{hint}")
+    check_model_path(path)
+    if path and Path(path).is_dir():
         return path
     from rlpipe.toy import ArithmeticTask, ensure_toy_model, toy_spec
+
+    arch = path[len(TOY_PREFIX):] if path else None
 
     spec = toy_spec(
         arch or "qwen2",
@@ -115,8 +112,7 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
     config every role reads to ``<run_dir>/config.yaml``."""
     validate_run(cfg)
     run_id = cfg.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{cfg.seed}"
-    run_dir = Path(runs_dir).resolve() / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(runs_dir, run_id)
     say(f"rlpipe: run {run_id} in {run_dir}")
     model_path = resolve_model(cfg, log=say)
     redis_server = None
@@ -133,7 +129,7 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
         # Every core already runs a worker: a multi-threaded learner would fight them
         # (OpenMP threads wait on each other at every barrier) and run slower than one.
         cfg.learner.threads = 1
-    dump_config(cfg, run_dir / "config.yaml")
+    dump_config(without_secrets(cfg), run_dir / "config.yaml")  # the children get them in secret_env(cfg)
     return cfg, run_dir, redis_server
 
 
@@ -162,7 +158,7 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
     cfg_path = run_dir / "config.yaml"
-    launcher = Launcher(run_dir)
+    launcher = Launcher(run_dir, secret_env(cfg))
     r = connect(cfg.redis_url)
     keys = Keys(cfg.run_id)
     learner_done = False

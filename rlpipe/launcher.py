@@ -13,7 +13,12 @@ a child therefore signals the process groups of its whole tree (:func:`kill_grou
 Weight sync between the children is authenticated: a run started without a sync token
 (``RLPIPE_SYNC_TOKEN`` or ``RLPIPE_API_TOKEN``, rlpipe/auth.py) gets a random one of its
 own, in its children's environment only (never in commands.txt), so even a local run's
-learner admits only its own workers.
+learner admits only its own workers. Other secrets (a password in ``REDIS_URL``) reach the
+children the same way: the run's config.yaml is written without them (rlpipe.config
+``without_secrets`` / ``secret_env``).
+
+A run directory is its owner's alone: created mode 0700, its logs and command list 0600,
+and the children run with umask 077, so metrics and checkpoints are private too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 import psutil
 
 from rlpipe.auth import SYNC_TOKEN_ENV, sync_token
+from rlpipe.config import ConfigError
 from rlpipe.proc import AFFINITY_ENV, parse_cpus
 
 # Environment every role gets: no hub, no telemetry, quiet vLLM.
@@ -48,20 +54,40 @@ class ChildFailed(RuntimeError):
     pass
 
 
+def make_run_dir(runs_dir: str | Path, run_id: str) -> Path:
+    """``<runs_dir>/<run_id>``, created mode 0700; one that cannot be made (a file in the
+    way, no permission) is a ConfigError naming ``--runs-dir``."""
+    run_dir = Path(runs_dir).resolve() / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.chmod(0o700)
+    except OSError as e:
+        raise ConfigError(f"--runs-dir: cannot create {run_dir}: {e.strerror or e}") from None
+    return run_dir
+
+
+def _private(path: str, flags: int) -> int:
+    """``open(..., opener=_private)``: a new file readable by its owner only."""
+    return os.open(path, flags, 0o600)
+
+
 class Launcher:
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, secret_env: dict[str, str] | None = None):
+        """``secret_env``: variables for every child that must not be written down (never in
+        commands.txt), e.g. rlpipe.config.secret_env of the run's config."""
         self.run_dir = Path(run_dir)
         self.log_dir = self.run_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.sync_env = {} if sync_token() else {SYNC_TOKEN_ENV: secrets.token_hex(32)}
+        own_token = {} if sync_token() else {SYNC_TOKEN_ENV: secrets.token_hex(32)}
+        self.secret_env = {**own_token, **(secret_env or {})}
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "rlpipe.cli", *args]
-        full_env = {**os.environ, **ROLE_ENV, **self.sync_env, **(env or {}), "RLPIPE_PARENT_PID": str(os.getpid())}
-        with open(self.log_dir / f"{name}.log", "ab") as log:
+        full_env = {**os.environ, **ROLE_ENV, **self.secret_env, **(env or {}), "RLPIPE_PARENT_PID": str(os.getpid())}
+        with open(self.log_dir / f"{name}.log", "ab", opener=_private) as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=full_env, start_new_session=True, cwd=os.getcwd())
+                                    env=full_env, start_new_session=True, cwd=os.getcwd(), umask=0o077)
         cpus = parse_cpus(full_env.get(AFFINITY_ENV, ""))
         if cpus:  # from its start on: the role pins itself too, but only once it has imported rlpipe
             try:
@@ -69,7 +95,7 @@ class Launcher:
             except ProcessLookupError:  # exited at once: check() reports it
                 pass
         extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-        with open(self.run_dir / "commands.txt", "a") as f:
+        with open(self.run_dir / "commands.txt", "a", opener=_private) as f:
             f.write(f"{name}: {extra} {shlex.join(cmd)}\n")
         self.procs[name] = proc
         return proc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -108,6 +109,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+def check_listen(section: str, host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, so a port in use (or an address this machine
+    does not have) is a ConfigError naming ``<section>.port`` (``.host``) before anything
+    starts, rather than a traceback once the model has loaded."""
+    from rlpipe.config import ConfigError
+
+    try:
+        bind_socket(host, port).close()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{section}.port: {port} is already in use on {host}") from None
+        raise ConfigError(f"{section}.host: cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def process_start_ticks(pid: int) -> str:

@@ -175,6 +175,7 @@ class ToyModelSpec:
 # Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
 ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0}
 ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticTask's fields
+TOY_PREFIX = "toy-"  # model.path "toy-<arch>" names a toy model of one of TOY_ARCHS, built like the default
 # The toy architectures, and what a toy of each differs in from the spec's defaults.
 TOY_ARCHS = {
     "qwen2": {},

@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from rlpipe import registry
-from rlpipe.config import RunConfig
+from rlpipe.config import RunConfig, secret_env
 from rlpipe.launcher import Launcher, kill_group, learner_env, worker_env
 from rlpipe.proc import parse_cpus
 
@@ -75,7 +75,7 @@ class Supervisor:
     def __init__(self, cfg: RunConfig, run_dir: Path, grace_s: float | None = None, log=print):
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.cfg_path = run_dir / "config.yaml"
-        self.launcher = Launcher(run_dir)
+        self.launcher = Launcher(run_dir, secret_env(cfg))
         self.grace_s = grace_s if grace_s is not None else cfg.rollout.shutdown_deadline_s + 15
         self.roles: dict[str, Role] = {}
         self.restart_seen: dict[str, int] = {"learner": 0, "rollout": 0}

@@ -100,11 +100,11 @@ def test_redis_is_back_only_once_it_has_replayed_its_aof(tmp_path, caplog):
         server.stop()
 
 
-def test_redis_down_at_start_waits_then_names_the_url(tmp_path):
+def test_redis_down_at_start_waits_then_names_the_url(tmp_path, toy_model_path):
     """The learner with no Redis: says it is waiting, gives up after redis_wait_s with the
     URL (password redacted) and exit code 3, no traceback."""
     cfg = build_config({}, environ={}, run_dir=str(tmp_path), redis_url="redis://:hunter2@127.0.0.1:1/0",
-                       redis_wait_s=2.0, **{"model.path": str(tmp_path)})
+                       redis_wait_s=2.0, **{"model.path": toy_model_path})
     dump_config(cfg, tmp_path / "config.yaml")
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],

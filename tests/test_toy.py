@@ -51,7 +51,7 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from rlpipe.config import build_config
+    from rlpipe.config import ConfigError, build_config
     from rlpipe.demo import resolve_model
     from rlpipe.toy import toy_spec
 
@@ -70,7 +70,7 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     # The default toy keeps the key (and cache entry) it had before there was an arch.
     assert ToyModelSpec(task=ArithmeticTask()).key() == toy_spec("qwen2", task=ArithmeticTask()).key() == "494a98eff854"
     assert toy_spec("llama").key() != ToyModelSpec().key()
-    with pytest.raises(FileNotFoundError, match="toy-llama"):
+    with pytest.raises(ConfigError, match="toy-llama"):
         resolve_model(build_config({}, environ={}, **{"model.path": "toy-gpt"}))
 
 

@@ -1,0 +1,133 @@
+"""The CLI's usage errors, and what a run leaves on disk.
+
+Every mistake a user can make before anything starts (a config file, a ``--set`` value, the
+model, a port, the runs directory) ends as one line naming it and exit code 2, checked
+through the real ``rlpipe`` command, no traceback. A run started with a password in
+``REDIS_URL`` writes it nowhere under its run directory, whose files are its owner's alone,
+and its children still reach Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlpipe.config import build_config, load_config, secret_env, without_secrets
+from tests.conftest import free_run_id, wait_for
+
+
+def rlpipe(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[int, str]:
+    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})}, cwd=cwd)
+    return out.returncode, out.stderr
+
+
+def assert_usage_error(code: int, stderr: str, *names: str) -> None:
+    """Exit 2, one line on stderr, naming every one of ``names``, and no traceback."""
+    assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlpipe: error: "), stderr
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> str:
+    """What the CLI takes for a model directory (it has a config.json): the commands below
+    stop before anything loads it."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return str(tmp_path / "model")
+
+
+def test_config_files_and_values_that_do_not_parse_are_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  lr: [1,\n")
+    assert_usage_error(*rlpipe("learner", "--config", str(bad)), str(bad), "line 3")
+    assert_usage_error(*rlpipe("demo", "--set", "learner.lr=[1,"), "--set learner.lr")
+    assert_usage_error(*rlpipe("demo", env={"RLPIPE_LEARNER__LR": "{x"}), "RLPIPE_LEARNER__LR")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("seed: 1  # Müller\n".encode("latin-1"))
+    assert_usage_error(*rlpipe("demo", "--config", str(latin)), str(latin), "UTF-8")
+    assert_usage_error(*rlpipe("demo", "--config", str(tmp_path)), str(tmp_path))  # a directory
+
+
+def test_a_model_path_that_is_no_model_is_named_before_anything_starts(tmp_path):
+    assert_usage_error(*rlpipe("demo", "--set", f"model.path={tmp_path / 'nowhere'}"), "model.path", "toy-llama")
+    # a role, which used to get as far as a transformers traceback (exit 3)
+    assert_usage_error(*rlpipe("rollout", "--worker-id", "w0", "--set", f"model.path={tmp_path}"),
+                       "model.path", "config.json")
+    assert_usage_error(*rlpipe("learner"), "model.path")  # null: only the launchers build a toy
+
+
+def test_a_port_in_use_is_named(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_usage_error(*rlpipe("rollout", "--worker-id", "w0", "--set", f"model.path={model_dir}",
+                                   "--port", str(port)), "rollout.port", str(port))
+        assert_usage_error(*rlpipe("learner", "--set", f"model.path={model_dir}", "--set", f"learner.port={port}"),
+                           "learner.port", str(port))
+
+
+def test_a_runs_dir_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    assert_usage_error(*rlpipe("demo", "--runs-dir", str(tmp_path / "a-file" / "runs")), "--runs-dir", "a-file")
+    if Path("/sys/kernel").is_dir():  # no mkdir there, even for root: PermissionError
+        assert_usage_error(*rlpipe("up", "--runs-dir", "/sys/rlpipe-runs"), "--runs-dir", "/sys/rlpipe-runs")
+
+
+def test_without_secrets_drops_the_password_and_secret_env_carries_it():
+    cfg = build_config({}, environ={}, redis_url="redis://svc:p%40ss@redis:6379/0")
+    assert without_secrets(cfg).redis_url == "redis://svc@redis:6379/0"
+    assert secret_env(cfg) == {"RLPIPE_REDIS_PASSWORD": "p@ss"}  # decoded, as redis-py reads the URL
+    assert cfg.redis_url.endswith("p%40ss@redis:6379/0")  # the launcher's own copy keeps it
+    plain = build_config({}, environ={}, redis_url="redis://redis:6379/0")
+    assert without_secrets(plain).redis_url == plain.redis_url and secret_env(plain) == {}
+
+
+def test_a_run_writes_no_password_and_its_files_are_private(tmp_path, monkeypatch, toy_model_path):
+    """The launcher's path (prepare_run, Launcher) with REDIS_URL=redis://:PW@host: a real
+    Redis that requires PW, and a real learner child, which must get through to it."""
+    from rlpipe.auth import SYNC_TOKEN_ENV
+    from rlpipe.demo import prepare_run
+    from rlpipe.launcher import Launcher
+    from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, Keys, connect
+    from rlpipe.redis_server import EmbeddedRedis
+    from rlpipe.registry import learner_state
+
+    password = "pw-" + os.urandom(8).hex()
+    for name in (PASSWORD_ENV, PASSWORD_FILE_ENV, SYNC_TOKEN_ENV, "RLPIPE_API_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    with EmbeddedRedis(tmp_path / "redis", password=password) as server:
+        monkeypatch.setenv("REDIS_URL", server.url.replace("redis://", f"redis://:{password}@"))
+        cfg = build_config({}, environ={}, run_id=free_run_id("secret"), **{"model.path": toy_model_path})
+        cfg, run_dir, embedded = prepare_run(cfg, str(tmp_path / "runs"), say=lambda m: None)
+        assert embedded is None and password in cfg.redis_url
+        launcher = Launcher(run_dir, secret_env(cfg))
+        try:
+            learner = launcher.spawn("learner", ["learner", "--config", str(run_dir / "config.yaml")])
+            umask = next(line.split()[1] for line in Path(f"/proc/{learner.pid}/status").read_text().splitlines()
+                         if line.startswith("Umask:"))
+            r = connect(cfg.redis_url)
+            wait_for(lambda: learner_state(r, Keys(cfg.run_id)).get("address") or launcher.check(), 120,
+                     interval=0.2, what="the learner to reach Redis and publish its address")
+        finally:
+            launcher.stop_all(grace_s=1)  # a learner waiting for its first step: no need to wait
+        token = launcher.secret_env[SYNC_TOKEN_ENV]
+    assert load_config(run_dir / "config.yaml", environ={}).redis_url == server.url
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"config.yaml", "commands.txt", "learner.log"} <= {p.name for p in files}
+    for path in files:
+        data = path.read_bytes()
+        assert password.encode() not in data and token.encode() not in data, path
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and umask == "0077"
+    for name in ("config.yaml", "commands.txt", "logs/learner.log"):
+        assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600, name
