@@ -10,7 +10,9 @@
     rlpipe status | restart ROLE | scale ROLE N           act on a running `rlpipe up` (rlpipe/up.py)
 
 Arguments are parsed and the config validated before anything heavy (torch, vLLM) is
-imported, so ``--help`` and config errors are instant.
+imported, so ``--help`` and config errors are instant. What can be known wrong before a
+role starts (the config, the model, a port: :func:`check_launch`) exits 2 with one line
+naming the key, file or port.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command in ("status", "restart", "scale"):
         from rlpipe import up
+        from rlpipe.queue import RedisUnavailable
 
         try:
             run_dir = up.find_run(args.run_dir, args.runs_dir)
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as e:
             print(f"rlpipe: error: {e}", file=sys.stderr)
             return 2
+        except RedisUnavailable as e:  # down, or a password the run keeps out of its config.yaml
+            print(f"rlpipe: error: {e} (a password: RLPIPE_REDIS_PASSWORD or RLPIPE_REDIS_PASSWORD_FILE)",
+                  file=sys.stderr)
+            return 3
         return 0
 
     if args.command in ("demo", "up"):

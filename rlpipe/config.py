@@ -397,7 +397,8 @@ def check_model_path(path: str | None, builds_toy: bool = True) -> None:
     if path is None:
         if builds_toy:
             return
-        raise ConfigError("model.path: not set; a role needs a model directory (`rlpipe build-model` builds the toy one)")
+        raise ConfigError("model.path: not set; a role needs a model directory "
+                          "(`rlpipe build-model` builds the toy one)")
     p = Path(path)
     if p.is_dir():
         if (p / "config.json").is_file():

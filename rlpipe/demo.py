@@ -27,22 +27,20 @@ from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
 
+
 def resolve_model(cfg: RunConfig, log=print) -> str:
     """The model directory: ``model.path`` if given, else the cached toy model for this config.
     ``model.path: toy-llama`` (or ``toy-qwen2``, the default's architecture) builds, once, the
     toy model of that architecture from the same ``model.toy_*`` keys and task (an existing
     directory of that name is loaded as it is). The task's ``arith_style`` is part of the spec:
     a ``worked`` run gets a toy warm-started on worked answers, cached under its own key."""
-    from rlpipe.toy import TOY_PREFIX
-
     path = cfg.model.path
     check_model_path(path)
     if path and Path(path).is_dir():
         return path
-    from rlpipe.toy import ArithmeticTask, ensure_toy_model, toy_spec
+    from rlpipe.toy import TOY_PREFIX, ArithmeticTask, ensure_toy_model, toy_spec
 
-    arch = path[len(TOY_PREFIX):] if path else None
-
+    arch = path[len(TOY_PREFIX):] if path else None  # toy-<arch> (check_model_path) or null
     spec = toy_spec(
         arch or "qwen2",
         hidden_size=cfg.model.toy_hidden_size,
@@ -109,7 +107,7 @@ def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path |
 def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, EmbeddedRedis | None]:
     """Resolve a run for local roles (``rlpipe demo``, ``rlpipe up``): its directory, the
     model, Redis (embedded unless ``REDIS_URL`` is set), the int8 profile; write the
-    config every role reads to ``<run_dir>/config.yaml``."""
+    config every role reads to ``<run_dir>/config.yaml``, without its secrets."""
     validate_run(cfg)
     run_id = cfg.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{cfg.seed}"
     run_dir = make_run_dir(runs_dir, run_id)
