@@ -369,8 +369,8 @@ def _split_password(url: str) -> tuple[str, str | None]:
 
 def without_secrets(cfg: RunConfig) -> RunConfig:
     """``cfg`` as a run may keep it on disk (config.yaml, a tracker's copy): ``redis_url``
-    without its password. Tokens never are config keys (rlpipe/auth.py reads them from the
-    environment), so the password is the one secret a config can hold."""
+    without its password. Tokens are never config keys (rlpipe/auth.py reads them from the
+    environment); credentials written into ``task.verifier_url`` would be kept as they are."""
     public = cfg.model_copy(deep=True)
     public.redis_url = _split_password(cfg.redis_url)[0]
     return public
