@@ -179,6 +179,10 @@ class Supervisor:
                            "--address-file", str(self.run_dir / "addresses" / name)],
                     worker_env(i, max(i + 1, self.cfg.workers), parse_cpus(self.cfg.rollout.cpus) or None))
 
+    def _grace(self, role: Role) -> float:
+        """How long a stopping role may take before SIGKILL: a worker's drain, or the learner's step and checkpoint."""
+        return max(self.grace_s, LEARNER_GRACE_S) if role.name == "learner" else self.grace_s
+
     def _stop(self, role: Role) -> None:
         if role.stopping_since is None and role.running:
             role.proc.send_signal(signal.SIGTERM)  # the learner checkpoints, a worker drains
@@ -187,7 +191,7 @@ class Supervisor:
     def _reconcile(self, role: Role, r) -> None:
         now = time.monotonic()
         if role.stopping_since is not None:
-            if role.proc.poll() is None and now - role.stopping_since < self.grace_s:
+            if role.proc.poll() is None and now - role.stopping_since < self._grace(role):
                 return
             kill_group(role.proc, signal.SIGKILL)  # whatever is left of its process group
             role.proc.wait()
@@ -288,7 +292,7 @@ class Supervisor:
         if learner is not None and learner.running:
             self.log("stopping learner (it finishes the step in hand and checkpoints)")
             self._stop(learner)
-            self._wait_stopped([learner], max(self.grace_s, LEARNER_GRACE_S))
+            self._wait_stopped([learner], self._grace(learner))
         workers = [role for name, role in self.roles.items() if name != "learner"]
         if any(role.running for role in workers):
             self.log(f"stopping {', '.join(role.name for role in workers if role.running)}")
