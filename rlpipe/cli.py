@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlpipe: error: {e}", file=sys.stderr)
             return 2
         print(format_summary(summary))
-        return 0 if summary.get("completed") else 1
+        return 0 if summary.get("completed") else 130 if summary.get("interrupted") else 1
 
     if args.command in ("rollout", "learner"):
         # First: the cores the launcher gave this role (RLPIPE_CPU_AFFINITY), before any thread,

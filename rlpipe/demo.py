@@ -22,7 +22,7 @@ from pathlib import Path
 from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, check_model_path, dump_config, secret_env, validate_run, \
     without_secrets
-from rlpipe.launcher import Launcher, learner_env, make_run_dir, worker_env
+from rlpipe.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
 from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
@@ -152,6 +152,8 @@ def worker_precision(cfg: RunConfig, index: int) -> str:
 
 
 def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
+    """The run's summary (also in ``summary.json``); ``interrupted`` in it after a Ctrl-C or
+    SIGTERM, which stop the run in order (rlpipe.launcher) and still summarize it."""
     t_start = time.time()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
@@ -159,7 +161,7 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
     launcher = Launcher(run_dir, secret_env(cfg))
     r = connect(cfg.redis_url)
     keys = Keys(cfg.run_id)
-    learner_done = False
+    learner_done = interrupted = False
     try:
         worker_envs, learner_vars = role_envs(cfg)
         for i in range(cfg.workers):
@@ -171,13 +173,14 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
         # rather than signal it in the middle of that.
         launcher.wait("learner", 30)
     except KeyboardInterrupt:
-        say("\ninterrupted: stopping every process")
-        raise
+        interrupted = True
+        say("\ninterrupted: the learner finishes its step and checkpoints, then every process stops")
     finally:
-        launcher.stop_all()
-        summary = _summarize(cfg, r, run_dir, t_start, learner_done)
-        if redis_server:
-            redis_server.stop()
+        with signals_held(say):
+            launcher.stop_all()
+            summary = _summarize(cfg, run_dir, t_start, learner_done, interrupted)
+            if redis_server:
+                redis_server.stop()
     return summary
 
 
@@ -216,12 +219,23 @@ def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bo
         bar.close()
 
 
-def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: bool) -> dict:
+def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool, interrupted: bool = False) -> dict:
+    """The run in one table, from ``metrics.jsonl`` and the queue's books. Called with every
+    role stopped and Redis still up; if Redis is unreachable even so (an external one, down),
+    the books are left out and the rest is still summarized."""
+    import redis
+
     from learner.metrics import read_jsonl
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    queue = TrajectoryQueue(r, cfg.run_id)
-    counters = queue.counters()
+    try:  # no waiting out redis_wait_s here: the summary is due now
+        r = connect(cfg.redis_url)
+        queue = TrajectoryQueue(r, cfg.run_id)
+        counters, pending, unacknowledged = queue.counters(), queue.length(), queue.pending()
+        r.close()
+    except redis.RedisError as e:
+        counters, pending, unacknowledged = dict.fromkeys(("produced", "trained", "dropped_stale", "dead")), None, None
+        print(f"rlpipe: the queue's books are left out of the summary: Redis is unreachable ({e})", file=sys.stderr)
     k = min(3, max(1, len(rows) // 4)) if rows else 0
 
     def mean(values):
@@ -234,6 +248,7 @@ def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: b
         "precision": ",".join(cfg.rollout.fleet) or cfg.rollout.precision,
         "is_mode": cfg.learner.is_mode,
         "completed": learner_done,
+        "interrupted": interrupted,
         "steps": len(rows),
         "final_version": rows[-1]["learner_version"] if rows else 0,
         "wall_seconds": round(time.time() - t_start, 1),
@@ -247,8 +262,8 @@ def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: b
         "groups_produced": counters["produced"],
         "groups_trained": counters["trained"],
         "groups_dropped_stale": counters["dropped_stale"],
-        "groups_pending": queue.length(),
-        "groups_unacknowledged": queue.pending(),  # read by the learner, not yet covered by a checkpoint
+        "groups_pending": pending,
+        "groups_unacknowledged": unacknowledged,  # read by the learner, not yet covered by a checkpoint
         "groups_dead": counters["dead"],
     }
     if "quant_kl_vs_bf16" in (rows[-1] if rows else {}):
@@ -272,13 +287,13 @@ def _summarize(cfg: RunConfig, r, run_dir: Path, t_start: float, learner_done: b
     return summary
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: dict, title: str = "rlpipe demo summary") -> str:
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.4g}"
         return str(v)
 
     width = max(map(len, summary))
-    lines = ["", "rlpipe demo summary", "-" * (width + 24)]
+    lines = ["", title, "-" * (width + 24)]
     lines += [f"{k.ljust(width)}  {fmt(v)}" for k, v in summary.items()]
     return "\n".join(lines)

