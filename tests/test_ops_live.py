@@ -190,7 +190,7 @@ def test_every_dashboard_query_and_alert_expression_evaluates_against_the_live_r
             problems.append(f"{where}: no data for {expr}")
     assert not problems, "\n".join(problems)
     # Every series of the roles carries the run (the dashboard's run variable lists it).
-    unlabelled = live.values(f'count({{job=~"rlpipe-.*", __name__!="up", __name__!~"scrape_.*", run_id!="{live.cfg.run_id}"}})')
+    unlabelled = live.values(f'count({{__name__=~"(rlpipe|process)_.+", run_id!="{live.cfg.run_id}"}})')
     assert unlabelled in ([], [0.0]), unlabelled
     assert live.values(f'count(rlpipe_learner_step{{run_id="{live.cfg.run_id}"}})') == [1.0]
     # Every rule group loaded and evaluated without error.
