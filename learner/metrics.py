@@ -1,16 +1,20 @@
 """Where the learner's per-step numbers go: Prometheus and ``metrics.jsonl``.
 
 Every metric of a step is one key of a flat dict (a few values are small dicts). The
-dict becomes one JSON line, and every numeric key is exported as the gauge
-``rlpipe_<key>`` (names from DESIGN.md). The mismatch metrics of each rollout precision
+dict becomes one JSON line, and every numeric key is exported as ``rlpipe_<key>`` (names
+from DESIGN.md): a gauge, or a counter for a ``_total`` key (a count that only grows, which
+the counter follows by its increments). :data:`METRICS` says what each key means (the HELP
+text) and which tracker group it belongs to. The mismatch metrics of each rollout precision
 are gauges with a ``precision`` label (``rlpipe_mismatch_kl_by_precision{precision="fp8"}``),
-and the LR schedule's state is exported as ``rlpipe_lr_schedule_*``.
+and the LR schedule's state is exported as ``rlpipe_lr_schedule_*``. Every series carries
+``run_id`` (rlpipe/prom.py).
 
 The same rows can go to the experiment trackers users already read (``learner.trackers``):
-TensorBoard event files in ``<run_dir>/tensorboard``, W&B in offline mode in
-``<run_dir>/wandb`` (``wandb sync`` uploads it later), MLflow with a local file store in
-``<run_dir>/mlruns``. Metric names are the JSON keys; a nested value's keys are joined with
-``/`` (``mismatch_by_precision/int8/mismatch_kl``).
+TensorBoard event files in ``<run_dir>/tensorboard``; W&B under ``learner.wandb``'s project,
+entity and mode (offline by default, in ``<run_dir>/wandb``; ``wandb sync`` uploads it later);
+MLflow at ``learner.mlflow.tracking_uri`` (by default a local file store in ``<run_dir>/mlruns``).
+Tracker names are the JSON keys under their group, ``train/``, ``rollout/`` or ``sync/``; a
+nested value's keys are joined with ``/`` (``train/mismatch_by_precision/int8/mismatch_kl``).
 """
 
 from __future__ import annotations
@@ -19,12 +23,116 @@ import json
 import time
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import Counter, Gauge, Histogram, ProcessCollector
 
-# Keys that are not gauges: counters exported by their own collectors, and bookkeeping.
-# (rollout_idle_seconds_total is each worker's own counter rlpipe_rollout_idle_seconds_total.)
-NOT_GAUGES = {"step", "time", "dropped_stale_total", "queue_dead_total", "weight_sync_seconds",
-              "rollout_idle_seconds_total"}
+from rlpipe.config import MlflowConfig, WandbConfig
+from rlpipe.prom import RunRegistry
+
+# Keys not exported from the row: those with their own collectors (counters counted where
+# they happen, the sync-time histogram), each worker's own (rollout_idle_seconds_total is every
+# worker's rlpipe_rollout_idle_seconds_total summed), one a counter already says
+# (learner_skipped_steps is the step's increase of rlpipe_learner_skipped_steps_total, and
+# would collide with that counter's name) and bookkeeping.
+NOT_EXPORTED = {"step", "time", "dropped_stale_total", "queue_dead_total", "weight_sync_seconds",
+                "rollout_idle_seconds_total", "learner_skipped_steps"}
+
+_TRAIN = {
+    "reward_mean": "mean reward of the step's samples",
+    "response_length_mean": "mean response length of the step's samples, in tokens",
+    "entropy": "mean token entropy of the training policy on the step's responses",
+    "learner_loss": "policy loss of the step, averaged over its optimizer updates",
+    "learner_grad_norm": "gradient norm before clipping, mean over the step's optimizer updates",
+    "learner_grad_norm_max": "largest gradient norm of the step's optimizer updates",
+    "learner_grad_norm_smoothed": "exponential moving average of the gradient norm (learner.grad_norm_ema)",
+    "learner_lr": "learning rate of the step",
+    "learner_loss_scale": "fp16 dynamic loss scale (constant for other dtypes)",
+    "learner_skipped_steps": "optimizer updates of the step skipped for non-finite gradients",
+    "learner_skipped_steps_total": "optimizer updates skipped for non-finite gradients in the run",
+    "groups": "groups trained in the step",
+    "groups_skipped_equal_reward": "groups of the step with equal rewards (no advantage, no gradient)",
+    "groups_skipped_total": "groups with equal rewards (no gradient) in the run",
+    "tokens": "response tokens trained in the step",
+    "learner_step": "optimizer steps trained",
+    "learner_version": "policy version of the learner's weights",
+    "learner_step_seconds": "wall time of the last step: waiting for groups, training and weight sync",
+    "learner_wait_seconds": "time the last step waited for groups",
+    "learner_train_seconds": "time the last step spent training",
+    "learner_tokens_per_second": "response tokens trained per second of training time in the last step",
+    "learner_ranks": "learner processes (data-parallel ranks)",
+    "learner_start_to_first_step_seconds": "time from this learner process's start to its first trained step",
+    "trained_groups_total": "groups trained in the run (restored from the checkpoint on restart)",
+    "checkpoint_step": "step of the last durable checkpoint",
+    "checkpoint_blocking_seconds": "time the last step was blocked by checkpointing (snapshot and waiting)",
+    "ppo_clip_fraction": "fraction of tokens where the PPO clip was active",
+    "ppo_ratio_mean": "mean PPO ratio of the training policy to the step's old policy",
+    "mismatch_kl": "k1 estimate of KL(rollout || training policy) per token (can dip below 0)",
+    "mismatch_kl_fresh": "mismatch_kl over the groups sampled by the current version only (no policy lag)",
+    "mismatch_seq_kl": "k1 estimate of KL(rollout || training policy) per sequence",
+    "mismatch_k3_kl": "k3 estimate of KL(rollout || training policy) per token (never negative)",
+    "mismatch_chi2_token": "chi-squared divergence per token of the training policy against the rollout's",
+    "mismatch_chi2_seq": "chi-squared divergence per sequence of the training policy against the rollout's",
+    "mismatch_log_ppl_train": "log perplexity of the responses under the training policy",
+    "mismatch_log_ppl_rollout": "log perplexity of the responses under the rollout policy",
+    "mismatch_log_ppl_abs_diff": "mean absolute difference of the two log perplexities per sequence",
+    "mismatch_ppl_ratio": "mean ratio of training to rollout perplexity per sequence",
+    "mismatch_prob_diff_max": "largest token probability difference between training and rollout policy",
+    "mismatch_prob_diff_mean": "mean token probability difference between training and rollout policy",
+    "is_weight_mean": "mean importance weight per token after truncation or masking",
+    "is_weight_max": "largest importance weight of the step",
+    "is_ess": "effective sample size of the token importance weights, as a fraction",
+    "is_ess_seq": "effective sample size of the sequence importance weights, as a fraction",
+    "is_truncated_fraction": "fraction of tokens whose importance weight was truncated",
+    "is_truncated_seq_fraction": "fraction of sequences with a truncated importance weight",
+    "is_masked_fraction": "fraction of tokens masked out by the importance-weight rule",
+    "is_masked_seq_fraction": "fraction of sequences masked out by the importance-weight rule",
+}
+_ROLLOUT = {
+    "staleness_mean": "mean versions between sampling and training of the step's groups",
+    "staleness_max": "most versions between sampling and training of the step's groups",
+    "dropped_stale_step": "groups dropped as too stale while collecting the step",
+    "queue_depth": "entries in the trajectory stream",
+    "queue_pending": "stream entries read by the learner and not yet acknowledged (until a checkpoint)",
+    "produced_total": "groups pushed to the trajectory stream in the run",
+    "rollout_workers": "rollout workers alive in the registry",
+}
+_SYNC = {
+    "weight_sync_pack_seconds": "time packing the last step's weights for the broadcast",
+    "weight_sync_transfer_seconds": "time broadcasting the last step's weights",
+    "weight_sync_form_seconds": "time forming sync generations in the last step",
+    "weight_sync_members": "workers that received the last step's weights, all precisions",
+    "weight_sync_failed": "precisions whose weight sync failed in the last step",
+    "weight_sync_generation": "sync generation the learner last formed",
+    "weight_sync_left_out_total": "workers left out of a sync generation since this learner started",
+    "quant_seconds": "time quantizing the last update's weights",
+    "quant_monitor_seconds": "time running the int8 monitors on the last update",
+    "quant_saturation_fraction": "fraction of int8 weights outside the profile's calibrated range",
+    "quant_update_visible_fraction": "fraction of int8 weights the last update changed",
+    "quant_act_clip_fraction": "fraction of int8 probe activations clipped",
+    "quant_kl_vs_bf16": "next-token KL of the quantized policy against bf16 on the probe set",
+    "quant_recalibrations_total": "int8 recalibrations since this learner started",
+}
+# metrics.jsonl key -> (tracker group, Prometheus HELP). The one place that says what a key is.
+METRICS: dict[str, tuple[str, str]] = {**{k: ("train", h) for k, h in _TRAIN.items()},
+                                       **{k: ("rollout", h) for k, h in _ROLLOUT.items()},
+                                       **{k: ("sync", h) for k, h in _SYNC.items()}}
+# Nested values, grouped by their top-level key; and the keys exported elsewhere.
+GROUPS = {"groups_by_precision": "rollout", "reward_by_precision": "train", "staleness_hist": "rollout",
+          "mismatch_by_precision": "train", "lr_schedule": "train", "weight_sync_by_precision": "sync",
+          "quant_worst": "sync", "dropped_stale_total": "rollout", "queue_dead_total": "rollout",
+          "rollout_idle_seconds_total": "rollout", "weight_sync_seconds": "sync"}
+LR_SCHEDULE_HELP = {"lr": "learning rate the schedule gives the next step",
+                    "surge_step": "step of the last response-length surge the schedule reacted to",
+                    "decay_period": "steps between the schedule's LR halvings",
+                    "halvings": "LR halvings so far"}
+BEFORE_RECALIBRATION = "_before_recalibration"
+
+
+def describe(key: str) -> tuple[str, str]:
+    """``(tracker group, HELP text)`` of a metrics.jsonl key."""
+    if key.endswith(BEFORE_RECALIBRATION) and key.removesuffix(BEFORE_RECALIBRATION) in METRICS:
+        group, text = METRICS[key.removesuffix(BEFORE_RECALIBRATION)]
+        return group, f"{text}, before this step's recalibration"
+    return METRICS.get(key) or (GROUPS.get(key, "train"), f"metrics.jsonl key {key} (learner/train.py)")
 
 
 def flatten(row: dict, prefix: str = "") -> dict[str, float]:
@@ -38,20 +146,40 @@ def flatten(row: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-class Trackers:
-    """TensorBoard, W&B (offline) and MLflow (local store), each optional, fed the same rows."""
+def tracker_names(row: dict) -> dict[str, float]:
+    """The numeric values of a row under their trackers' names, ``<group>/<key>[/<nested key>]``."""
+    return {f"{describe(name.split('/', 1)[0])[0]}/{name}": value
+            for name, value in flatten({k: v for k, v in row.items() if k != "step"}).items()}
 
-    def __init__(self, names: list[str], run_dir: Path, run_name: str, config: dict | None = None):
+
+def wandb_init_kwargs(settings: WandbConfig, run_dir: Path, run_name: str, config: dict) -> dict:
+    """What ``wandb.init`` is called with: the user's project, entity and mode."""
+    return {"mode": settings.mode, "project": settings.project, "entity": settings.entity or None,
+            "dir": str(run_dir), "name": run_name, "config": config}
+
+
+def mlflow_tracking_uri(settings: MlflowConfig, run_dir: Path) -> str:
+    """The user's tracking server, or a file store in the run directory."""
+    return settings.tracking_uri or (run_dir / "mlruns").as_uri()
+
+
+class Trackers:
+    """TensorBoard, W&B and MLflow, each optional, fed the same rows."""
+
+    def __init__(self, names: list[str], run_dir: Path, run_name: str, config: dict | None = None,
+                 wandb: WandbConfig = WandbConfig(), mlflow: MlflowConfig = MlflowConfig()):
+        settings = {"wandb": wandb, "mlflow": mlflow}
         self.sinks = []
         for name in names:
             try:
-                self.sinks.append(getattr(self, f"_{name}")(run_dir, run_name or "rlpipe", config or {}))
+                self.sinks.append(getattr(self, f"_{name}")(run_dir, run_name or "rlpipe", config or {},
+                                                            settings.get(name)))
             except ImportError as e:
                 raise RuntimeError(f"learner.trackers: {name} is not installed ({e.name}); "
                                    f"`pip install rlpipe[{name}]`") from None
 
     @staticmethod
-    def _tensorboard(run_dir, run_name, config):
+    def _tensorboard(run_dir, run_name, config, settings):
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(run_dir / "tensorboard"))
@@ -64,18 +192,19 @@ class Trackers:
         return log, writer.close
 
     @staticmethod
-    def _wandb(run_dir, run_name, config):
+    def _wandb(run_dir, run_name, config, settings):
         import wandb
 
-        run = wandb.init(mode="offline", dir=str(run_dir), project="rlpipe", name=run_name, config=config)
+        run = wandb.init(**wandb_init_kwargs(settings, run_dir, run_name, config))
         return (lambda step, values: run.log(values, step=step)), run.finish
 
     @staticmethod
-    def _mlflow(run_dir, run_name, config):
+    def _mlflow(run_dir, run_name, config, settings):
         import mlflow
 
-        client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
-        experiment = client.get_experiment_by_name("rlpipe") or client.get_experiment(client.create_experiment("rlpipe"))
+        client = mlflow.MlflowClient(tracking_uri=mlflow_tracking_uri(settings, run_dir))
+        experiment = client.get_experiment_by_name(settings.experiment) or \
+            client.get_experiment(client.create_experiment(settings.experiment))
         run_id = client.create_run(experiment.experiment_id, run_name=run_name).info.run_id
 
         def log(step, values):
@@ -85,7 +214,7 @@ class Trackers:
         return log, (lambda: client.set_terminated(run_id))
 
     def log(self, step: int, row: dict) -> None:
-        values = flatten(row)
+        values = tracker_names(row)
         for log, _ in self.sinks:
             log(step, values)
 
@@ -96,18 +225,18 @@ class Trackers:
 
 class LearnerMetrics:
     def __init__(self, jsonl_path: str | Path | None, trackers: list[str] = (), run_name: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, wandb: WandbConfig = WandbConfig(), mlflow: MlflowConfig = MlflowConfig()):
         self.path = Path(jsonl_path) if jsonl_path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.trackers = Trackers(list(trackers), self.path.parent, run_name, config) if trackers and self.path \
-            else None
-        self.registry = CollectorRegistry()
+        self.trackers = Trackers(list(trackers), self.path.parent, run_name, config, wandb, mlflow) \
+            if trackers and self.path else None
+        self.registry = RunRegistry(run_name)
         ProcessCollector(registry=self.registry)  # process_start_time_seconds: restarts show as its changes
         self.done = Gauge("rlpipe_learner_done", "1 once the learner has trained its configured steps "
                           "(a stalled-learner alert must not fire then)", registry=self.registry)
-        self.gauges: dict[str, Gauge] = {}
-        self.by_precision: dict[str, Gauge] = {}
+        self.series: dict[str, Gauge | Counter] = {}
+        self.totals: dict[str, float] = {}  # each counter's last value, to increment it by the difference
         self.staleness = Histogram("rlpipe_staleness_versions", "versions between sampling and training, per group",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=self.registry)
         self.dropped_stale = Counter("rlpipe_dropped_stale", "groups dropped as too stale", registry=self.registry)
@@ -120,35 +249,48 @@ class LearnerMetrics:
         self.sync_failures = Counter("rlpipe_weight_sync_failures", "syncs that failed (generation re-formed)",
                                      registry=self.registry)
 
-    def _gauge(self, name: str, labels: tuple[str, ...] = ()) -> Gauge:
-        table = self.by_precision if labels else self.gauges
-        if name not in table:
-            table[name] = Gauge(f"rlpipe_{name}", name.replace("_", " "), labels, registry=self.registry)
-        return table[name]
+    def _series(self, name: str, text: str, labels: tuple[str, ...] = ()) -> Gauge | Counter:
+        if name not in self.series:
+            kind = Counter if name.endswith("_total") else Gauge
+            self.series[name] = kind(f"rlpipe_{name}", text, labels, registry=self.registry)
+        return self.series[name]
+
+    def _export(self, name: str, value: float) -> None:
+        """A gauge is set; a ``_total`` counter grows by the value's increase since the last row.
+        (Its first row in this process adds the whole value: a run total restored from a
+        checkpoint continues where the previous process left it, unless that process got past
+        the checkpoint, which Prometheus reads as a counter reset.)"""
+        series = self._series(name, describe(name)[1])
+        if isinstance(series, Counter):
+            series.inc(max(value - self.totals.get(name, 0.0), 0.0))
+            self.totals[name] = max(value, self.totals.get(name, 0.0))
+        else:
+            series.set(value)
 
     def set(self, **values: float) -> None:
         """Set gauges outside a step (at start: a restored learner shows its step at once)."""
         for name, value in values.items():
-            self._gauge(name).set(value)
+            self._export(name, value)
 
     def record(self, step_metrics: dict) -> None:
         for name, value in step_metrics.items():
-            if isinstance(value, bool) or name in NOT_GAUGES:
+            if isinstance(value, bool) or name in NOT_EXPORTED:
                 continue
             if isinstance(value, (int, float)):
-                self._gauge(name).set(value)
+                self._export(name, value)
         for precision, values in step_metrics.get("mismatch_by_precision", {}).items():
             for name, value in values.items():
-                self._gauge(f"{name}_by_precision", ("precision",)).labels(precision=precision).set(value)
+                gauge = self._series(f"{name}_by_precision", f"{describe(name)[1]}, per rollout precision",
+                                     ("precision",))
+                gauge.labels(precision=precision).set(value)
         for name, value in step_metrics.get("lr_schedule", {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._gauge(f"lr_schedule_{name}").set(value)
+                self._series(f"lr_schedule_{name}", LR_SCHEDULE_HELP.get(name, f"LR schedule state {name}")).set(value)
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(step_metrics) + "\n")
         if self.trackers:
             self.trackers.log(int(step_metrics.get("step", 0)), step_metrics)
-
 
     def close(self) -> None:
         if self.trackers:

@@ -157,7 +157,8 @@ class Learner:
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None, lc.trackers, cfg.run_id,
-                                      without_secrets(cfg).model_dump(mode="json"))  # trackers write it down
+                                      without_secrets(cfg).model_dump(mode="json"),  # trackers write it down
+                                      lc.wandb, lc.mlflow)
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).

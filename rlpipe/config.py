@@ -142,6 +142,23 @@ class ScheduleConfig(Section):
     decay_period_factor: float = Field(1.8, gt=0)
 
 
+class WandbConfig(Section):
+    """``learner.trackers: [wandb]``: where the run goes. Offline by default, so nothing leaves
+    the machine unless asked (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later)."""
+
+    project: str = Field("rlpipe", min_length=1)
+    entity: str = Field("", description="team or user; empty = the API key's default entity")
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description="online: stream to the "
+                                                           "W&B server (WANDB_API_KEY, WANDB_BASE_URL)")
+
+
+class MlflowConfig(Section):
+    """``learner.trackers: [mlflow]``: the tracking server, or a local file store by default."""
+
+    tracking_uri: str = Field("", description="e.g. http://mlflow.team:5000; empty = file store in <run_dir>/mlruns")
+    experiment: str = Field("rlpipe", min_length=1)
+
+
 class LearnerConfig(Section):
     """The learner (learner/train.py). Loss formulas: DESIGN.md 'Loss' and learner/loss.py."""
 
@@ -197,6 +214,8 @@ class LearnerConfig(Section):
     read_block_ms: int = Field(200, ge=1)
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field([], description="also log every step's "
                                                                       "metrics to these (learner/metrics.py)")
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")

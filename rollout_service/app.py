@@ -120,7 +120,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
 
     profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
     engine = RolloutEngine(cfg.model.path, profile, cfg.rollout, seed=cfg.seed)
-    metrics = RolloutMetrics(worker_id, profile.precision)
+    metrics = RolloutMetrics(worker_id, profile.precision, cfg.run_id)
     limits = cfg.rollout
 
     @asynccontextmanager

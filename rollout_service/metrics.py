@@ -1,13 +1,16 @@
-"""Prometheus metrics of a rollout worker (names from DESIGN.md, prefix ``rlpipe_``)."""
+"""Prometheus metrics of a rollout worker (names from DESIGN.md, prefix ``rlpipe_``); every
+series carries ``run_id`` (rlpipe/prom.py)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import Counter, Gauge, Histogram, ProcessCollector
+
+from rlpipe.prom import RunRegistry
 
 
 class RolloutMetrics:
-    def __init__(self, worker_id: str, precision: str):
-        self.registry = CollectorRegistry()
+    def __init__(self, worker_id: str, precision: str, run_id: str = ""):
+        self.registry = RunRegistry(run_id)
         labels = {"worker": worker_id, "precision": precision}
         r = self.registry
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +73,17 @@ def dashboard_queries(path: str | Path = DASHBOARD) -> list[tuple[str, str]]:
     return [(panel.get("title", ""), target["expr"])
             for panel in _panels(dashboard(path).get("panels", []))
             for target in panel.get("targets", []) if target.get("expr")]
+
+
+def check_metrics(text: str) -> None:
+    """``promtool check metrics`` on a ``/metrics`` page: naming and type conventions (a
+    counter ends in ``_total``, a gauge does not, HELP is present) must hold with no finding."""
+    out = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and not out.stdout.strip(), f"promtool check metrics:\n{out.stdout}{out.stderr}"
+
+
+def samples_without(text: str, label: str, value: str) -> list[str]:
+    """The sample lines of a ``/metrics`` page that do not carry ``label="value"``."""
+    return [line for line in text.splitlines()
+            if line and not line.startswith("#") and not re.search(rf'[{{,]{label}="{re.escape(value)}"', line)]

@@ -6,7 +6,8 @@
   learner is not stalled, a learner that disappeared is).
 - Every alert has ``for``, a severity, a summary, a description and a runbook link to a heading
   of docs/operations.md, and at least one promtool case.
-- The dashboard's datasource is a template variable and every rate() uses ``$__rate_interval``.
+- The dashboard's datasource is a template variable and every rate() uses ``$__rate_interval``;
+  its ``run`` variable lists the runs' ``run_id`` and every metric of every query is filtered on it.
 
 tests/test_ops_live.py evaluates the same expressions against a real Prometheus scraping a live run.
 """
@@ -135,3 +136,17 @@ def test_dashboard_covers_the_pipeline():
                    "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total",
                    "rlpipe_quant_saturation_fraction", "process_start_time_seconds"):
         assert metric in exprs, metric
+
+
+def test_every_dashboard_query_is_filtered_by_the_run_variable():
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["run"]["type"] == "query"
+    assert variables["run"]["query"]["query"] == "label_values(rlpipe_learner_step, run_id)"
+    assert variables["run"]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    problems = []
+    for title, expr in dashboard_queries():
+        selectors = re.findall(r"\b((?:rlpipe|process)_[a-z0-9_]+|up)\b(?!\s*\()(\{[^}]*\})?", expr)
+        assert selectors, f"{title}: no metric in {expr}"
+        problems += [f"{title}: {name}{labels} in {expr}" for name, labels in selectors
+                     if 'run_id="$run"' not in labels]
+    assert not problems, "series not filtered by run:\n" + "\n".join(problems)

@@ -101,7 +101,7 @@ def check_http_interfaces(run_dir: Path, worker_ids: list[str]) -> None:
     for name in ("rlpipe_learner_step", "rlpipe_reward_mean", "rlpipe_mismatch_kl", "rlpipe_is_weight_mean",
                  "rlpipe_staleness_versions_bucket", "rlpipe_dropped_stale_total", "rlpipe_queue_dead_total",
                  "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total",
-                 "rlpipe_mismatch_log_ppl_abs_diff", 'rlpipe_mismatch_kl_by_precision{precision="bf16"}',
+                 "rlpipe_mismatch_log_ppl_abs_diff", 'rlpipe_mismatch_kl_by_precision{precision="bf16",run_id=',
                  "rlpipe_is_ess", "rlpipe_learner_grad_norm_smoothed", "rlpipe_lr_schedule_lr"):
         assert name in metrics, name
     workers = live_workers(r, keys)

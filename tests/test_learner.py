@@ -215,9 +215,9 @@ def test_every_step_metric_is_exported_to_prometheus(redis_server, toy_model_pat
                  "is_weight_max", "is_ess", "is_truncated_fraction", "is_truncated_seq_fraction",
                  "is_masked_fraction", "is_masked_seq_fraction", "learner_grad_norm", "learner_grad_norm_smoothed",
                  "entropy", "reward_mean", "response_length_mean", "learner_loss_scale", "learner_lr"):
-        assert f"\nrlpipe_{name} " in text, name
-    assert 'rlpipe_mismatch_kl_by_precision{precision="fp8"}' in text
-    assert "rlpipe_lr_schedule_lr " in text and "rlpipe_staleness_versions_bucket" in text
+        assert f"\nrlpipe_{name}{{run_id=" in text, name
+    assert 'rlpipe_mismatch_kl_by_precision{precision="fp8",run_id=' in text
+    assert "rlpipe_lr_schedule_lr{" in text and "rlpipe_staleness_versions_bucket" in text
 
 
 def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_model_path, tmp_path, base_model):
@@ -238,3 +238,34 @@ def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_mode
     assert not learner.r.exists(learner.keys.learner + ":lease")
     wait_for(lambda: not any(t.name == "learner-lease" for t in threading.enumerate()), timeout=5,
              what="the lease thread to end")
+
+
+def test_a_learner_run_serves_metrics_promtool_accepts_each_series_labelled_with_its_run(
+        redis_server, toy_model_path, tmp_path, base_model):
+    import httpx
+
+    from learner.app import serve_in_thread
+    from learner.metrics import NOT_EXPORTED, METRICS, describe, flatten, read_jsonl
+    from tests.ops_tools import check_metrics, samples_without
+
+    learner = make_learner(redis_server, toy_model_path, tmp_path, steps=2, workers=1, **{
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1})
+    for rec in synthetic_groups(base_model, 4, seed=3):
+        learner.queue.push(rec)
+    learner.run()
+    text = httpx.get(f"http://{serve_in_thread(learner, '127.0.0.1', 0)}/metrics", timeout=30).text
+    check_metrics(text)
+    assert not samples_without(text, "run_id", learner.cfg.run_id)
+    assert 'process_start_time_seconds{run_id="' in text
+    # the run totals of metrics.jsonl are counters that hold the row's value
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    for name in ("produced_total", "trained_groups_total", "groups_skipped_total", "weight_sync_left_out_total"):
+        assert f"# TYPE rlpipe_{name} counter" in text, name
+        assert f'rlpipe_{name}{{run_id="{learner.cfg.run_id}"}} {float(rows[-1][name])}' in text, name
+    assert f'rlpipe_trained_groups_total{{run_id="{learner.cfg.run_id}"}} 4.0' in text
+    # every numeric key a step writes has its meaning in the table (HELP and tracker group)
+    keys = {k.split("/")[0] for row in rows for k in flatten(row)}
+    undescribed = {k for k in keys if describe(k)[1].startswith("metrics.jsonl key")} - NOT_EXPORTED
+    assert not undescribed - {"mismatch_by_precision", "lr_schedule", "groups_by_precision", "reward_by_precision",
+                              "staleness_hist"}, sorted(undescribed)
+    assert f'# HELP rlpipe_reward_mean {METRICS["reward_mean"][1]}' in text

@@ -175,7 +175,7 @@ def test_every_dashboard_query_and_alert_expression_evaluates_against_the_live_r
     assert queries and alert_exprs
     problems = []
     for where, expr, must_have_data in [*((w, e, True) for w, e in queries), *((w, e, False) for w, e in alert_exprs)]:
-        expr = expr.replace("$__rate_interval", "1m")
+        expr = expr.replace("$__rate_interval", "1m").replace("$run", live.cfg.run_id)  # the dashboard's variables
         missing = {m for m in METRIC_NAME.findall(expr) if m.removesuffix("_bucket") not in exported
                    and m not in exported and m not in ("up",)}
         # a name only valid as a label or function would not be ours; metric names must exist
@@ -189,6 +189,10 @@ def test_every_dashboard_query_and_alert_expression_evaluates_against_the_live_r
         elif must_have_data and not out["data"]["result"]:
             problems.append(f"{where}: no data for {expr}")
     assert not problems, "\n".join(problems)
+    # Every series of the roles carries the run (the dashboard's run variable lists it).
+    unlabelled = live.values(f'count({{__name__=~"(rlpipe|process)_.+", run_id!="{live.cfg.run_id}"}})')
+    assert unlabelled in ([], [0.0]), unlabelled
+    assert live.values(f'count(rlpipe_learner_step{{run_id="{live.cfg.run_id}"}})') == [1.0]
     # Every rule group loaded and evaluated without error.
     groups = httpx.get(f"{live.prom}/api/v1/rules", timeout=10).json()["data"]["groups"]
     rules = [rule for g in groups for rule in g["rules"]]

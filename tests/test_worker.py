@@ -90,6 +90,12 @@ def test_health_ready_metrics_status(worker):
     groups = [line for line in metrics.splitlines() if line.startswith("rlpipe_rollout_groups_total")]
     assert groups and float(groups[0].split()[-1]) >= 1
     assert "rlpipe_rollout_policy_version" in metrics and "rlpipe_weight_sync_pause_seconds" in metrics
+    # Prometheus conventions hold on the real page, and every series carries the worker's run
+    from tests.ops_tools import check_metrics, samples_without
+
+    check_metrics(metrics)
+    assert not samples_without(metrics, "run_id", worker.cfg.run_id)
+    assert f'process_start_time_seconds{{run_id="{worker.cfg.run_id}"}}' in metrics
 
 
 def test_a_worker_held_by_back_pressure_counts_idle_seconds_and_generating_is_not_idle(worker, toy_model_path):
