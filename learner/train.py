@@ -163,6 +163,7 @@ class Learner:
                 break
             records, self.run_counters.version = work
             self._crash_point("collected")
+            self._crash_on_poison(records)
             t0 = time.perf_counter()
             step_metrics = self.ppo.train_step(records)
             train_s = time.perf_counter() - t0
@@ -210,6 +211,7 @@ class Learner:
     def _try_alone(self, entry: Entry) -> None:
         """A forward of one group on its own (the ledger's poison check): if this kills the
         learner, the group alone is to blame."""
+        self._crash_on_poison([entry.record])
         with torch.no_grad():
             token_logprobs(self.model, collate([entry.record], torch.zeros(1, len(entry.record.samples)),
                                                self.version).to(self.device))
@@ -325,6 +327,11 @@ class Learner:
     def _crash_point(self, point: str, step: int | None = None) -> None:
         if CRASH_AT == f"{point}:{self.step if step is None else step}":
             log.warning("RLPIPE_CRASH_AT=%s: killing myself", CRASH_AT)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _crash_on_poison(self, records) -> None:
+        if CRASH_ON_PROMPT and any(r.prompt_id == CRASH_ON_PROMPT for r in records):
+            log.warning("RLPIPE_CRASH_ON_PROMPT=%s is in this batch: killing myself", CRASH_ON_PROMPT)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _between_reads(self) -> None:
