@@ -50,6 +50,7 @@ and peak memory. On CPU it prints that it was skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -196,6 +197,7 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
         "model.path": model_path, "learner.groups_per_step": args.groups, "learner.minibatches": 1,
         "learner.lr": 1e-5, "learner.threads": 1, "learner.checkpoint_every": args.steps,
         "queue.max_staleness": args.steps + 1, "sampling.max_tokens": args.max_len, "sync.join_timeout_s": 0.1,
+        "sampling.n": args.n, "rollout.max_model_len": args.max_len + 16,  # records of this run fit it (+ prompt)
     }
     try:
         cfg = build_config({}, environ={}, run_id=f"bench-{group.name}-{row.name}-{rnd}-{time.monotonic_ns()}",
@@ -206,7 +208,7 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
     dump_config(cfg, run_dir / "config.yaml")
     queue = TrajectoryQueue(connect(redis_url), cfg.run_id)
     for rec in records[: args.steps * args.groups]:
-        queue.push(rec)
+        queue.push(dataclasses.replace(rec, run_id=cfg.run_id))  # the reader admits only this run's groups
     learner = ["-m", "rlpipe.cli", "learner", "--config", str(run_dir / "config.yaml")]
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks)]
                              if row.ranks > 1 else []), *learner]

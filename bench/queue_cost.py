@@ -15,7 +15,7 @@ One group at a time: the learner reads up to ``groups_per_step`` at once and ack
 a checkpoint's groups in one script, so its round trips per group are fewer than here.
 Medians and p90 over ``--repeats`` repetitions, the two sizes interleaved.
 
-The learner step is ``Learner.train_step`` (recompute pi_old, ``ppo_epochs`` updates,
+The learner step is ``PPOStep.train_step`` (recompute pi_old, ``ppo_epochs`` updates,
 metrics; no collect, sync or checkpoint) of the toy model over ``--groups-per-step``
 groups of each size, built by ``bench/learner.py``'s ``ragged_groups`` (mu is the model's
 own log-prob plus noise). The toy is trained on 64 positions; longer rows cost the same
@@ -103,11 +103,11 @@ def one_group(q: TrajectoryQueue, rec, enc: Timed, dec: Timed, worker: str = "w0
 
 
 def learner_steps(learner, records: list, steps: int, warmup: int) -> list[float]:
-    """Seconds of ``learner.train_step(records)``, ``steps`` times after ``warmup`` untimed ones."""
+    """Seconds of ``learner.ppo.train_step(records)``, ``steps`` times after ``warmup`` untimed ones."""
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        learner.train_step(records)
+        learner.ppo.train_step(records)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   "queue ms"], rows_p90)
     sec.table("Per learner step", ["group", "groups/step", "queue ms/step", "learner-side ms/step", "learner step s",
                                    "queue / step", "learner-side / step", "learner µs/token"], rows_step,
-              note=f"learner step: median of {args.learner_steps} Learner.train_step calls "
+              note=f"learner step: median of {args.learner_steps} PPOStep.train_step calls "
                    f"{'(no warm-up: --quick)' if args.quick else 'after a warm-up'}, toy "
                    f"model, torch {torch.__version__} on CPU, learner.threads 1; learner-side "
                    "= read+decode+ack, the part on the learner's critical path (workers encode and push in "

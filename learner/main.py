@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
 from rlpipe import registry
 from rlpipe.config import RunConfig
+from rlpipe.fence import Fenced
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ def main(cfg: RunConfig) -> int:
             log.info("all %d steps trained: serving /metrics until SIGTERM", cfg.steps)
             while not learner.stop_requested:
                 time.sleep(0.5)
+    except Fenced as e:
+        # Paused or partitioned past its lease, this learner is a zombie: another one owns the run now.
+        log.critical("Redis refused a write of this learner (%s): stopping without touching the run", e)
+        os._exit(3)
     except KeyboardInterrupt:
         log.info("learner stopped at step %d", learner.step)
         if learner.ranks.is_main:

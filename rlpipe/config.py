@@ -197,7 +197,10 @@ class LearnerConfig(Section):
                           "every new batch shape early in a run compiles again (tens of seconds on a CPU)")
     max_tokens_per_microbatch: int = Field(0, ge=0, description="forward each rank's rows in micro-batches of "
                                            "at most this many padded tokens (rows x their longest), shortest "
-                                           "first, accumulating gradients; 0 = all rows in one forward")
+                                           "first, accumulating gradients; 0 = derived from the model and "
+                                           "activation_memory_gib (learner/step.py token_budget)")
+    activation_memory_gib: float = Field(4.0, gt=0, description="activation memory one forward may take: bounds "
+                                         "every micro-batch, so no batch can exhaust the learner's memory")
     async_checkpoint: bool = Field(True, description="snapshot to host memory and write checkpoints in the "
                                    "background; entries are still acknowledged only once durable")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
@@ -226,6 +229,8 @@ class QueueConfig(Section):
 
     max_lag: int = Field(1, ge=0)
     max_staleness: int = Field(4, ge=0)
+    max_deliveries: int = Field(3, ge=2, description="an entry delivered this many times without an "
+                                "acknowledgement (the learner died with it each time) is dead-lettered as poison")
 
 
 class SyncConfig(Section):

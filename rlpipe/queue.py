@@ -33,11 +33,18 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from rlpipe.admission import RunCheck
+from rlpipe.fence import FENCE_CHECK, Fence
 from rlpipe.schema import GroupRecord, SchemaError, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "learner"
+# Every entry rlpipe pushes carries this field beside ``data``: it was counted in ``produced``
+# when it was added. An entry without it came from somewhere else (a raw XADD) and was never
+# counted, so it is dead-lettered and counted as produced and dead at once: the books stay
+# balanced and it takes no worker's place under back-pressure.
+COUNTED = "counted"
 
 
 class Keys:
@@ -48,6 +55,8 @@ class Keys:
         self.traj = self.prefix + "traj"
         self.dead = self.prefix + "traj:dead"
         self.learner = self.prefix + "learner"
+        # Not in DESIGN.md's table: the learner lease's epoch (rlpipe/fence.py).
+        self.epoch = self.prefix + "learner:epoch"
         self.sync = self.prefix + "sync"
         self.cursor = self.prefix + "prompts:cursor"
         # Not in DESIGN.md's table: prompt indices handed out but given back unfinished (a
@@ -237,7 +246,7 @@ def outages(r: redis.Redis) -> int:
 
 
 COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "leased", "rejected_push", "reissued",
-            "skipped", "lost_writes")
+            "skipped", "lost_writes", "foreign")
 
 # KEYS: returned, cursor, leases:{worker}, attempts, counters, learner
 # ARGV: lease time, how many wanted, then either nothing (no back-pressure) or
@@ -276,7 +285,7 @@ if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
 redis.call('HINCRBY', KEYS[3], 'leased', -1)
-local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
+local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2], 'counted', 1)
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
 return id
 """
@@ -327,24 +336,38 @@ return {c.trained, trained, c.produced, produced}
 """
 
 
-# KEYS: traj, counters; ARGV: consumer group, how many trained, dropped_stale, duplicate; their ids
-# then the prompt indices of the dropped ones (marked in the prompts:dropped bitmap)
-_ACK = """
+# KEYS: (fence), traj, counters, dropped; ARGV: (fence), consumer group, how many trained, dropped_stale,
+# duplicate; their ids, then the prompt indices of the dropped ones (marked in the prompts:dropped bitmap)
+_ACK = FENCE_CHECK + """
 local names, pos = {'trained', 'dropped_stale', 'duplicate'}, 5
-local dropped_at = 5 + tonumber(ARGV[2]) + tonumber(ARGV[3]) + tonumber(ARGV[4])
+local dropped_at = 5 + tonumber(A[2]) + tonumber(A[3]) + tonumber(A[4])
 for c = 1, 3 do
   local removed = 0
-  for i = pos, pos + tonumber(ARGV[1 + c]) - 1 do
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    local gone = redis.call('XDEL', KEYS[1], ARGV[i])
+  for i = pos, pos + tonumber(A[1 + c]) - 1 do
+    redis.call('XACK', K[1], A[1], A[i])
+    local gone = redis.call('XDEL', K[1], A[i])
     removed = removed + gone
-    if c == 2 and gone == 1 and tonumber(ARGV[dropped_at + i - pos]) >= 0 then
-      redis.call('SETBIT', KEYS[3], ARGV[dropped_at + i - pos], 1)
+    if c == 2 and gone == 1 and tonumber(A[dropped_at + i - pos]) >= 0 then
+      redis.call('SETBIT', K[3], A[dropped_at + i - pos], 1)
     end
   end
-  pos = pos + tonumber(ARGV[1 + c])
-  if removed > 0 then redis.call('HINCRBY', KEYS[2], names[c], removed) end
+  pos = pos + tonumber(A[1 + c])
+  if removed > 0 then redis.call('HINCRBY', K[2], names[c], removed) end
 end
+"""
+
+# KEYS: (fence), traj, dead, counters; ARGV: (fence), consumer group, entry id, reason, '1' if counted as
+# produced, then the entry's fields and values. Counted once, by whichever reader removes the entry.
+_DEAD_LETTER = FENCE_CHECK + """
+redis.call('XACK', K[1], A[1], A[2])
+if redis.call('XDEL', K[1], A[2]) == 0 then return 0 end
+redis.call('XADD', K[2], '*', 'reason', A[3], 'source_id', A[2], unpack(A, 5))
+redis.call('HINCRBY', K[3], 'dead', 1)
+if A[4] ~= '1' then
+  redis.call('HINCRBY', K[3], 'produced', 1)
+  redis.call('HINCRBY', K[3], 'foreign', 1)
+end
+return 1
 """
 
 
@@ -358,14 +381,20 @@ class Lease(NamedTuple):
 
 
 class TrajectoryQueue:
-    def __init__(self, r: redis.Redis, run_id: str):
+    """The run's stream, leases and counters. ``check``: the reader's admission rules (the
+    learner's); without it, entries are only checked to be well-formed (tools, tests)."""
+
+    def __init__(self, r: redis.Redis, run_id: str, check: RunCheck | None = None):
         self.r = r
         self.keys = Keys(run_id)
+        self.check = check
+        self.fence = Fence(r, self.keys.epoch)  # the learner sets its lease's (rlpipe/fence.py)
         self._hand_out = r.register_script(_HAND_OUT)
         self._leased_push = r.register_script(_LEASED_PUSH)
         self._reissue = r.register_script(_REISSUE)
         self._rederive = r.register_script(_REDERIVE)
         self._ack = r.register_script(_ACK)
+        self._dead_letter = r.register_script(_DEAD_LETTER)
 
     # -- producer side -------------------------------------------------------------
     def push(self, rec: GroupRecord, worker_id: str | None = None) -> str | None:
@@ -380,7 +409,7 @@ class TrajectoryQueue:
                                          args=[rec.prompt_index, data])
             return entry_id.decode() if entry_id else None
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.traj, {"data": data})
+        pipe.xadd(self.keys.traj, {"data": data, COUNTED: 1})
         pipe.hincrby(self.keys.counters, "produced", 1)
         entry_id, _ = pipe.execute()
         return entry_id.decode()
@@ -467,36 +496,86 @@ class TrajectoryQueue:
         resp = self.r.xreadgroup(CONSUMER_GROUP, consumer, {self.keys.traj: ">"}, count=count, block=block_ms)
         return self._decode(resp[0][1] if resp else [])
 
-    def claim_pending(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Take over entries another (dead) consumer read but never acknowledged."""
-        out, start = [], "0-0"
+    def claim_pending(self, consumer: str, min_idle_ms: int) -> list[Entry]:
+        """Take over entries another (dead) consumer read but never acknowledged, without
+        counting a delivery (JUSTID): an entry counts a delivery only when it goes into a
+        batch again (:meth:`deliver`), so a crash loop is pinned on the entries it trained."""
+        ids = list(self._pending())
+        claimed = []
+        for start in range(0, len(ids), 500):
+            claimed += self.r.xclaim(self.keys.traj, CONSUMER_GROUP, consumer, min_idle_ms,
+                                     ids[start:start + 500], justid=True)
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id in claimed:
+            pipe.xrange(self.keys.traj, entry_id, entry_id)
+        return self._decode([found[0] for found in pipe.execute() if found])
+
+    def fields(self, entry_id: str) -> dict:
+        """An entry's raw fields ({} if it is gone)."""
+        found = self.r.xrange(self.keys.traj, entry_id, entry_id)
+        return found[0][1] if found else {}
+
+    def deliveries(self, consumer: str) -> dict[str, int]:
+        """Entry id -> how many times it was delivered without an acknowledgement, for every
+        entry pending for ``consumer``."""
+        return {i: times for i, (owner, times) in self._pending().items() if owner == consumer}
+
+    def _pending(self) -> dict[str, tuple[str, int]]:
+        """Every pending entry: id -> (consumer, times delivered)."""
+        out, start = {}, "-"
         while True:
-            start, claimed, *_ = self.r.xautoclaim(self.keys.traj, CONSUMER_GROUP, consumer, min_idle_ms, start, count=count)
-            out += self._decode(claimed)
-            if start in (b"0-0", "0-0") or not claimed:
+            try:
+                rows = self.r.xpending_range(self.keys.traj, CONSUMER_GROUP, start, "+", 1000)
+            except redis.ResponseError:  # no consumer group yet
                 return out
+            for row in rows:
+                out[_str(row["message_id"])] = (_str(row["consumer"]), int(row["times_delivered"]))
+            if len(rows) < 1000:
+                return out
+            start = "(" + _str(rows[-1]["message_id"])
+
+    def deliver(self, consumer: str, entry_ids: list[str]) -> None:
+        """Count one more delivery of pending entries (they go into a batch, or are tried alone)."""
+        if entry_ids:
+            self.r.xclaim(self.keys.traj, CONSUMER_GROUP, consumer, 0, entry_ids)
+
+    def set_deliveries(self, consumer: str, entry_ids: list[str], times: int) -> None:
+        """Set pending entries' delivery count (an entry tried alone that did not crash the
+        learner is as innocent as one read once)."""
+        if entry_ids:
+            self.r.xclaim(self.keys.traj, CONSUMER_GROUP, consumer, 0, entry_ids, retrycount=times, justid=True)
 
     def _decode(self, raw_entries) -> list[Entry]:
         out = []
+        handed_out = None
         for entry_id, fields in raw_entries:
             entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             if fields is None:  # deleted while pending
                 continue
             try:
-                out.append(Entry(entry_id, decode_group(fields[b"data"])))
-            except KeyError:
-                self.dead_letter(entry_id, fields, "data: missing field")
+                if b"data" not in fields:
+                    raise SchemaError("data: missing field")
+                rec = decode_group(fields[b"data"])
+                if COUNTED.encode() not in fields:
+                    raise SchemaError("foreign entry: not added by rlpipe's push (a raw XADD?), so never counted "
+                                      "as produced")
+                if self.check is not None:
+                    if handed_out is None:
+                        handed_out = int(self.r.get(self.keys.cursor) or 0)
+                    reissued = int(self.r.hget(self.keys.attempts, rec.prompt_index) or 0) if rec.attempt else 0
+                    self.check.check(rec, handed_out, reissued)
             except SchemaError as e:
                 self.dead_letter(entry_id, fields, str(e))
+                continue
+            out.append(Entry(entry_id, rec))
         return out
 
     def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, {**fields, "reason": reason, "source_id": entry_id})
-        pipe.xack(self.keys.traj, CONSUMER_GROUP, entry_id)
-        pipe.xdel(self.keys.traj, entry_id)
-        pipe.hincrby(self.keys.counters, "dead", 1)
-        pipe.execute()
+        """Move an entry to the dead letters with its reason; an entry never counted as
+        produced (foreign, see ``COUNTED``) is counted now, so the books stay balanced."""
+        counted = "1" if COUNTED.encode() in fields or COUNTED in fields else "0"
+        self.fence.run(self._dead_letter, [self.keys.traj, self.keys.dead, self.keys.counters],
+                       [CONSUMER_GROUP, entry_id, reason, counted, *(x for kv in fields.items() for x in kv)])
 
     def ack(self, trained: list[str], dropped_stale: list[Entry] = (), duplicate: list[str] = ()) -> None:
         """Remove finished entries and count them, atomically; a dropped group's prompt is
@@ -506,8 +585,8 @@ class TrajectoryQueue:
         counted: after a Redis restart lost an entry's push, the learner may hold it and
         acknowledge it, and counting it would break the books."""
         if trained or dropped_stale or duplicate:
-            self._ack(keys=[self.keys.traj, self.keys.counters, self.keys.dropped],
-                      args=[CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate), *trained,
+            self.fence.run(self._ack, [self.keys.traj, self.keys.counters, self.keys.dropped],
+                           [CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate), *trained,
                             *(e.entry_id for e in dropped_stale), *duplicate,
                             *(e.record.prompt_index for e in dropped_stale)])
 
@@ -550,6 +629,10 @@ class TrajectoryQueue:
             return int(self.r.xpending(self.keys.traj, CONSUMER_GROUP)["pending"])
         except redis.ResponseError:  # no group yet
             return 0
+
+
+def _str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class IndexSet:

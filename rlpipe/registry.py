@@ -10,6 +10,12 @@ waits until the lease is free instead of consuming the same stream, which would 
 groups twice; a learner that finds its lease taken stops. The lease names its holder
 (host, pid, the process's start time): a learner restarted on the same host takes over
 at once when that process is provably gone, instead of waiting out the TTL.
+
+Each acquisition takes the next *lease epoch* (``learner:epoch``, only ever incremented).
+A learner that lost its lease without noticing (paused, partitioned: a zombie) still holds
+its old epoch, and every write that could undo its successor's work (acknowledgements,
+dead letters, the published state and weights) is made by a script that first checks the
+epoch (:class:`Fence`): Redis refuses the zombie's write, which raises :class:`Fenced`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Callable
 
 import redis
 
+from rlpipe.fence import Fence
 from rlpipe.proc import process_start_ticks
 from rlpipe.queue import Keys
 
@@ -76,8 +83,8 @@ def worker_incarnations(r: redis.Redis, keys: Keys) -> dict[str, str]:
     return {w: f.get("incarnation", "") for w, f in live_workers(r, keys).items()}
 
 
-def set_learner_state(r: redis.Redis, keys: Keys, **fields) -> None:
-    r.hset(keys.learner, mapping={**fields, "heartbeat": time.time()})
+def set_learner_state(r: redis.Redis, keys: Keys, fence: Fence | None = None, **fields) -> None:
+    (fence or Fence(r, keys.epoch)).hset(keys.learner, {**fields, "heartbeat": time.time()})
 
 
 def learner_state(r: redis.Redis, keys: Keys) -> dict[str, str]:
@@ -97,6 +104,10 @@ if holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 if not holder then return redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
 return 0"""
 _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"""
+# KEYS: lease, epoch; ARGV: token, ttl ms. The lease and the next epoch, or nothing.
+_ACQUIRE = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('incr', KEYS[2]) end
+return false"""
 
 
 def holder_is_dead(holder: str) -> bool:
@@ -115,18 +126,29 @@ class LearnerLease:
 
     def __init__(self, r: redis.Redis, keys: Keys, ttl_s: float):
         self.r, self.key, self.ttl_s = r, keys.learner + ":lease", ttl_s
+        self.keys = keys
+        self.epoch: int | None = None  # this holder's lease epoch, once acquired
         self.token = f"{uuid.uuid4().hex}|{socket.gethostname()}|{os.getpid()}|{process_start_ticks(os.getpid())}"
         self._released = threading.Event()
         self.took_over_from: str | None = None  # a dead holder whose lease this one took at once
 
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.r, self.keys.epoch, self)
+
+    def _take(self) -> bool:
+        epoch = self.r.eval(_ACQUIRE, 2, self.key, self.keys.epoch, self.token, int(self.ttl_s * 1000))
+        if epoch:
+            self.epoch = int(epoch)
+        return bool(epoch)
+
     def try_acquire(self) -> bool:
-        if self.r.set(self.key, self.token, nx=True, px=int(self.ttl_s * 1000)):
+        if self._take():
             return True
         holder = self.r.get(self.key)
         if holder is not None and holder_is_dead(holder.decode()):
             # compare-and-delete: only the dead holder's lease, not one a third learner just took
-            if self.r.eval(_RELEASE, 1, self.key, holder) and \
-                    self.r.set(self.key, self.token, nx=True, px=int(self.ttl_s * 1000)):
+            if self.r.eval(_RELEASE, 1, self.key, holder) and self._take():
                 self.took_over_from = holder.decode()
                 log.warning("the previous learner (pid %s on this host) is gone: took its lease without waiting",
                             holder.decode().split("|")[2])

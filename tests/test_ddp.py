@@ -21,7 +21,7 @@ from learner.policy import load_policy
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import TrajectoryQueue, connect
 from tests.conftest import free_run_id
-from tests.test_learner import synthetic_groups
+from tests.test_learner import for_run, synthetic_groups
 
 
 def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **settings):
@@ -31,10 +31,11 @@ def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **setting
                        steps=2, workers=1, seed=3, **{
                            "model.path": toy_model_path, "learner.groups_per_step": 4, "learner.minibatches": 2,
                            "learner.lr": 1e-3, "learner.threads": 1, "learner.checkpoint_every": 2,
-                           "learner.loss_agg": "seq_mean_token_mean", "sync.join_timeout_s": 0.1, **settings})
+                           "learner.loss_agg": "seq_mean_token_mean", "sync.join_timeout_s": 0.1, "sampling.n": 4,
+                           **settings})
     dump_config(cfg, run_dir / "config.yaml")
     queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
-    for rec in groups:
+    for rec in for_run(groups, cfg):
         queue.push(rec)
     return cfg, run_dir
 

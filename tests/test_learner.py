@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -18,16 +19,28 @@ from tests.test_schema import make_record
 @pytest.fixture
 def learner(redis_server, toy_model_path, tmp_path):
     cfg = build_config({}, environ={}, run_id=free_run_id("l"), run_dir=str(tmp_path), redis_url=redis_server.url,
-                       **{"model.path": toy_model_path, "learner.groups_per_step": 3, "queue.max_staleness": 2})
+                       **{"model.path": toy_model_path, "learner.groups_per_step": 3, "queue.max_staleness": 2,
+                          "sampling.n": 2})
     learner = Learner(cfg)
     learner.queue.ensure_consumer_group()
+    learner.queue.r.set(learner.queue.keys.cursor, 1000)  # as if the workers had leased the prompts these use
     return learner
+
+
+def run_record(learner, version: int = 0, **overrides):
+    """A test record that belongs to the learner's run (its id, precision and sampling.n),
+    made at ``version``, so the reader admits it (rlpipe/admission.py)."""
+    rec = make_record(**{"run_id": learner.cfg.run_id, "precision": learner.cfg.rollout.precision,
+                         "policy_version": version, "policy_version_end": version, **overrides})
+    for sample in rec.samples:
+        sample.versions = None
+    return rec
 
 
 def test_collect_drops_and_counts_groups_older_than_max_staleness(learner):
     learner.run_counters.version = 5
     for v in (0, 3, 5, 2, 4, 1):
-        learner.queue.push(make_record(policy_version=v, policy_version_end=v, group_id=f"v{v}"))
+        learner.queue.push(run_record(learner, v, group_id=f"v{v}"))
     batch = learner.collect()
     assert [e.record.policy_version for e in batch] == [3, 5, 4]  # 5-0 and 5-2 exceed 2 versions
     c = learner.queue.counters()
@@ -42,20 +55,20 @@ def test_groups_held_when_redis_lost_their_push_go_back_to_the_stream(learner):
     would never count as produced while the lineage's consumed count grew, and the
     back-pressure allowance would keep one place too many for each, for good."""
     q = learner.queue
-    ids = [q.push(make_record(group_id=f"g{i}", prompt_index=i)) for i in range(6)]
-    read = q.read(learner.consumer, 4)
-    batch, learner._backlog = read[:2], read[2:]
+    ids = [q.push(run_record(learner, group_id=f"g{i}", prompt_index=i)) for i in range(6)]
+    read = q.read(learner.ledger.consumer, 4)
+    batch, learner.ledger.backlog = read[:2], read[2:]
     r = q.r
     r.xdel(q.keys.traj, ids[0], ids[2])  # the restart lost these pushes (and their counts)
     r.hset(q.keys.counters, "produced", 4)
-    learner._after_redis_restart(batch)
+    learner.ledger.after_redis_restart(batch)
     assert [e.entry_id for e in batch] == [ids[1]]
     # every group not trained yet takes a back-pressure place: the 6, not the 4 left in the stream
     learner._publish_state()
     assert q.lease_prompts("w0", 0).unconsumed == 6
     c = q.counters()
     assert c["produced"] == c["trained"] + q.length() == 6
-    q.push(make_record(group_id="g6", prompt_index=6))
+    q.push(run_record(learner, group_id="g6", prompt_index=6))
     rest = learner.collect() + learner.collect()  # the backlog, then the two pushed again and a new one
     assert sorted(e.record.prompt_index for e in batch + rest) == list(range(7))
 
@@ -79,7 +92,7 @@ def test_a_step_widens_the_margin_of_rewarded_over_unrewarded_responses(learner)
         return (learner_logprobs(learner.model, prompt, good).sum() - learner_logprobs(learner.model, prompt, bad).sum()).item()
 
     before = margin()
-    metrics = learner.train_step([group([1.0, 0.0, 1.0, 0.0], "signal"), group([1.0] * 4, "flat")])
+    metrics = learner.ppo.train_step([group([1.0, 0.0, 1.0, 0.0], "signal"), group([1.0] * 4, "flat")])
     assert margin() > before + 1e-3
     assert metrics["mismatch_kl"] == pytest.approx(0, abs=1e-6) and metrics["is_weight_mean"] == pytest.approx(1)
     assert metrics["groups_skipped_equal_reward"] == 1
@@ -109,6 +122,11 @@ def synthetic_groups(model, n_groups: int, seed: int = 0, noise: float = 0.05, p
     return records
 
 
+def for_run(records: list, cfg) -> list:
+    """``records`` as groups of ``cfg``'s run (the reader admits only those, rlpipe/admission.py)."""
+    return [dataclasses.replace(rec, run_id=cfg.run_id) for rec in records]
+
+
 def params_vector(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -134,7 +152,7 @@ def test_every_is_mode_takes_a_finite_step_that_changes_the_weights(mode, redis_
     learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": mode})
     records = synthetic_groups(base_model, 4, precisions=("bf16", "fp8"))
     before = params_vector(learner.model)
-    m = learner.train_step(records)
+    m = learner.ppo.train_step(records)
     assert (params_vector(learner.model) - before).abs().max() > 1e-6
     assert np.isfinite([m["learner_loss"], m["learner_grad_norm"], m["mismatch_kl"], m["is_ess"]]).all()
     # noise of std 0.05 on mu: E[mu - pi_old] = 0 and k3 ~ 0.05^2 / 2
@@ -145,8 +163,8 @@ def test_every_is_mode_takes_a_finite_step_that_changes_the_weights(mode, redis_
 def test_bypass_measures_the_same_mismatch_without_a_recompute_pass(redis_server, toy_model_path, tmp_path,
                                                                       base_model):
     records = synthetic_groups(base_model, 4, seed=3)
-    full = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "ppo_is"}).train_step(records)
-    bypass = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "bypass"}).train_step(records)
+    full = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "ppo_is"}).ppo.train_step(records)
+    bypass = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "bypass"}).ppo.train_step(records)
     # With one minibatch, the first epoch's forward pass is pi_old exactly; same loss, same update.
     for key in ("mismatch_kl", "mismatch_k3_kl", "mismatch_log_ppl_abs_diff", "entropy", "learner_loss"):
         assert bypass[key] == pytest.approx(full[key], rel=1e-5, abs=1e-8), key
@@ -159,7 +177,7 @@ def test_mismatch_is_split_by_the_precision_label(redis_server, toy_model_path, 
     # fp8 groups get 5x the noise of bf16 groups: their split metrics must show it
     records = [*synthetic_groups(base_model, 2, seed=1, noise=0.02, precisions=("bf16",)),
                *synthetic_groups(base_model, 2, seed=2, noise=0.3, precisions=("fp8",))]
-    m = learner.train_step(records)
+    m = learner.ppo.train_step(records)
     split = m["mismatch_by_precision"]
     assert split["fp8"]["mismatch_k3_kl"] > 10 * split["bf16"]["mismatch_k3_kl"]
     # and each split equals the metric computed on that precision's rows alone
@@ -181,7 +199,7 @@ def test_estimators_aggregations_and_precisions_train(overrides, redis_server, t
     reference = make_learner(redis_server, toy_model_path, tmp_path)
     records = synthetic_groups(base_model, 4, seed=5)
     before = params_vector(learner.model)
-    m, ref = learner.train_step(records), reference.train_step(records)
+    m, ref = learner.ppo.train_step(records), reference.ppo.train_step(records)
     moved = params_vector(learner.model) - before
     assert moved.abs().max() > 1e-6 and np.isfinite(m["learner_loss"]) and m["learner_skipped_steps"] == 0
     # a different setting is a different update (the option is not ignored)
@@ -194,19 +212,19 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_backs_off(redis_server, t
     learner = make_learner(redis_server, toy_model_path, tmp_path, **{
         "learner.dtype": "fp16", "learner.loss_scale_init": 1e38, "learner.ppo_epochs": 1})
     before = params_vector(learner.model)
-    m = learner.train_step(synthetic_groups(base_model, 4, seed=7))
+    m = learner.ppo.train_step(synthetic_groups(base_model, 4, seed=7))
     assert m["learner_skipped_steps"] == 1 and learner.scaler.skipped_steps == 1
     assert m["learner_loss_scale"] == pytest.approx(0.5e38)  # halved
     assert torch.equal(params_vector(learner.model), before)  # an overflowing step leaves the weights alone
     sane = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.dtype": "fp16", "learner.ppo_epochs": 1})
-    assert sane.train_step(synthetic_groups(base_model, 4, seed=7))["learner_skipped_steps"] == 0
+    assert sane.ppo.train_step(synthetic_groups(base_model, 4, seed=7))["learner_skipped_steps"] == 0
 
 
 def test_every_step_metric_is_exported_to_prometheus(redis_server, toy_model_path, tmp_path, base_model):
     from prometheus_client import generate_latest
 
     learner = make_learner(redis_server, toy_model_path, tmp_path)
-    m = learner.train_step(synthetic_groups(base_model, 4, precisions=("bf16", "fp8")))
+    m = learner.ppo.train_step(synthetic_groups(base_model, 4, precisions=("bf16", "fp8")))
     m["lr_schedule"] = learner.schedule.state()
     learner.metrics.record(m)
     text = generate_latest(learner.metrics.registry).decode()
@@ -224,9 +242,9 @@ def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_mode
     from learner.metrics import read_jsonl
 
     learner = make_learner(redis_server, toy_model_path, tmp_path, steps=4, workers=1, **{
-        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1,
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1, "sampling.n": 4,
         "learner.schedule.kind": "warmup_cosine", "learner.schedule.warmup_steps": 2})
-    for rec in synthetic_groups(base_model, 8, seed=9):
+    for rec in for_run(synthetic_groups(base_model, 8, seed=9), learner.cfg):
         learner.queue.push(rec)
     learner.run()
     # lr 1e-4, warmup 2 of 4 steps, floor 10%: 1/2 warmup, full, cosine midpoint (0.1 + 0.9/2), floor

@@ -62,9 +62,9 @@ def test_a_step_in_token_budget_microbatches_equals_the_padded_step(redis_server
         "learner.is_mode": is_mode, "learner.max_tokens_per_microbatch": 25})
     before = params_vector(padded.model)
     torch.manual_seed(0)  # the same minibatch order for both
-    a = padded.train_step(records)
+    a = padded.ppo.train_step(records)
     torch.manual_seed(0)
-    b = parts.train_step(records)
+    b = parts.ppo.train_step(records)
     moved = (params_vector(padded.model) - before).abs().max().item()
     diff = (params_vector(padded.model) - params_vector(parts.model)).abs().max().item()
     assert moved > 1e-4, "the step did not train"

@@ -27,7 +27,7 @@ from rlpipe import registry
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import TrajectoryQueue, connect
 from tests.conftest import free_run_id, wait_for
-from tests.test_learner import synthetic_groups
+from tests.test_learner import for_run, synthetic_groups
 
 STEPS, GROUPS_PER_STEP = 8, 3
 
@@ -40,10 +40,11 @@ def run(redis_server, toy_model_path, tmp_path):
                            "model.path": toy_model_path, "learner.groups_per_step": GROUPS_PER_STEP,
                            "learner.checkpoint_every": 2, "learner.ppo_epochs": 1, "learner.lr": 1e-4,
                            "learner.threads": 1, "learner.lease_ttl_s": 1.0, "queue.max_staleness": 1000, "sync.join_timeout_s": 0.1,
+                           "sampling.n": 4,
                            "learner.schedule.warmup_steps": 0})
     dump_config(cfg, tmp_path / "config.yaml")
     queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
-    groups = synthetic_groups(load_policy(toy_model_path), STEPS * GROUPS_PER_STEP, seed=11)
+    groups = for_run(synthetic_groups(load_policy(toy_model_path), STEPS * GROUPS_PER_STEP, seed=11), cfg)
     for rec in groups:
         queue.push(rec)
 

@@ -1,0 +1,99 @@
+"""Whether a well-formed group record belongs to this run and may reach a batch (DESIGN.md,
+'Trajectory wire schema': the checks against the run).
+
+:func:`rlpipe.schema.decode_group` checks that an entry is well-formed. That is not enough:
+a record of 2,048-token samples, a future ``policy_version`` or a token id past the
+vocabulary is well-formed and would crash or poison the learner (a long record OOM-killed
+it on every restart). :class:`RunCheck` holds what the run fixes and raises
+:class:`~rlpipe.schema.SchemaError` with the reason, so the reader dead-letters the entry
+like a malformed one. It is pure: the reader gives it the Redis-side facts it needs (how
+many prompts the dispatcher has handed out, and how many times a prompt was re-issued).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rlpipe.schema import GroupRecord, SchemaError
+
+# What the run fixes in each record's ``sampling`` map (the rest: ``seed``, any int).
+FIXED_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens")
+
+
+@dataclass
+class RunCheck:
+    run_id: str
+    vocab_size: int  # the learner's embedding rows: a token id must index them
+    n: int  # samples per group
+    sampling: dict  # the values of FIXED_SAMPLING the run's workers sample with
+    max_tokens: int  # longest response
+    max_model_len: int  # longest prompt + response an engine of the run holds
+    precisions: tuple[str, ...]  # the fleet's
+    version: int = 0  # the learner's weights version, kept current by the learner
+
+    @classmethod
+    def for_run(cls, cfg, vocab_size: int) -> "RunCheck":
+        s = cfg.sampling
+        return cls(run_id=cfg.run_id, vocab_size=vocab_size, n=s.n,
+                   sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                             "max_tokens": s.max_tokens},
+                   max_tokens=s.max_tokens, max_model_len=cfg.rollout.max_model_len,
+                   precisions=tuple(dict.fromkeys(cfg.rollout.fleet or [cfg.rollout.precision])))
+
+    def check(self, rec: GroupRecord, handed_out: int, reissued: int) -> None:
+        """Raise SchemaError naming the first field that does not fit the run.
+
+        ``handed_out``: the dispatcher's cursor (indices below it were handed out);
+        ``reissued``: how many times ``rec.prompt_index`` was handed out again."""
+        if rec.run_id != self.run_id:
+            raise SchemaError(f"run_id: {rec.run_id!r} is not this run ({self.run_id!r})")
+        if rec.precision not in self.precisions:
+            raise SchemaError(f"precision: {rec.precision!r} is not one of this run's {list(self.precisions)}")
+        if not 0 <= rec.policy_version <= rec.policy_version_end <= self.version:
+            raise SchemaError(f"policy_version: {rec.policy_version}..{rec.policy_version_end} is not within "
+                              f"0..{self.version}, the learner's version")
+        self._check_sampling(rec.sampling)
+        if len(rec.samples) != self.n:
+            raise SchemaError(f"samples: {len(rec.samples)} samples, the run's sampling.n is {self.n}")
+        prompt = len(rec.prompt_tokens)
+        self._check_tokens("prompt_tokens", rec.prompt_tokens)
+        for i, s in enumerate(rec.samples):
+            where = f"samples[{i}]."
+            if not len(s.tokens):
+                raise SchemaError(f"{where}tokens: empty response")
+            if len(s.tokens) > self.max_tokens:
+                raise SchemaError(f"{where}tokens: {len(s.tokens)} tokens, more than sampling.max_tokens "
+                                  f"{self.max_tokens}")
+            if prompt + len(s.tokens) > self.max_model_len:
+                raise SchemaError(f"{where}tokens: prompt {prompt} + response {len(s.tokens)} tokens exceed "
+                                  f"rollout.max_model_len {self.max_model_len}")
+            self._check_tokens(where + "tokens", s.tokens)
+            if s.versions is not None and len(s.versions) and \
+                    (s.versions.min() < rec.policy_version or s.versions.max() > rec.policy_version_end):
+                raise SchemaError(f"{where}versions: per-token versions {int(s.versions.min())}.."
+                                  f"{int(s.versions.max())} outside policy_version {rec.policy_version}.."
+                                  f"{rec.policy_version_end}")
+        if rec.prompt_index >= 0:  # -1: not from the cursor (imported data, tools)
+            if rec.prompt_index >= handed_out:
+                raise SchemaError(f"prompt_index: {rec.prompt_index} was never handed out (the cursor is at "
+                                  f"{handed_out})")
+            if rec.attempt > reissued:
+                raise SchemaError(f"attempt: {rec.attempt}, but prompt {rec.prompt_index} was re-issued "
+                                  f"{reissued} times")
+
+    def _check_sampling(self, sampling: dict) -> None:
+        for key, want in self.sampling.items():
+            got = sampling.get(key)
+            if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+                raise SchemaError(f"sampling.{key}: expected a finite number, got {got!r}")
+            if got != want:
+                raise SchemaError(f"sampling.{key}: {got!r}, the run samples with {want!r}")
+        seed = sampling.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise SchemaError(f"sampling.seed: expected an int, got {seed!r}")
+
+    def _check_tokens(self, where: str, tokens) -> None:
+        if len(tokens) and int(tokens.max()) >= self.vocab_size:
+            raise SchemaError(f"{where}: token id {int(tokens.max())} is outside the vocabulary "
+                              f"({self.vocab_size} ids)")
