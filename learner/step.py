@@ -73,12 +73,6 @@ class StepOutcome:
     update: UpdateStats
 
 
-def _done(value) -> Future:
-    future = Future()
-    future.set_result(value)
-    return future
-
-
 def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
     """Per-micro-batch PPO statistics (token means) as one mean over all their tokens."""
     if len(parts) == 1:
