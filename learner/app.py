@@ -30,9 +30,31 @@ def create_app(learner) -> FastAPI:
 
     @app.get("/status", dependencies=[require_token(api_token())])
     def status():
-        return learner.snapshot()
+        return learner_status(learner)
 
     return app
+
+
+def learner_status(learner) -> dict:
+    """What ``GET /status`` returns: the learner's state, read from its running loop."""
+    return {
+        "status": learner.status,
+        "step": learner.step,
+        "version": learner.version,
+        "lr": learner.opt.param_groups[0]["lr"],
+        "lr_schedule": learner.schedule.state(),
+        "training": {"dtype": learner.cfg.learner.dtype, "is_mode": learner.cfg.learner.is_mode,
+                     "advantage": learner.cfg.learner.advantage, "loss_agg": learner.cfg.learner.loss_agg,
+                     "loss_scale": learner.scaler.scale, "skipped_steps_total": learner.scaler.skipped_steps,
+                     "ranks": learner.ranks.world, "parallel": learner.ranks.parallel},
+        "checkpoint": {"dir": str(learner.ckpt_root), "last": learner.last_checkpoint,
+                       "every": learner.cfg.learner.checkpoint_every, "unacked_groups": len(learner.ledger.not_durable()),
+                       "async": learner.cfg.learner.async_checkpoint},
+        "trained_groups_total": learner.run_counters.trained_groups,
+        **learner.fleet.status(learner.version),
+        "dropped_stale_total": learner.run_counters.dropped_stale_total,
+        "last_metrics": learner.last_metrics,
+    }
 
 
 def serve_in_thread(learner, host: str, port: int) -> str:

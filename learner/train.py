@@ -398,24 +398,3 @@ class Learner:
         # against (rlpipe.queue.TrajectoryQueue.lease_prompts); a restarted learner publishes its checkpoint's.
         registry.set_learner_state(self.r, self.keys, self.queue.fence, status=self.status, step=self.step,
                                    version=self.version, consumed=self.run_counters.trained_groups)
-
-    def snapshot(self) -> dict:
-        """What ``GET /status`` returns."""
-        return {
-            "status": self.status,
-            "step": self.step,
-            "version": self.version,
-            "lr": self.opt.param_groups[0]["lr"],
-            "lr_schedule": self.schedule.state(),
-            "training": {"dtype": self.cfg.learner.dtype, "is_mode": self.cfg.learner.is_mode,
-                         "advantage": self.cfg.learner.advantage, "loss_agg": self.cfg.learner.loss_agg,
-                         "loss_scale": self.scaler.scale, "skipped_steps_total": self.scaler.skipped_steps,
-                         "ranks": self.ranks.world, "parallel": self.ranks.parallel},
-            "checkpoint": {"dir": str(self.ckpt_root), "last": self.last_checkpoint,
-                           "every": self.cfg.learner.checkpoint_every, "unacked_groups": len(self.ledger.not_durable()),
-                           "async": self._writer is not None},
-            "trained_groups_total": self.run_counters.trained_groups,
-            **self.fleet.status(self.version),
-            "dropped_stale_total": self.run_counters.dropped_stale_total,
-            "last_metrics": self.last_metrics,
-        }

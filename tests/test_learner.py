@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from learner.app import learner_status
 from learner.train import Learner
 from rlpipe.config import build_config
 from rlpipe.schema import Sample
@@ -250,7 +251,7 @@ def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_mode
     # lr 1e-4, warmup 2 of 4 steps, floor 10%: 1/2 warmup, full, cosine midpoint (0.1 + 0.9/2), floor
     lrs = [row["learner_lr"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
     assert lrs == pytest.approx([0.5e-4, 1e-4, 0.55e-4, 0.1e-4], rel=1e-6)
-    assert learner.snapshot()["lr_schedule"]["kind"] == "warmup_cosine"
+    assert learner_status(learner)["lr_schedule"]["kind"] == "warmup_cosine"
     assert learner.queue.counters()["trained"] == 8 and learner.last_checkpoint["step"] == 4
     # the lease is released and its renewal thread ends with the run (it would stop the process otherwise)
     assert not learner.r.exists(learner.keys.learner + ":lease")
