@@ -574,6 +574,7 @@ class TrajectoryQueue:
         """Move an entry to the dead letters with its reason; an entry never counted as
         produced (foreign, see ``COUNTED``) is counted now, so the books stay balanced."""
         counted = "1" if COUNTED.encode() in fields or COUNTED in fields else "0"
+        log.warning("dead-lettered stream entry %s: %s", entry_id, reason)
         self.fence.run(self._dead_letter, [self.keys.traj, self.keys.dead, self.keys.counters],
                        [CONSUMER_GROUP, entry_id, reason, counted, *(x for kv in fields.items() for x in kv)])
 

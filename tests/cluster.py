@@ -128,8 +128,38 @@ class Cluster:
             elif kind == "worker":
                 self.kill_worker("w1")
                 self.start_worker("w1", wait=False)
+            elif kind == "poison":
+                self.inject_poison()
             else:
                 self.kill_redis(down_s=3.0)
+
+    def inject_poison(self) -> None:
+        """What a worker with a bug, a stray tool or an operator could put in: well-formed
+        records that do not fit the run (a 2,048-token one among them, which OOM-killed the
+        learner on every restart before records were checked), raw XADDs never counted as
+        produced, and the loss of the sync hash (a restore, a key cleaned by hand)."""
+        import numpy as np
+
+        from rlpipe.schema import Sample, encode_group
+        from tests.test_schema import make_record
+
+        r = self.client()
+        q = TrajectoryQueue(r, self.cfg.run_id)
+        n, long = self.cfg.sampling.n, np.full(2048, 5, dtype=np.int32)
+
+        def samples(tokens):
+            return [Sample(tokens, np.full(len(tokens), -0.5, dtype=np.float32), "stop", float(i % 2))
+                    for i in range(n)]
+
+        fit = dict(run_id=self.cfg.run_id, precision=self.cfg.rollout.precision, policy_version=0,
+                   policy_version_end=0, samples=samples(np.array([5, 2], dtype=np.int32)))
+        forged = [{**fit, "samples": samples(long)}, {**fit, "policy_version": 10**6, "policy_version_end": 10**6},
+                  {**fit, "run_id": "another-run"}, {**fit, "samples": samples(np.array([10**6, 2], dtype=np.int32))},
+                  {**fit, "samples": fit["samples"][:1]}, {**fit, "prompt_index": 2**62, "attempt": 999}]
+        for i, fields in enumerate(forged):
+            q.push(make_record(**{**fields, "group_id": f"forged-{i}"}))
+        r.xadd(q.keys.traj, {"data": encode_group(make_record(**{**fit, "group_id": "raw"}))})
+        r.delete(q.keys.sync)
 
     def _watch_aof(self) -> None:
         """Note the AOF's length every 50 ms (for kill_redis's lost second)."""

@@ -1,7 +1,9 @@
 """One run, faults at random (seeded): SIGKILLs of the learner, of a worker and of
 ``redis-server``, each role its own process (tests/cluster.py), each restarted as a
 supervisor would; a killed Redis also loses the last second of its AOF, as it would if its
-machine died (appendfsync everysec). At the end:
+machine died (appendfsync everysec); and poison: well-formed records that do not fit the
+run (a 2,048-token one among them), raw XADDs and the deletion of the sync hash
+(Cluster.inject_poison). At the end:
 
 - the run reached its final step;
 - produced == trained + dropped + dead + duplicate + what is left in the stream;
@@ -28,7 +30,7 @@ from tests.test_restarts import SETTINGS, SETTLE
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-FAULTS = ("learner", "learner", "worker", "redis")
+FAULTS = ("learner", "learner", "worker", "redis", "poison")
 
 
 def schedule(seed: int, steps: int = STEPS) -> list[tuple[int, str]]:
@@ -88,6 +90,7 @@ def test_chaos(tmp_path, toy_model_path):
     print(report)
     assert parts[-1][-1]["step"] == STEPS and len(parts) == 1 + sum(k == "learner" for _, k in plan), report
     assert books["lost"] == 0 and books["trained_twice"] == 0, report
+    assert books["counters"]["dead"] == 7, report  # the 6 forged records and the raw XADD, each with its reason
     assert before["steps"] >= 3 and after["steps"] >= 3, report
     assert back_to_steady(before, after, SETTINGS["queue.max_lag"]), report
     for role in ("learner", "w0", "w1"):
