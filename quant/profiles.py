@@ -92,7 +92,7 @@ def fp8_checkpoint(model_path: str) -> Path:
     """The compressed-tensors FP8 checkpoint of a base model (per-channel weights, dynamic
     per-token activations), written once next to the other cached artifacts."""
     from quant.profile import model_fingerprint, write_checkpoint
-    from rlpipe.toy import cache_root
+    from rlpipe.paths import cache_root
 
     out = cache_root() / "quant" / f"fp8-{model_fingerprint(model_path)}" / "checkpoint"
     if not (out / "config.json").is_file():

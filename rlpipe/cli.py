@@ -26,69 +26,77 @@ from rlpipe.config import ConfigError, check_model_path, load_config, parse_yaml
 LEARNER_RANKS_HELP = "run the learner as N data-parallel ranks under torchrun (sets learner.ranks)"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlpipe", description="asynchronous RL for LLMs with quantized vLLM rollout")
-    sub = p.add_subparsers(dest="command", required=True)
+def _config_args(p):
+    p.add_argument("--config", help="YAML config file (RLPIPE_<SECTION>__<KEY> env vars override it)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
 
-    def with_config(sp):
-        sp.add_argument("--config", help="YAML config file (RLPIPE_<SECTION>__<KEY> env vars override it)")
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
-        return sp
 
-    d = with_config(sub.add_parser("demo", help="run a whole RL job locally on the toy task"))
-    d.add_argument("--steps", type=int)
-    d.add_argument("--seed", type=int)
-    d.add_argument("--workers", type=int)
-    d.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8; a comma-separated "
+def _demo_args(p):
+    _config_args(p)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--workers", type=int)
+    p.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8; a comma-separated "
                    "list makes a mixed fleet (e.g. int8,bf16: half the workers each)")
-    d.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
-    d.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
-    d.add_argument("--run-id")
-    d.add_argument("--runs-dir", default="runs")
-    d.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
+    p.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
+    p.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
+    p.add_argument("--run-id")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
 
-    r = with_config(sub.add_parser("rollout", help="run one rollout worker"))
-    r.add_argument("--worker-id", required=True)
-    r.add_argument("--port", type=int)
-    r.add_argument("--precision", help="this worker's precision (overrides rollout.precision)")
-    r.add_argument("--address-file", help="write host:port here once bound")
 
-    with_config(sub.add_parser("learner", help="run the learner"))
+def _rollout_args(p):
+    _config_args(p)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--port", type=int)
+    p.add_argument("--precision", help="this worker's precision (overrides rollout.precision)")
+    p.add_argument("--address-file", help="write host:port here once bound")
 
-    c = with_config(sub.add_parser("calibrate", help="int8 rollout: one SmoothQuant calibration of the base model "
-                                   "(nvidia-modelopt); writes the profile and a compressed-tensors checkpoint"))
-    c.add_argument("--out", help="profile directory (default: the cache, keyed by fingerprints)")
 
-    b = with_config(sub.add_parser("build-model", help="build (or find) the cached toy model and print its path"))
-    b.add_argument("--seed", type=int)
+def _calibrate_args(p):
+    _config_args(p)
+    p.add_argument("--out", help="profile directory (default: the cache, keyed by fingerprints)")
 
-    bn = sub.add_parser("bench", help="regenerate the evidence report (docs/results.md): every benchmark in bench/")
-    bn.add_argument("--quick", action="store_true", help="toy sizes, minutes (CI); writes under runs/bench-quick/")
-    bn.add_argument("--only", default="", help="comma-separated parts to re-run (the others keep their numbers)")
-    bn.add_argument("--out", help="report directory: results.md and results/ (default docs/)")
-    bn.add_argument("--render-only", action="store_true", help="re-render results.md from the sections on disk")
-    pl = sub.add_parser("plot", help="draw metrics.png for a run directory")
-    pl.add_argument("run_dir")
 
-    u = with_config(sub.add_parser("up", help="run the learner and workers on this machine, restarted when they "
-                                   "crash, as the Kubernetes manifests run them"))
-    u.add_argument("--workers", type=int)
-    u.add_argument("--steps", type=int)
-    u.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
-    u.add_argument("--run-id")
-    u.add_argument("--runs-dir", default="runs")
-    for name, text in (("status", "print the roles, versions, lag, queue and sync of a running `rlpipe up`"),
-                       ("restart", "restart a role of a running `rlpipe up` (SIGTERM, then start it again)"),
-                       ("scale", "set how many of a role a running `rlpipe up` runs")):
-        sp = sub.add_parser(name, help=text)
-        if name != "status":
-            sp.add_argument("role", choices=["learner", "rollout"])
-        if name == "scale":
-            sp.add_argument("replicas", type=int)
-        sp.add_argument("--run-dir", help="the run's directory (default: the newest running `up` under --runs-dir)")
-        sp.add_argument("--runs-dir", default="runs")
-    return p
+def _build_model_args(p):
+    _config_args(p)
+    p.add_argument("--seed", type=int)
+
+
+def _bench_args(p):
+    p.add_argument("--quick", action="store_true", help="toy sizes, minutes (CI); writes under runs/bench-quick/")
+    p.add_argument("--only", default="", help="comma-separated parts to re-run (the others keep their numbers)")
+    p.add_argument("--out", help="report directory: results.md and results/ (default docs/)")
+    p.add_argument("--render-only", action="store_true", help="re-render results.md from the sections on disk")
+
+
+def _plot_args(p):
+    p.add_argument("run_dir")
+
+
+def _up_args(p):
+    _config_args(p)
+    p.add_argument("--workers", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
+    p.add_argument("--run-id")
+    p.add_argument("--runs-dir", default="runs")
+
+
+def _status_args(p):
+    p.add_argument("--run-dir", help="the run's directory (default: the newest running `up` under --runs-dir)")
+    p.add_argument("--runs-dir", default="runs")
+
+
+def _restart_args(p):
+    p.add_argument("role", choices=["learner", "rollout"])
+    _status_args(p)
+
+
+def _scale_args(p):
+    _restart_args(p)
+    p.add_argument("replicas", type=int)
 
 
 def _overrides(args) -> dict:
@@ -136,142 +144,206 @@ def check_launch(cfg, command: str) -> None:
         check_listen("learner", cfg.learner.host, cfg.learner.port)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        cfg = load_config(getattr(args, "config", None), **_overrides(args)) \
-            if args.command not in ("plot", "status", "restart", "scale", "bench") else None
-        if cfg is not None:
-            check_launch(cfg, args.command)
-    except ConfigError as e:
-        return _usage_error(e)
+def _error(e: Exception, code: int) -> int:
+    """A failure the command can name: one line, exit ``code`` (2: bad input, 3: Redis unreachable)."""
+    print(f"rlpipe: error: {e}", file=sys.stderr)
+    return code
 
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops like Ctrl-C: every child is stopped, none orphaned."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def _run_demo(args, cfg) -> int:
+    _stop_on_sigterm()
+    from rlpipe.demo import format_summary, run_demo
+
+    try:
+        summary = run_demo(cfg, runs_dir=args.runs_dir, timeout_s=args.timeout)
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, FileNotFoundError) as e:
+        return _error(e, 2)
+    print(format_summary(summary))
+    return 0 if summary.get("completed") else 130 if summary.get("interrupted") else 1
+
+
+def _run_up(args, cfg) -> int:
+    _stop_on_sigterm()
+    from rlpipe.up import run_up
+
+    try:
+        return run_up(cfg, runs_dir=args.runs_dir)
+    except (ConfigError, FileNotFoundError) as e:
+        return _error(e, 2)
+
+
+def _role(label: str, start) -> int:
+    """Run a role process's ``start()``: its log label, stopped with its parent, and the exit
+    codes a supervisor acts on (2: a missing or mismatched profile, 3: Redis unreachable)."""
     from rlpipe.proc import exit_with_parent, setup_logging
 
-    if args.command in ("status", "restart", "scale"):
-        from rlpipe import up
-        from rlpipe.queue import RedisUnavailable
+    setup_logging(label)
+    exit_with_parent()
+    from quant.profile import ProfileError
+    from rlpipe.queue import RedisUnavailable
 
-        try:
-            run_dir = up.find_run(args.run_dir, args.runs_dir)
-            if args.command == "status":
-                print(up.status_table(run_dir))
-            else:
-                print(up.request(run_dir, args.role, args.replicas if args.command == "scale" else None))
-        except (FileNotFoundError, ValueError) as e:
-            print(f"rlpipe: error: {e}", file=sys.stderr)
-            return 2
-        except RedisUnavailable as e:  # down, or a password the run keeps out of its config.yaml
-            print(f"rlpipe: error: {e} (a password: RLPIPE_REDIS_PASSWORD or RLPIPE_REDIS_PASSWORD_FILE)",
-                  file=sys.stderr)
-            return 3
+    try:
+        return start()
+    except ProfileError as e:  # a missing profile, or one made for another model or scheme
+        return _error(e, 2)
+    except RedisUnavailable as e:  # at start, or an outage longer than redis_wait_s: a supervisor restarts us
+        return _error(e, 3)
+
+
+def _run_rollout(args, cfg) -> int:
+    from rlpipe.proc import apply_cpu_affinity
+
+    apply_cpu_affinity()  # first: the cores the launcher gave this role, before vLLM's engine process starts
+
+    def start():
+        from rollout_service.server import serve
+
+        serve(cfg, args.worker_id, args.address_file)
         return 0
 
-    if args.command in ("demo", "up"):
-        import signal
+    return _role(f"rollout[{args.worker_id}]", start)
 
-        from rlpipe.demo import format_summary, run_demo
 
-        def on_term(signum, frame):  # stop like Ctrl-C: every child is stopped, none orphaned
-            raise KeyboardInterrupt
+def _run_learner(args, cfg) -> int:
+    # First: the cores the launcher gave this role (RLPIPE_CPU_AFFINITY), before any thread
+    # or torchrun's ranks start; they all inherit the mask.
+    from rlpipe.proc import apply_cpu_affinity
 
-        signal.signal(signal.SIGTERM, on_term)
-        if args.command == "up":
-            from rlpipe.up import run_up
-
-            try:
-                return run_up(cfg, runs_dir=args.runs_dir)
-            except (ConfigError, FileNotFoundError) as e:
-                print(f"rlpipe: error: {e}", file=sys.stderr)
-                return 2
-        try:
-            summary = run_demo(cfg, runs_dir=args.runs_dir, timeout_s=args.timeout)
-        except KeyboardInterrupt:
-            return 130
-        except (ConfigError, FileNotFoundError) as e:
-            print(f"rlpipe: error: {e}", file=sys.stderr)
-            return 2
-        print(format_summary(summary))
-        return 0 if summary.get("completed") else 130 if summary.get("interrupted") else 1
-
-    if args.command in ("rollout", "learner"):
-        # First: the cores the launcher gave this role (RLPIPE_CPU_AFFINITY), before any thread,
-        # vLLM's engine process or torchrun's ranks start; they all inherit the mask.
-        from rlpipe.proc import apply_cpu_affinity
-
-        apply_cpu_affinity()
-
-    if args.command == "learner" and cfg.learner.ranks > 1 and "WORLD_SIZE" not in os.environ:
+    apply_cpu_affinity()
+    if cfg.learner.ranks > 1 and "WORLD_SIZE" not in os.environ:
         # Several ranks: become `torchrun ... -m rlpipe.cli <these arguments>` (same pid, so the
         # launcher, `rlpipe up` or the kubelet keeps signalling the process it started).
         import shlex
 
         from rlpipe.launcher import torchrun_command
 
-        cmd, env = torchrun_command(cfg, sys.argv[1:] if argv is None else list(argv))
+        cmd, env = torchrun_command(cfg, args.argv)
         print(f"rlpipe learner: learner.ranks={cfg.learner.ranks}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}: "
               f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
         os.execve(sys.executable, cmd, env)
 
-    if args.command in ("rollout", "learner"):
-        rank = f"[rank {os.environ.get('RANK', '0')}]" if "WORLD_SIZE" in os.environ else ""
-        setup_logging(f"learner{rank}" if args.command == "learner" else f"rollout[{args.worker_id}]")
-        exit_with_parent()
-        from quant.profile import ProfileError
-        from rlpipe.queue import RedisUnavailable
+    def start():
+        from learner.main import main as learner_main
 
-        try:
-            if args.command == "learner":
-                from learner.main import main as learner_main
+        return learner_main(cfg)
 
-                return learner_main(cfg)
-            from rollout_service.server import serve
+    rank = f"[rank {os.environ.get('RANK', '0')}]" if "WORLD_SIZE" in os.environ else ""
+    return _role(f"learner{rank}", start)
 
-            serve(cfg, args.worker_id, args.address_file)
-            return 0
-        except ProfileError as e:  # a missing profile, or one made for another model or scheme
-            print(f"rlpipe: error: {e}", file=sys.stderr)
-            return 2
-        except RedisUnavailable as e:  # at start, or an outage longer than redis_wait_s: a supervisor restarts us
-            print(f"rlpipe: error: {e}", file=sys.stderr)
-            return 3
 
-    if args.command == "calibrate":
-        from rlpipe.demo import resolve_model, resolve_quant_profile
+def _stderr_log(message: str) -> None:
+    print(message, file=sys.stderr)
 
-        model_path = resolve_model(cfg, log=lambda m: print(m, file=sys.stderr))
-        try:
-            out = resolve_quant_profile(cfg, model_path, args.out or cfg.quant.profile or None, log=lambda m: print(m, file=sys.stderr))
-        except (FileNotFoundError, ValueError) as e:
-            print(f"rlpipe: error: {e}", file=sys.stderr)
-            return 2
-        print(out)
-        return 0
 
-    if args.command == "build-model":
-        from rlpipe.demo import resolve_model
+def _run_calibrate(args, cfg) -> int:
+    from rlpipe.demo import resolve_model, resolve_quant_profile
 
-        print(resolve_model(cfg, log=lambda m: print(m, file=sys.stderr)))
-        return 0
+    model_path = resolve_model(cfg, log=_stderr_log)
+    try:
+        out = resolve_quant_profile(cfg, model_path, args.out or cfg.quant.profile or None, log=_stderr_log)
+    except (FileNotFoundError, ValueError) as e:
+        return _error(e, 2)
+    print(out)
+    return 0
 
-    if args.command == "plot":
-        from pathlib import Path
 
-        from learner.metrics import read_jsonl
-        from rlpipe.plots import plot_run
+def _run_build_model(args, cfg) -> int:
+    from rlpipe.demo import resolve_model
 
-        rows = read_jsonl(Path(args.run_dir) / "metrics.jsonl")
-        if not rows:
-            print(f"rlpipe: error: no metrics in {args.run_dir}", file=sys.stderr)
-            return 2
-        print(plot_run(rows, Path(args.run_dir) / "metrics.png"))
-        return 0
+    print(resolve_model(cfg, log=_stderr_log))
+    return 0
 
-    if args.command == "bench":
-        from rlpipe import bench
 
-        return bench.main(args.quick, args.only, args.out, args.render_only)
-    return 2
+def _run_bench(args, cfg) -> int:
+    from rlpipe import bench
+
+    return bench.main(args.quick, args.only, args.out, args.render_only)
+
+
+def _run_plot(args, cfg) -> int:
+    from pathlib import Path
+
+    from learner.metrics import read_jsonl
+    from rlpipe.plots import plot_run
+
+    rows = read_jsonl(Path(args.run_dir) / "metrics.jsonl")
+    if not rows:
+        print(f"rlpipe: error: no metrics in {args.run_dir}", file=sys.stderr)
+        return 2
+    print(plot_run(rows, Path(args.run_dir) / "metrics.png"))
+    return 0
+
+
+def _run_control(args, cfg) -> int:
+    """status, restart, scale: act on a running `rlpipe up` through its run directory."""
+    from rlpipe import up
+    from rlpipe.queue import RedisUnavailable
+
+    try:
+        run_dir = up.find_run(args.run_dir, args.runs_dir)
+        if args.command == "status":
+            print(up.status_table(run_dir))
+        else:
+            print(up.request(run_dir, args.role, args.replicas if args.command == "scale" else None))
+    except (FileNotFoundError, ValueError) as e:
+        return _error(e, 2)
+    except RedisUnavailable as e:  # down, or a password the run keeps out of its config.yaml
+        return _error(f"{e} (a password: RLPIPE_REDIS_PASSWORD or RLPIPE_REDIS_PASSWORD_FILE)", 3)
+    return 0
+
+
+# name -> (help, add its arguments, run it as run(args, cfg) -> exit code). A command whose
+# arguments include --config (_config_args) gets its config loaded and checked (check_launch)
+# before it runs; the others get cfg None. The run functions import what they need, so
+# parsing, --help and config errors stay instant.
+COMMANDS = {
+    "demo": ("run a whole RL job locally on the toy task", _demo_args, _run_demo),
+    "rollout": ("run one rollout worker", _rollout_args, _run_rollout),
+    "learner": ("run the learner", _config_args, _run_learner),
+    "calibrate": ("int8 rollout: one SmoothQuant calibration of the base model (nvidia-modelopt); writes the "
+                  "profile and a compressed-tensors checkpoint", _calibrate_args, _run_calibrate),
+    "build-model": ("build (or find) the cached toy model and print its path", _build_model_args, _run_build_model),
+    "bench": ("regenerate the evidence report (docs/results.md): every benchmark in bench/", _bench_args, _run_bench),
+    "plot": ("draw metrics.png for a run directory", _plot_args, _run_plot),
+    "up": ("run the learner and workers on this machine, restarted when they crash, as the Kubernetes "
+           "manifests run them", _up_args, _run_up),
+    "status": ("print the roles, versions, lag, queue and sync of a running `rlpipe up`", _status_args, _run_control),
+    "restart": ("restart a role of a running `rlpipe up` (SIGTERM, then start it again)", _restart_args,
+                _run_control),
+    "scale": ("set how many of a role a running `rlpipe up` runs", _scale_args, _run_control),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlpipe", description="asynchronous RL for LLMs with quantized vLLM rollout")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (text, add_arguments, _) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=text))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what a learner of several ranks hands torchrun
+    try:
+        cfg = load_config(args.config, **_overrides(args)) if "config" in vars(args) else None
+        if cfg is not None:
+            check_launch(cfg, args.command)
+    except ConfigError as e:
+        return _usage_error(e)
+    return COMMANDS[args.command][2](args, cfg)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rlpipe.paths import TOY_ARCHS, TOY_PREFIX
+
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
 IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass"]
@@ -413,10 +415,8 @@ def check_model_path(path: str | None, builds_toy: bool = True) -> None:
     """``model.path`` names a model, checked before anything starts (else a transformers
     traceback, after Redis and the engine): a Hugging Face model directory (with a
     config.json) or, where the command builds one (``builds_toy``: demo, up, calibrate,
-    build-model), null or a toy model's name (``toy-<arch>``, rlpipe/toy.py). A role
+    build-model), null or a toy model's name (``toy-<arch>``, rlpipe/paths.py). A role
     (rollout, learner) loads the directory its launcher resolved."""
-    from rlpipe.toy import TOY_ARCHS, TOY_PREFIX
-
     toys = ", ".join(TOY_PREFIX + a for a in TOY_ARCHS)
     if path is None:
         if builds_toy:
@@ -446,7 +446,7 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.sampling.max_tokens > cfg.rollout.max_new_tokens:
         problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
     if cfg.task.type == "arith" and cfg.task.arith_style == "worked":
-        from rlpipe.toy import ArithmeticTask
+        from rlpipe.arith import ArithmeticTask
 
         need = ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, size=cfg.task.size, style="worked",
                               seed=cfg.task.seed).max_target_chars() + 1  # + <eos>

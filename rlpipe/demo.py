@@ -38,7 +38,9 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     check_model_path(path)
     if path and Path(path).is_dir():
         return path
-    from rlpipe.toy import TOY_PREFIX, ArithmeticTask, ensure_toy_model, toy_spec
+    from rlpipe.arith import ArithmeticTask
+    from rlpipe.paths import TOY_PREFIX
+    from rlpipe.toy import ensure_toy_model, toy_spec
 
     arch = path[len(TOY_PREFIX):] if path else None  # toy-<arch> (check_model_path) or null
     spec = toy_spec(
@@ -93,7 +95,7 @@ def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path |
         return cfg.quant.profile
     from quant.calibrate import cache_key, ensure_profile, int8_scheme
     from quant.profile import model_fingerprint
-    from rlpipe.toy import cache_root
+    from rlpipe.paths import cache_root
 
     calib, probe = calibration_sequences(cfg, model_path)
     q = cfg.quant

@@ -4,7 +4,7 @@ A task hands out the prompt for a dataset index (the index comes from the run's 
 duplicate or skip a prompt; epochs wrap) and scores the group of responses sampled for it. Three kinds:
 
 - ``arith``: the toy arithmetic task with an exact-match reward, or with ``task.arith_style: worked`` a shown working
-  scored by its last number (rlpipe/toy.py);
+  scored by its last number (rlpipe/arith.py);
 - ``math``: a JSONL/Parquet dataset, reward 1 when the last ``\\boxed{}`` answer equals the reference (math-verify);
 - ``remote``: a JSONL/Parquet dataset scored by an HTTP reward server, one POST per group.
 
@@ -29,8 +29,8 @@ from typing import Protocol
 import httpx
 import numpy as np
 
+from rlpipe.arith import ArithmeticTask
 from rlpipe.config import ConfigError, TaskConfig
-from rlpipe.toy import ArithmeticTask
 
 TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
 MATH_TIMEOUT_S = 2  # math-verify's per-parse and per-comparison limit (whole seconds: signal.alarm)

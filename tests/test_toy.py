@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
-from rlpipe.toy import EOS_ID, ArithmeticTask, ToyModelSpec, build_tokenizer, ensure_toy_model
+from rlpipe.arith import ArithmeticTask
+from rlpipe.toy import EOS_ID, ToyModelSpec, build_tokenizer, ensure_toy_model
 
 
 def test_problems_are_a_pure_function_of_seed_and_index():
@@ -99,7 +101,7 @@ def test_worked_reward_with_subtraction_and_negative_numbers():
 
 
 def test_worked_targets_show_the_columns_and_end_in_the_answer():
-    from rlpipe.toy import last_number, worked_steps
+    from rlpipe.arith import last_number, worked_steps
 
     assert worked_steps(47, "+", 38) == ["7+8=15", "4+3+1=8"]
     assert worked_steps(47, "-", 38) == ["17-8=9", "3-3=0"]
@@ -134,3 +136,17 @@ def test_worked_style_is_its_own_toy_and_the_answer_toy_keeps_its_key():
     assert ToyModelSpec().key() == "494a98eff854"  # the key before arith_style existed: caches stay valid
     assert toy_spec(task=ArithmeticTask(style="worked")).key() != ToyModelSpec().key()
     assert build_config({}, environ={}).task.arith_style == "answer"
+
+
+def test_task_and_paths_are_core_modules_without_the_builder(tmp_path):
+    """rollout_service and quant import the task (rlpipe.arith) and the cache (rlpipe.paths):
+    neither may pull in the toy model builder, the roles or torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlpipe.arith, rlpipe.paths; print(rlpipe.paths.cache_root()); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'learner', 'rollout_service', 'quant') or m == 'rlpipe.toy'))")
+    env = {**os.environ, "RLPIPE_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == [str(tmp_path), "[]"]

@@ -1,0 +1,25 @@
+"""Where rlpipe keeps what it builds, and the built-in model names.
+
+The core (config checks, quant's cached checkpoints) and the roof (demo, the toy model
+builder) both need these; they live here, standard library only, so that neither reaches
+into rlpipe/toy.py for a path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TOY_PREFIX = "toy-"  # model.path "toy-<arch>" names a toy model of one of TOY_ARCHS, built like the default
+# The toy architectures, and what a toy of each differs in from the spec's defaults.
+TOY_ARCHS = {
+    "qwen2": {},
+    # What the Qwen2 toy lacks: its own LM head (not tied to the embeddings) and GQA.
+    "llama": {"arch": "llama", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False},
+}
+
+
+def cache_root() -> Path:
+    """The cache of built artifacts (toy models under ``models/``, quantized checkpoints and
+    int8 profiles under ``quant/``): ``$RLPIPE_CACHE``, else ``~/.cache/rlpipe``."""
+    return Path(os.environ.get("RLPIPE_CACHE", Path.home() / ".cache" / "rlpipe"))
