@@ -198,22 +198,25 @@ def json_safe(value):
     return json_safe(str(value))
 
 
-class TextRoute(APIRoute):
-    """A route whose JSON body may hold bytes that are not UTF-8: they decode to lone
+class TextRequest(Request):
+    """A request whose JSON body may hold bytes that are not UTF-8: they decode to lone
     surrogates, which the text fields then refuse naming the field (plain ``json.loads``
     of the bytes failed with a 400 that named nothing)."""
 
-    class Request(Request):
-        async def json(self):
-            if not hasattr(self, "_json"):
-                self._json = json.loads((await self.body()).decode("utf-8-sig", "surrogateescape"))
-            return self._json
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = json.loads((await self.body()).decode("utf-8-sig", "surrogateescape"))
+        return self._json
+
+
+class TextRoute(APIRoute):
+    """A route that reads its body as a ``TextRequest``."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def route(request: Request):
-            return await handler(self.Request(request.scope, request.receive))
+            return await handler(TextRequest(request.scope, request.receive))
 
         return route
 
