@@ -265,8 +265,7 @@ def test_an_api_burst_leaves_the_rollout_loop_its_share(worker, toy_model_path):
     tokens the engine generated during the burst, which this box's load cannot skew as it
     skews rates (both sides get the same engine steps; rates swung 3x between windows here):
     0.56 measured. With the API unbounded it was 0.19 (16 clients of n=8 against the loop's
-    32 sequences, at vLLM's 128 running at most); an unbounded burst of 200 such requests
-    took a loop from about 2 groups/s to 1 in 31 s."""
+    32 sequences, at vLLM's 128 running at most)."""
     from learner.policy import load_policy
 
     worker.sync(load_policy(toy_model_path))
