@@ -121,6 +121,13 @@ class RolloutConfig(Section):
     max_n: int = Field(64, ge=1)
     max_new_tokens: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    http_header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole "
+                                         "header within this many seconds of opening (or of its last response), "
+                                         "else it is closed (slow-header clients would hold sockets forever)")
+    loop_share: float = Field(0.5, gt=0, le=1, description="the part of max_inflight_groups the rollout loop "
+                              "keeps while /v1/generate is busy; the API may hold the rest (in sequences, "
+                              "sampling.n to a group) and a request beyond it gets 429 (rollout_service/app.py "
+                              "ApiShare); a worker without Redis gives the API all of it")
 
 
 class ScheduleConfig(Section):

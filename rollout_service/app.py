@@ -10,7 +10,11 @@
 
 "token": with ``RLPIPE_API_TOKEN`` set these need ``Authorization: Bearer <token>``
 (rlpipe/auth.py). Every limit (prompt length, n, max_tokens, body size) comes from the
-``rollout`` config section; a request over one gets a 4xx naming the field.
+``rollout`` config section; a request over one gets a 4xx naming the field, and so does any
+malformed request (NaN or an infinity in a number, a lone surrogate in text): never a 5xx.
+The schema states the ranges the engine really takes (vLLM's ``SamplingParams`` checks).
+Generation through the API holds at most its share of the engine (``ApiShare``); beyond it
+a request gets 429 with ``Retry-After``.
 
 With a Redis URL in the config the app also runs the rollout loop (a *worker*); without
 one it only serves ``/v1/generate`` (a plain sampling server, as the tests use it).
@@ -18,16 +22,21 @@ one it only serves ``/v1/generate`` (a plain sampling server, as the tests use i
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import signal
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator,
+                      model_validator)
 
 from quant.profiles import profile_for
 from rlpipe.auth import api_token, require_token
@@ -36,22 +45,57 @@ from rlpipe.config import RunConfig
 log = logging.getLogger(__name__)
 
 
+def _integral(value):
+    """JSON Schema's ``integer`` includes ``19.0``: take it as 19 (strict mode alone would
+    refuse what the schema allows). ``19.5``, NaN and the infinities stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _unicode(text: str) -> str:
+    """JSON's ``"\\ud800"`` decodes to a lone surrogate, which is no character (the tokenizer
+    raised TypeError on it: a 500), and so do bytes that are not UTF-8 (``TextRoute``).
+    Refused here, naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid UTF-8 text: a lone surrogate or undecodable byte at character {e.start}") from None
+    return text
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Text = Annotated[str, AfterValidator(_unicode)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+MIN_TEMPERATURE = 0.01  # vLLM raises any temperature in (0, 0.01) to 0.01 (SamplingParams._MAX_TEMP)
+
+
 class GenerateRequest(BaseModel):
     # strict: the types the schema states, no coercion (lax mode would take `true` as 1).
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]})
 
     # Typed without None so the schema says what the service accepts; absent = None.
-    prompt_token_ids: list[int] = Field(None, description="prompt as token ids (exactly one of this and prompt)")
-    prompt: str = Field(None, description="prompt as text, tokenized by the worker")
-    temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy")
-    n: int = Field(1, ge=1)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, le=2**31 - 1, description="-1 or 0: off")
-    max_tokens: int = Field(16, ge=1)
-    min_tokens: int = Field(0, ge=0, description="no end-of-sequence before this many tokens")
-    seed: int | None = Field(None, ge=0, lt=2**31)
-    stop: list[str] | None = Field(None, max_length=16)
+    # The ranges are vLLM's own (SamplingParams._verify_args), so the engine never refuses
+    # what the schema allows; request_model() narrows n, max_tokens and min_tokens further.
+    prompt_token_ids: list[Int] = Field(None, description="prompt as token ids (exactly one of this and prompt)")
+    prompt: Text = Field(None, description="prompt as text, tokenized by the worker")
+    temperature: Float = Field(1.0, ge=0, le=2, description="0 = greedy; else at least 0.01 (vLLM would raise "
+                               "a lower one to 0.01, and the log-probs would not be of the temperature asked for)",
+                               json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
+    n: Int = Field(1, ge=1)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(-1, ge=-1, le=2**31 - 1, description="-1 or 0: off")
+    max_tokens: Int = Field(16, ge=1)
+    min_tokens: Int = Field(0, ge=0, description="no end-of-sequence before this many tokens; at most max_tokens")
+    seed: Int | None = Field(None, ge=0, lt=2**31)
+    stop: list[Annotated[Text, Field(min_length=1)]] | None = Field(None, max_length=16)
+
+    @field_validator("temperature")
+    @classmethod
+    def _no_silent_clamp(cls, t):
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: vLLM would sample at "
+                             f"{MIN_TEMPERATURE} instead")
+        return t
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -66,21 +110,115 @@ class GenerateRequest(BaseModel):
             raise ValueError("greedy sampling (temperature 0) gives one distinct sample: n must be 1")
         return n
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, min_tokens, info):
+        if "max_tokens" in info.data and min_tokens > info.data["max_tokens"]:
+            raise ValueError(f"must not exceed max_tokens ({info.data['max_tokens']})")
+        return min_tokens
 
-def request_model(limits) -> type[GenerateRequest]:
+
+def request_model(limits, api_sequences: int) -> type[GenerateRequest]:
     """``GenerateRequest`` with this worker's configured limits in its schema, so the
-    served OpenAPI document states them. (Rules that span fields, such as prompt plus
-    max_tokens within the model length, are checked in the handler.)"""
+    served OpenAPI document states them: ``n`` within ``max_n`` and the sequences the API
+    may hold at all (``ApiShare``), ``max_tokens`` within ``max_new_tokens`` and the model
+    length (vLLM refuses a prompt that leaves no room for one token). (Rules that span
+    fields, such as prompt plus max_tokens within the model length, are checked in the
+    handler.)"""
+    max_tokens = min(limits.max_new_tokens, limits.max_model_len - 1)
     return create_model(
         "GenerateRequest", __base__=GenerateRequest,
-        prompt_token_ids=(list[Annotated[int, Field(ge=0, lt=2**31)]], Field(
+        prompt_token_ids=(list[Annotated[Int, Field(ge=0, lt=2**31)]], Field(
             None, min_length=1, max_length=limits.max_prompt_tokens,
             description="prompt as token ids (exactly one of this and prompt)")),
-        n=(int, Field(1, ge=1, le=limits.max_n)),
-        max_tokens=(int, Field(16, ge=1, le=limits.max_new_tokens)),
-        min_tokens=(int, Field(0, ge=0, le=limits.max_new_tokens,
-                               description="no end-of-sequence before this many tokens")),
+        n=(Int, Field(1, ge=1, le=max(1, min(limits.max_n, api_sequences)))),
+        max_tokens=(Int, Field(16, ge=1, le=max_tokens)),
+        min_tokens=(Int, Field(0, ge=0, le=max_tokens,
+                               description="no end-of-sequence before this many tokens; at most max_tokens")),
     )
+
+
+class ApiShare:
+    """How much of the engine ``/v1/generate`` may hold, so an API burst cannot starve training.
+
+    The engine's in-flight budget is what the rollout loop alone runs: ``max_inflight_groups``
+    group slots of ``sampling.n`` sequences. The loop reserves ``ceil(loop_share * slots)``
+    of them; API requests may hold the other slots' sequences between them (a request costs
+    its ``n``), and one that does not fit now gets 429. The loop in turn starts a group only
+    while its groups in flight plus ``slots()``, the API's sequences rounded up to whole
+    groups, fit in ``max_inflight_groups`` (rollout_service/loop.py). As the API holds at
+    most the unreserved slots, the loop can always keep its reserved groups in flight,
+    whatever the API does, and all of them once the API is idle; and the engine runs at most
+    the budget, plus the API's part while the loop's older groups finish. Every running
+    sequence gets one token per engine step, so the loop's share of the sequences is its
+    share of the engine's tokens. A worker without Redis runs no loop: the API may hold the
+    whole budget. (Refusing at once, not queueing, keeps a burst from piling up requests
+    whose clients have long given up.)"""
+
+    def __init__(self, cfg: RunConfig):
+        slots, self.group_size = cfg.rollout.max_inflight_groups, cfg.sampling.n
+        reserved = math.ceil(cfg.rollout.loop_share * slots) if cfg.redis_url else 0
+        self.capacity = (slots - reserved) * self.group_size  # sequences
+        self.sequences = 0  # held by API requests now
+
+    def slots(self) -> int:
+        """Group slots the API holds now (its sequences, rounded up to whole groups)."""
+        return -(-self.sequences // self.group_size)
+
+    @contextmanager
+    def hold(self, n: int):
+        """Hold ``n`` sequences while generating; 429 if they do not fit now."""
+        if self.sequences + n > self.capacity:
+            raise HTTPException(429, f"busy: API requests hold {self.sequences} of the {self.capacity} sequences "
+                                f"this worker gives /v1/generate (rollout.loop_share keeps the rest for training); "
+                                f"retry later", headers={"Retry-After": "1"})
+        self.sequences += n
+        try:
+            yield
+        finally:
+            self.sequences -= n
+
+
+def json_safe(value):
+    """``value`` as JSON can carry it. A 422 echoes the offending input, which may be NaN or
+    an infinity (JSON has neither, and rendering them failed: a 500 and a reset connection)
+    or text with a lone surrogate (UTF-8 has no encoding for it); those become their Python
+    spelling ('nan', 'inf', '\\ud800'), and anything else not JSON (an exception in an
+    error's context) its str()."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return json_safe(str(value))
+
+
+class TextRequest(Request):
+    """A request whose JSON body may hold bytes that are not UTF-8: they decode to lone
+    surrogates, which the text fields then refuse naming the field (plain ``json.loads``
+    of the bytes failed with a 400 that named nothing)."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = json.loads((await self.body()).decode("utf-8-sig", "surrogateescape"))
+        return self._json
+
+
+class TextRoute(APIRoute):
+    """A route that reads its body as a ``TextRequest``."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(TextRequest(request.scope, request.receive))
+
+        return route
 
 
 class Choice(BaseModel):
@@ -106,7 +244,9 @@ class Problem(BaseModel):
 
 ERRORS = {code: {"model": Problem, "description": why} for code, why in (
     (400, "body is not JSON"), (401, "missing or wrong bearer token"), (411, "no Content-Length"), (413, "body too large"),
-    (422, "invalid request: detail names the field"), (503, "not ready, draining, or engine down"))}
+    (422, "invalid request: detail names the field"),
+    (429, "the API's share of the engine is busy: retry after Retry-After seconds"),
+    (503, "not ready, draining, or engine down"))}
 
 
 def bad_request(field: str, msg: str) -> HTTPException:
@@ -122,6 +262,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     engine = RolloutEngine(cfg.model.path, profile, cfg.rollout, seed=cfg.seed)
     metrics = RolloutMetrics(worker_id, profile.precision, cfg.run_id)
     limits = cfg.rollout
+    api_share = ApiShare(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -152,7 +293,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
 
             queue = TrajectoryQueue(redis_client or connect(cfg.redis_url, cfg.redis_wait_s), cfg.run_id)
             app.state.loop = RolloutLoop(cfg, worker_id, address, engine, queue, make_task(cfg.task),
-                                         app.state.tokenizer, metrics, on_fatal)
+                                         app.state.tokenizer, metrics, on_fatal, api_slots=api_share.slots)
             app.state.loop.start()
         else:
             engine.synced = True  # standalone: the weights on disk are the policy
@@ -188,7 +329,12 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     metrics.ready.set_function(lambda: float(ready()))
     token = api_token()
     authorized = [require_token(token)]
-    LimitedRequest = request_model(limits)
+    LimitedRequest = request_model(limits, api_share.capacity)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        """FastAPI's own 422, rendered so that no input can break it (``json_safe``)."""
+        return JSONResponse({"detail": json_safe(exc.errors())}, status_code=422)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
@@ -241,10 +387,12 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             "profile": {"precision": profile.precision, "dtype": profile.dtype,
                         "quantization": profile.quantization, "hash": profile.quant_hash,
                         "checkpoint": profile.checkpoint, "compat": profile.compat},
-            "limits": {k: getattr(limits, k) for k in ("max_prompt_tokens", "max_n", "max_new_tokens",
-                                                       "max_model_len", "max_body_bytes")},
+            "limits": {**{k: getattr(limits, k) for k in ("max_prompt_tokens", "max_n", "max_new_tokens",
+                                                          "max_model_len", "max_body_bytes")},
+                       "api_sequences": api_share.capacity},
             "draining": app.state.draining,
             "inflight_requests": engine.inflight,
+            "api_sequences": api_share.sequences,  # held by /v1/generate requests now
             "inflight_groups": len(loop.groups) if loop else 0,
             "queue": backlog,
             "sync_generation": loop.generation if loop else 0,
@@ -264,8 +412,11 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             raise HTTPException(503, "engine not ready")
         tokenizer = app.state.tokenizer
         if req.prompt is not None:
-            prompt_ids = tokenizer(req.prompt)["input_ids"]
             field = "prompt"
+            try:
+                prompt_ids = tokenizer(req.prompt)["input_ids"]
+            except (TypeError, ValueError) as e:  # text the schema let through but the tokenizer refuses
+                raise bad_request(field, f"the tokenizer refused it: {e}") from None
         else:
             prompt_ids, field = req.prompt_token_ids, "prompt_token_ids"
         if not prompt_ids:
@@ -278,9 +429,10 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
         if len(prompt_ids) + req.max_tokens > limits.max_model_len:
             raise bad_request("max_tokens", f"prompt + max_tokens exceeds the model length {limits.max_model_len}")
         try:
-            results, v0, v1 = await engine.generate(
-                prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop)
+            with api_share.hold(req.n):
+                results, v0, v1 = await engine.generate(
+                    prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop)
         except InvalidRequest as e:
             raise bad_request(e.field, str(e)) from None
         return GenerateResponse(
@@ -293,6 +445,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
         )
 
     generate.__annotations__["req"] = LimitedRequest  # a class, not a string: FastAPI reads it as is
-    app.post("/v1/generate", response_model=GenerateResponse, dependencies=authorized,
-             responses={c: ERRORS[c] for c in (400, 401, 411, 413, 422, 503)})(generate)
+    app.router.add_api_route("/v1/generate", generate, methods=["POST"], response_model=GenerateResponse,
+                             dependencies=authorized, route_class_override=TextRoute,
+                             responses={c: ERRORS[c] for c in (400, 401, 411, 413, 422, 429, 503)})
     return app

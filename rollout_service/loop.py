@@ -3,7 +3,8 @@
 Three asyncio tasks share the engine:
 
 - the dispatcher keeps up to ``max_inflight_groups`` groups generating at once
-  (continuous batching happens inside vLLM), within the back-pressure allowance;
+  (continuous batching happens inside vLLM), within the back-pressure allowance, less the
+  slots ``/v1/generate`` requests hold (at most the part ``rollout.loop_share`` leaves them);
 - the sync follower (weight_sync/follower.py) joins new sync generations and applies
   new versions in flight;
 - the heartbeat keeps this worker in the registry.
@@ -54,7 +55,7 @@ class _Group:
 class RolloutLoop:
     def __init__(self, cfg: RunConfig, worker_id: str, address: str, engine: RolloutEngine,
                  queue: TrajectoryQueue, task: Task, tokenizer, metrics: RolloutMetrics,
-                 on_fatal: Callable[[str], None]):
+                 on_fatal: Callable[[str], None], api_slots: Callable[[], int] = lambda: 0):
         self.cfg = cfg
         self.worker_id = worker_id
         self.address = address
@@ -67,6 +68,7 @@ class RolloutLoop:
         self.encode = PromptEncoder(cfg.task, tokenizer, cfg.model.path or "the model")  # text -> the engine's ids
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
+        self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.app.ApiShare)
         # Weight sync: follows the learner's generations on this precision's channel.
         self.follower = WeightFollower(
             self.r, self.keys.sync_channel(cfg.rollout.precision if cfg.rollout.fleet else ""), worker_id, engine,
@@ -127,7 +129,9 @@ class RolloutLoop:
             if self.engine.errored:
                 self.on_fatal(f"engine died: {self.engine.llm.dead_error!r}")
                 return
-            free = self.cfg.rollout.max_inflight_groups - len(self.groups)
+            # The API's requests count against the same slots; ApiShare bounds them so that
+            # ceil(rollout.loop_share * max_inflight_groups) slots always stay the loop's.
+            free = self.cfg.rollout.max_inflight_groups - len(self.groups) - self.api_slots()
             if free <= 0 or not self.engine.synced or time.monotonic() < self.pause_until:
                 await asyncio.sleep(0.02)
                 continue

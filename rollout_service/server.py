@@ -4,6 +4,9 @@ Serves the FastAPI app with uvicorn on ``rollout.host:rollout.port`` (port 0 = a
 port; the address is published in the worker registry and, with ``--address-file``,
 written to a file once the socket is bound).
 
+A connection must send each request's whole header within ``rollout.http_header_timeout_s``
+(``header_timeout``); uvicorn alone waits forever for one.
+
 SIGTERM (what Kubernetes sends) drains: the worker stops taking prompts at once, lets
 the groups in flight finish for ``rollout.shutdown_deadline_s``, aborts the rest and gives
 their prompts back to the shared cursor, then leaves the registry and exits.
@@ -39,6 +42,48 @@ def check_tokenizer(cfg: RunConfig) -> None:
         raise SystemExit(2) from None
 
 
+def header_timeout(timeout_s: float):
+    """uvicorn's HTTP protocol, closing a connection that has not sent a request's whole
+    header within ``timeout_s`` of opening, or of its last response. uvicorn times out only
+    idle keep-alive connections, from the end of a response until the first new byte: a
+    client sending a header a byte at a time (or nothing at all after connecting) held its
+    socket for as long as it liked, and a few hundred such clients hold them all.
+
+    The timer checks uvicorn's ``cycle``, the request/response cycle both of its protocols
+    (h11 and httptools) create once a header is complete: if the one current when the timer
+    was set is still current and finished (or there was none), no header came in time. A
+    request being served, or its body being read, is never cut."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderTimeout(AutoHTTPProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_header()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_header()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _await_header(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(timeout_s, self._header_late, self.cycle)
+
+        def _header_late(self, cycle) -> None:
+            if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
+                log.info("closing a connection that sent no request header within %.0fs", timeout_s)
+                self.transport.close()
+
+    return HeaderTimeout
+
+
 def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> None:
     import uvicorn
 
@@ -69,7 +114,8 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
             # "by SIGTERM" even after a clean drain; exit 0 instead (1 after a fatal error).
             getattr(self, "_captured_signals", []).clear()
 
-    server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15))
+    server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15,
+                                   http=header_timeout(cfg.rollout.http_header_timeout_s)))
     server.run(sockets=[sock])
     if app.state.fatal:
         raise SystemExit(f"rollout worker {worker_id} stopped: {app.state.fatal}")
