@@ -220,8 +220,11 @@ def _worker(redis_url, run_id, worker_id, results):
     async def published(incarnation):
         results.put((worker_id, "incarnation", incarnation))
 
-    follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id, ChecksumEngine(worker_id, "ok", results),
-                              5.0, lambda: None, lambda s: None, lambda e: None, published)
+    # The learner's sync timeout (10 s), as a real worker has it (both read sync.timeout_s): a
+    # worker waits for its answer as long as the learner may wait for another candidate.
+    follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id,
+                              ChecksumEngine(worker_id, "ok", results, timeout_s=10.0), 10.0, lambda: None,
+                              lambda s: None, lambda e: None, published)
     results.put((worker_id, "incarnation", follower.incarnation))
     asyncio.run(follower.run(asyncio.Event(), poll_s=0.02))
 

@@ -71,8 +71,8 @@ class ChecksumEngine:
     loading it; or misbehaves as ``mode`` says (``refuse`` the manifest, ``hang`` after
     joining, ``crash`` in the middle of version 3 via RLPIPE_CRASH_AT)."""
 
-    def __init__(self, worker_id, mode, results):
-        self.worker_id, self.mode, self.results = worker_id, mode, results
+    def __init__(self, worker_id, mode, results, timeout_s=5.0):
+        self.worker_id, self.mode, self.results, self.timeout_s = worker_id, mode, results, timeout_s
         self.version = -1
         self.receiver = None
 
@@ -86,7 +86,7 @@ class ChecksumEngine:
         refuse = "incompatible model" if self.mode == "refuse" else None
         try:
             self.receiver = await asyncio.to_thread(WeightReceiver.join, host, port, candidate, generation,
-                                                    Manifest.from_json(manifest_json), 5.0, refuse)
+                                                    Manifest.from_json(manifest_json), self.timeout_s, refuse)
         except (LeftOut, SyncError) as e:
             self.results.put((self.worker_id, type(e).__name__, generation))
             return SyncOutcome.failed(str(e), refused=refuse is not None)

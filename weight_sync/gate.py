@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
 ACCEPTED = b"\x01"
+# The gate's accept queue (the kernel caps it at net.core.somaxconn): a flood's connections,
+# often closed before the gate accepts them, must not fill it, or a real worker's connection
+# waits for a SYN retransmission (1 s, then 3 s, 7 s...) and misses its generation.
+GATE_BACKLOG = 4096
 
 
 def proof(token: str, nonce: bytes) -> bytes:
@@ -74,12 +78,12 @@ class Gate:
         self.pending = self.refused = self.admitted = 0
         self._closing = False
         self._writers: set[asyncio.StreamWriter] = set()
-        sock = listening_socket(host)
+        sock = listening_socket(host, GATE_BACKLOG)
         self.port = sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlpipe-sync-gate", daemon=True)
         self._thread.start()
-        self._server = self._call(asyncio.start_server(self._serve, sock=sock))
+        self._server = self._call(asyncio.start_server(self._serve, sock=sock, backlog=GATE_BACKLOG))
 
     def _call(self, coro, timeout: float = 10.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -175,7 +179,8 @@ class GateClient:
             raise ConnectionError(f"the sync gate at {host}:{port} did not let this worker in "
                                   f"(is RLPIPE_SYNC_TOKEN the learner's?): {e}") from e
         self.upstream.settimeout(None)  # from here on the store's own timeouts apply
-        self.listener = listening_socket("127.0.0.1", backlog=1)
+        # Room for strays (turned away in _relay) queued before the store client's connection.
+        self.listener = listening_socket("127.0.0.1", backlog=16)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._relay, name="rlpipe-sync-relay", daemon=True).start()
 
