@@ -4,7 +4,7 @@ drive an engine through the small :class:`SyncEngine` protocol.
 
 - A new generation that lists this worker means: check in and join (or refuse, when the
   engine cannot load its manifest; a refusing worker stays out, since asking back in
-  would only be refused again). With a sync token the check-in is signed for this
+  would only be refused again, and the learner stops, naming it and the reason). With a sync token the check-in is signed for this
   worker's id and incarnation, the generation and its manifest: the follower computes
   that MAC (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as
   the slot to check in under, so the engine needs no more than the token in its

@@ -12,6 +12,10 @@ changes, so it never costs the learner a second timeout. A worker whose transfer
 (it died in the middle, or stopped reading) is left out the same way while the others
 still get the version; the next sync forms a generation without it.
 
+A worker that *refuses* a generation (its engine cannot load the manifest: another model,
+another quantization) raises :class:`~weight_sync.transport.IncompatibleWorker` naming it
+and why: that is a configuration error no later generation would mend.
+
 Each generation's store sits behind a gate that admits only holders of the sync token,
 and a candidate is admitted only on a check-in signed for its id and incarnation in the
 registry, this generation and this manifest (weight_sync/transport.py, 'Authentication').
@@ -36,7 +40,7 @@ from weight_sync.gate import Gate
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
 from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
                                     read_sync)
-from weight_sync.transport import GlooGroup, SyncError, admit, check_in_slot
+from weight_sync.transport import NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +158,11 @@ class WeightSender:
         admitted, left_out = admit(store, generation, slots, deadline)
         for candidate, why in left_out.items():
             self._leave_out(names[candidate - 1], candidates[names[candidate - 1]], why)
+        refused = {names[c - 1]: why for c, why in left_out.items() if why != NOT_CHECKED_IN}
+        if refused:
+            self.drop()
+            raise IncompatibleWorker("; ".join(f"worker {w} cannot take the learner's weights: {why}"
+                                               for w, why in refused.items()))
         members = [names[c - 1] for c in admitted]
         self.state.members, self.state.world_size = tuple(members), 1 + len(members)
         # If the hash was lost meanwhile this writes nothing; the version's publication notices.
