@@ -68,14 +68,17 @@ class Gate:
     """Accepts on ``host`` and forwards connections that prove ``token`` to the store on
     loopback ``store_port``; everything runs on one asyncio loop in a daemon thread, so a
     flood of connections costs sockets, not threads. At most ``max_pending`` connections
-    may be mid-handshake; more are closed at once, so a flood cannot take every file
-    descriptor of the learner (a real worker may then be refused too: it is left out of that
-    generation and asks back in)."""
+    may be mid-handshake, so a flood cannot take every file descriptor of the learner; a
+    new one beyond that closes the *oldest*, not itself. Refusing the newest instead let
+    ``max_pending`` silent connections, renewed every ``handshake_s`` (~50 a second), turn
+    every real worker away; now a flood must open ``max_pending`` connections within one
+    worker's handshake round trip to cut it off."""
 
     def __init__(self, host: str, store_port: int, token: str, handshake_s: float = 5.0, max_pending: int = 256):
         self.store_port, self.token = store_port, token
         self.handshake_s, self.max_pending = handshake_s, max_pending
-        self.pending = self.refused = self.admitted = 0
+        self.refused = self.admitted = 0
+        self._handshaking: dict[asyncio.StreamWriter, None] = {}  # mid-handshake, the oldest first
         self._closing = False
         self._writers: set[asyncio.StreamWriter] = set()
         sock = listening_socket(host, GATE_BACKLOG)
@@ -112,9 +115,11 @@ class Gate:
                     self._writers.discard(w)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        if self.pending >= self.max_pending:
-            return False
-        self.pending += 1
+        if len(self._handshaking) >= self.max_pending:
+            oldest = next(iter(self._handshaking))
+            del self._handshaking[oldest]
+            oldest.close()  # its read ends, and it is refused
+        self._handshaking[writer] = None
         try:
             nonce = os.urandom(NONCE_BYTES)
             writer.write(nonce)
@@ -123,7 +128,12 @@ class Gate:
         except (OSError, EOFError, asyncio.TimeoutError):  # closed, reset, or silent past handshake_s
             return False
         finally:
-            self.pending -= 1
+            self._handshaking.pop(writer, None)
+
+    @property
+    def pending(self) -> int:
+        """Connections mid-handshake."""
+        return len(self._handshaking)
 
     def close(self) -> None:
         """Stop accepting and close every connection, the relayed ones included."""
