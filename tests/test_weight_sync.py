@@ -17,7 +17,7 @@ import torch
 from rlpipe.queue import Keys, connect
 from tests.conftest import free_run_id
 from weight_sync.manifest import Manifest, pack_bucket, plan_buckets, unpack_bucket
-from weight_sync.rendezvous import read_sync
+from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
 from weight_sync.sender import WeightSender
 from weight_sync.transport import IncompatibleWorker, SyncError
 
@@ -63,6 +63,18 @@ def test_wire_dtype_cast_happens_in_packing():
     m = plan_buckets([("w", torch.bfloat16, (3,))], bucket_bytes=64)
     (name, got), = unpack_bucket(m.buckets[0], pack_bucket(m.buckets[0], t))
     assert got.dtype == torch.bfloat16 and torch.equal(got, t["w"].to(torch.bfloat16))
+
+
+def test_a_version_is_published_only_into_the_hash_of_its_generation(r):
+    """The sync hash deleted (or restored from an older snapshot): a version or members
+    written after that would make a hash without a manifest, which no worker can load."""
+    key = Keys(free_run_id("ws")).sync
+    publish_generation(r, key, SyncState(generation=3, manifest='{"buckets":[]}', generation_id="g3"))
+    assert publish_version(r, key, "g3", 7) and read_sync(r, key).version == 7
+    assert not publish_version(r, key, "g2", 8) and read_sync(r, key).version == 7  # another generation's
+    r.delete(key)
+    assert not publish_version(r, key, "g3", 8) and not publish_members(r, key, "g3", ["w0"], 2)
+    assert not r.exists(key)
 
 
 class ChecksumEngine:
