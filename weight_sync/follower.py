@@ -6,9 +6,10 @@ drive an engine through the small :class:`SyncEngine` protocol.
   engine cannot load its manifest; a refusing worker stays out, since asking back in
   would only be refused again, and the learner stops, naming it and the reason). With a
   sync token the check-in is signed for this worker's id and incarnation, the generation
-  and its manifest: the follower computes that MAC (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as
-  the slot to check in under, so the engine needs no more than the token in its
-  environment (for the learner's gate). It signs for the incarnation the learner lists
+  and its manifest: the follower computes that MAC
+  (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as the slot to
+  check in under, so the engine needs no more than the token in its environment (for the
+  learner's gate). It signs for the incarnation the learner lists
   when that is one this follower has held: the learner may have read the registry just
   before a redraw (a restarted worker redraws as soon as it sees a generation formed
   without it), and it then admits the process it listed, as it did before check-ins
