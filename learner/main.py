@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 
 from rlpipe import registry
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 def main(cfg: RunConfig) -> int:
     from learner.app import serve_in_thread
     from learner.train import Learner
+    from weight_sync.transport import IncompatibleWorker
 
     learner = Learner(cfg)
 
@@ -46,6 +48,10 @@ def main(cfg: RunConfig) -> int:
         log.info("learner stopped at step %d", learner.step)
         if learner.ranks.is_main:
             learner.fleet.drop()
+    except IncompatibleWorker as e:  # a worker runs another model or quantization: no sync can reach it
+        log.error("stopping at step %d: %s", learner.step, e)
+        print(f"rlpipe: error: {e}", file=sys.stderr)
+        return 2
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         learner.metrics.close()

@@ -12,6 +12,7 @@ another scheme while it keeps serving its last version.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ from rlpipe.queue import connect
 from rlpipe.registry import live_workers, worker_incarnations
 from tests.conftest import WorkerHarness, start_worker, stop_worker, wait_for
 from tests.test_worker import perturbed
-from weight_sync.transport import SyncError
+from weight_sync.transport import IncompatibleWorker
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,9 @@ def test_weights_for_another_scheme_are_refused_and_the_worker_keeps_serving(qua
     tensors = h.sent
     other = h.wire.compat.replace("/dynamic/", "/static/")
     h.sender.drop()  # the next sync forms a generation with the other manifest
-    with pytest.raises(SyncError, match="no worker checked in"):
+    # the learner stops, with the worker's reason (learner/main.py exits 2 on it)
+    with pytest.raises(IncompatibleWorker, match=f"^worker w0 cannot take the learner's weights: the learner sends "
+                                                 f"weights quantized as {re.escape(other)}"):
         h.sender.sync(version + 1, tensors.items, worker_incarnations(h.r, h.keys), "f00d" * 4, other)
     status = wait_for(lambda: (st := h.http.get("/v1/status").json())["last_error"] and st, 30,
                       what="the refusal in /v1/status")

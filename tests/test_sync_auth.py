@@ -37,7 +37,7 @@ from torch.distributed import TCPStore
 
 from rlpipe.config import ConfigError
 from rlpipe.queue import Keys, connect
-from tests.conftest import free_run_id
+from tests.conftest import free_run_id, wait_for
 from tests.test_weight_sync import ChecksumEngine, checksum, model_weights
 from weight_sync.gate import Gate, GateClient, proof
 from weight_sync.rendezvous import read_sync
@@ -134,6 +134,36 @@ def test_the_gate_lets_only_token_holders_through():
         gate.close()
 
 
+def test_a_worker_gets_through_a_gate_held_by_silent_connections_and_a_burst_it_was_too_busy_to_accept():
+    """Two ways a flood shut real workers out (seen as a generation timing out under the flood
+    below): connections opened and dropped while the gate's loop is busy wait in its accept
+    queue, and with the queue full (asyncio's default, 100) a worker's connection hangs for
+    SYN retransmissions (over 8 s here); and ``max_pending`` silent connections refused
+    every newcomer. Here 300 silent ones are held, the loop is kept busy for a second while
+    600 more connect and drop, and a worker still gets in."""
+    store, port, _ = GlooGroup.listen("127.0.0.1", 5.0, None)
+    gate = Gate("127.0.0.1", port, TOKEN, handshake_s=30.0)  # the silent ones are not timed out here
+    silent = []
+    try:
+        for _ in range(300):
+            silent.append(socket.create_connection(("127.0.0.1", gate.port), timeout=2))
+        wait_for(lambda: gate.pending == gate.max_pending, 30, what="the gate full of silent connections")
+        gate._loop.call_soon_threadsafe(time.sleep, 1.0)  # the gate's loop busy (the GIL, a loaded machine)
+        for _ in range(600):
+            socket.create_connection(("127.0.0.1", gate.port), timeout=1).close()  # hangs on a full queue
+        t0 = time.monotonic()
+        relay = GateClient("127.0.0.1", gate.port, TOKEN, 10.0)
+        client = TCPStore("127.0.0.1", relay.port, None, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("in", "ok")
+        assert store.get("in") == b"ok" and time.monotonic() - t0 < 8
+        relay.close()
+        assert gate.admitted == 1 and gate.pending <= gate.max_pending
+    finally:
+        for s in silent:
+            s.close()
+        gate.close()
+
+
 STRANGER = """
 import socket, sys
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
@@ -220,8 +250,11 @@ def _worker(redis_url, run_id, worker_id, results):
     async def published(incarnation):
         results.put((worker_id, "incarnation", incarnation))
 
-    follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id, ChecksumEngine(worker_id, "ok", results),
-                              5.0, lambda: None, lambda s: None, lambda e: None, published)
+    # The learner's sync timeout (10 s), as a real worker has it (both read sync.timeout_s): a
+    # worker waits for its answer as long as the learner may wait for another candidate.
+    follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id,
+                              ChecksumEngine(worker_id, "ok", results, timeout_s=10.0), 10.0, lambda: None,
+                              lambda s: None, lambda e: None, published)
     results.put((worker_id, "incarnation", follower.incarnation))
     asyncio.run(follower.run(asyncio.Event(), poll_s=0.02))
 
@@ -397,7 +430,7 @@ def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(
     r.set(f"test:{run_id}:live", json.dumps(live))
     sender = WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=10, bucket_bytes=256 << 10, wire_dtype=None)
     flood = ctx.Process(target=_flood, args=(redis_server.url, run_id, TOKEN, 1200, results), daemon=True)
-    gates, durations, flood_counts, flood_errors, forged_in_store = [], [], None, None, 0
+    gates, durations, flood_counts, flood_errors, forged_in_store, forged_later = [], [], None, None, 0, 0
     try:
         flood.start()
         version, until = 0, time.monotonic() + 600
@@ -433,6 +466,7 @@ def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(
             assert got == {"w0": ("w0", expected, version), "w1": ("w1", expected, version)}
             assert durations[-1] < 8, durations  # never a deadline's wait (10 s), never a stall
             time.sleep(0.5)  # let each generation's gate live a little: more of the flood hits a live one
+            forged_later += sum("/in/" in k for k in sender.group.store.list_keys()) - 2
         flood.join(30)
         assert flood.exitcode == 0
     finally:
@@ -444,13 +478,17 @@ def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(
     connections = sum(flood_counts.values())
     print(f"\n{version} syncs, longest {max(durations):.2f}s, median {sorted(durations)[len(durations) // 2]:.2f}s; "
           f"{connections} connections: {flood_counts} (errors on the flood's side: {flood_errors}); the gates refused {sum(g.refused for g in gates)}; "
-          f"{forged_in_store} forged check-ins were in the learner's store when it admitted")
+          f"{forged_in_store} forged check-ins were in the learner's store when it admitted, "
+          f"{forged_later} by the end of their generation")
     assert connections >= 1000
     for kind in ("random", "truncated", "wrong_proof", "silent", "insider_random", "insider_truncated",
                  "wrong_token", "wrong_incarnation", "replayed", "other_generation", "plain_slots"):
         assert flood_counts.get(kind, 0) >= 10, flood_counts
     assert sum(g.refused for g in gates) >= flood_counts["random"] + flood_counts["truncated"] // 2
-    assert forged_in_store >= 10  # they got that far, and were not admitted
+    # They got that far (and none was admitted, above). How many land before the real check-ins
+    # is a race the real workers often win on a loaded machine (2 of them, once): the count
+    # is taken when each generation ends.
+    assert forged_later >= 10
 
 
 def test_the_learner_command_refuses_a_reachable_sync_host_without_a_token(tmp_path):

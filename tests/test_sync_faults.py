@@ -6,10 +6,15 @@ workers (vLLM in fp32) on a real Redis, with small buckets so an update is many 
   catches up from the newest checkpoint on disk and is taken back into a generation.
 - A learner killed mid-run leaves the workers serving their last version; the restarted
   learner forms a new generation and the workers get its (higher) version.
+- The sync hash deleted mid-run: the next sync forms a new generation and the worker is
+  back on the current version and producing at once.
+- A worker whose model lacks a tensor the learner sends: the learner stops at once with an
+  error naming the worker and the tensor.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -154,3 +159,114 @@ def test_workers_keep_serving_through_a_learner_restart_then_rejoin(run):
     wait_for(rejoined, 120, interval=0.5, what="the worker to join the new learner's generation")
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(120) == 0
+
+
+def test_the_sync_survives_the_loss_of_its_hash(worker, toy_model_path):
+    """An operator deletes the sync hash mid-run (or Redis comes back from an older snapshot).
+    The learner's next sync forms a new generation instead of publishing a version without
+    its manifest; the worker joins it, gets every version and produces for it (back-pressure
+    at max_lag 0: one group per version, so a stalled worker times this test out). A learner
+    restarted while the hash is gone counts generations from 1 again, a number the worker
+    has seen: it still joins, by the generation's id."""
+    from learner.policy import load_policy
+    from weight_sync.rendezvous import read_sync
+    from weight_sync.sender import WeightSender
+
+    model, key = load_policy(toy_model_path), worker.keys.sync
+    worker.next_group(worker.sync(model))
+    before = read_sync(worker.r, key)
+    worker.r.delete(key)
+    for _ in range(2):
+        version = worker.sync(model)  # the worker got it (it waits for the worker's /v1/status)
+        assert worker.next_group(version).policy_version == version
+    after = read_sync(worker.r, key)
+    assert after.generation == before.generation + 1 and after.generation_id != before.generation_id
+    assert after.version == version and after.manifest == before.manifest
+
+    worker.r.delete(key)
+    worker.sender.drop()  # the learner restarts: a new sender, which has formed no generation
+    worker.sender = WeightSender(worker.r, worker.keys, "127.0.0.1", timeout_s=30, bucket_bytes=1 << 20,
+                                 wire_dtype=worker.wire.cast_to)
+    for _ in range(2):
+        version = worker.sync(model)
+        assert worker.next_group(version).policy_version == version
+    assert read_sync(worker.r, key).generation == 1 <= before.generation
+
+
+def _worker_without_vllm(redis_url: str, run_id: str, model_dir: str) -> None:
+    """A registered rollout worker of ``model_dir``, without vLLM: the production follower,
+    checking in through the worker extension's own join (which refuses a manifest that does
+    not fit the model's checkpoint, as a vLLM worker does)."""
+    import asyncio
+
+    from rollout_service.worker_ext import RlpipeWorkerExtension, checkpoint_shapes
+    from weight_sync.follower import SyncOutcome, WeightFollower
+
+    ext = RlpipeWorkerExtension()
+    ext._rlpipe_shapes = checkpoint_shapes(model_dir)  # what rlpipe_init reads, without the vLLM parts
+
+    class Engine:
+        version = -1
+
+        async def join(self, host, port, slot, generation, manifest_json, timeout_s):
+            res = await asyncio.to_thread(ext._rlpipe_join, host, port, slot, generation, manifest_json, timeout_s)
+            return SyncOutcome(res["ok"], res.get("error", ""), bool(res.get("refused")))
+
+    r, keys = connect(redis_url), Keys(run_id)
+
+    async def published(incarnation):
+        pass
+
+    async def main():
+        follower = WeightFollower(r, keys.sync, "w0", Engine(), TIMEOUT_S, lambda: None, lambda s: None,
+                                  lambda e: None, published)
+
+        async def heartbeat():
+            while True:
+                registry.heartbeat_worker(r, keys, "w0", 5.0, incarnation=follower.incarnation, precision="fp32")
+                await asyncio.sleep(1)
+
+        beating = asyncio.create_task(heartbeat())
+        await follower.run(asyncio.Event())
+        beating.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_worker_whose_model_lacks_a_tensor_the_learner_sends_stops_the_learner_naming_both(
+        redis_server, toy_model_path, tmp_path):
+    """The learner trains the toy model untied (its own lm_head.weight); the worker serves the
+    toy model as built (tied: no lm_head.weight in its checkpoint). The worker refuses the
+    first generation, and the learner exits 2 naming it and the tensor instead of waiting at
+    step 0 for groups that never come."""
+    import multiprocessing as mp
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    untied = tmp_path / "untied"
+    shutil.copytree(toy_model_path, untied)
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    weights = load_file(untied / "model.safetensors")
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()},
+              untied / "model.safetensors", metadata={"format": "pt"})
+    cfg = build_config({}, environ={}, run_id=free_run_id("sync"), run_dir=str(tmp_path), redis_url=redis_server.url,
+                       steps=5, workers=1, **{"model.path": str(untied), "rollout.precision": "fp32",
+                                              "learner.threads": 1, "sync.timeout_s": TIMEOUT_S})
+    dump_config(cfg, tmp_path / "config.yaml")
+    worker = mp.get_context("spawn").Process(target=_worker_without_vllm,
+                                             args=(redis_server.url, cfg.run_id, toy_model_path), daemon=True)
+    worker.start()
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2, out.stderr[-3000:]
+        assert ("rlpipe: error: worker w0 cannot take the learner's weights: the learner sends 'lm_head.weight', "
+                "which this worker's model does not have") in out.stderr, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr
+        print(f"the learner stopped {time.monotonic() - t0:.1f}s after it started")
+    finally:
+        worker.kill()
+        worker.join()

@@ -17,9 +17,9 @@ import torch
 from rlpipe.queue import Keys, connect
 from tests.conftest import free_run_id
 from weight_sync.manifest import Manifest, pack_bucket, plan_buckets, unpack_bucket
-from weight_sync.rendezvous import read_sync
+from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
 from weight_sync.sender import WeightSender
-from weight_sync.transport import SyncError
+from weight_sync.transport import IncompatibleWorker, SyncError
 
 
 def checksum(named) -> str:
@@ -65,14 +65,26 @@ def test_wire_dtype_cast_happens_in_packing():
     assert got.dtype == torch.bfloat16 and torch.equal(got, t["w"].to(torch.bfloat16))
 
 
+def test_a_version_is_published_only_into_the_hash_of_its_generation(r):
+    """The sync hash deleted (or restored from an older snapshot): a version or members
+    written after that would make a hash without a manifest, which no worker can load."""
+    key = Keys(free_run_id("ws")).sync
+    publish_generation(r, key, SyncState(generation=3, manifest='{"buckets":[]}', generation_id="g3"))
+    assert publish_version(r, key, "g3", 7) and read_sync(r, key).version == 7
+    assert not publish_version(r, key, "g2", 8) and read_sync(r, key).version == 7  # another generation's
+    r.delete(key)
+    assert not publish_version(r, key, "g3", 8) and not publish_members(r, key, "g3", ["w0"], 2)
+    assert not r.exists(key)
+
+
 class ChecksumEngine:
     """A stand-in for the vLLM engine behind the real ``WeightFollower``: it joins and
     receives through ``WeightReceiver`` and reports each version's checksum instead of
     loading it; or misbehaves as ``mode`` says (``refuse`` the manifest, ``hang`` after
     joining, ``crash`` in the middle of version 3 via RLPIPE_CRASH_AT)."""
 
-    def __init__(self, worker_id, mode, results):
-        self.worker_id, self.mode, self.results = worker_id, mode, results
+    def __init__(self, worker_id, mode, results, timeout_s=5.0):
+        self.worker_id, self.mode, self.results, self.timeout_s = worker_id, mode, results, timeout_s
         self.version = -1
         self.receiver = None
 
@@ -83,10 +95,15 @@ class ChecksumEngine:
 
         if self.receiver is not None:
             self.receiver.close()
-        refuse = "incompatible model" if self.mode == "refuse" else None
+        refuse = None
+        if self.mode == "refuse":  # its model lacks the learner's "embed"
+            from weight_sync.manifest import incompatibility
+
+            m = Manifest.from_json(manifest_json)
+            refuse = incompatibility(m, {t.name: t.shape for b in m.buckets for t in b.tensors if t.name != "embed"})
         try:
             self.receiver = await asyncio.to_thread(WeightReceiver.join, host, port, candidate, generation,
-                                                    Manifest.from_json(manifest_json), 5.0, refuse)
+                                                    Manifest.from_json(manifest_json), self.timeout_s, refuse)
         except (LeftOut, SyncError) as e:
             self.results.put((self.worker_id, type(e).__name__, generation))
             return SyncOutcome.failed(str(e), refused=refuse is not None)
@@ -227,18 +244,21 @@ def test_a_worker_killed_mid_transfer_is_left_out_and_the_rest_get_the_version(r
     sender.drop()
 
 
-def test_a_worker_that_refuses_the_manifest_is_left_out_without_waiting(redis_server, r):
+def test_a_worker_whose_model_lacks_a_tensor_the_learner_sends_stops_the_sync_naming_both(redis_server, r):
+    """Its refusal reaches the learner in the check-in, and is an error naming the worker and
+    the tensor, at once: not a worker left out and a learner waiting for groups forever."""
     run_id = free_run_id("ws")
     procs, results = start_receivers(redis_server, run_id, {"w0": "ok", "w1": "refuse"})
     sender = make_sender(r, run_id, timeout_s=30)
     weights = model_weights(3)
     t0 = time.monotonic()
-    stats = sender.sync(1, lambda: weights.items(), {"w0": "a", "w1": "a"})
-    assert time.monotonic() - t0 < 15 and stats.members == 1
-    assert sorted(results.get(timeout=30) for _ in procs) == [("w0", checksum(weights.items()), 1),
-                                                              ("w1", "LeftOut", 1)]
+    with pytest.raises(IncompatibleWorker, match=r"^worker w1 cannot take the learner's weights: the learner sends "
+                                                 r"'embed', which this worker's model does not have$"):
+        sender.sync(1, lambda: weights.items(), {"w0": "a", "w1": "a"})
+    assert time.monotonic() - t0 < 15  # not the 30 s deadline
+    assert sender.group is None and sender.gate is None
+    assert ("w1", "LeftOut", 1) in [results.get(timeout=30) for _ in procs]
     stop(procs)
-    sender.drop()
 
 
 def test_a_hung_receiver_ends_the_sync_within_the_timeout(redis_server, r):

@@ -4,16 +4,20 @@ drive an engine through the small :class:`SyncEngine` protocol.
 
 - A new generation that lists this worker means: check in and join (or refuse, when the
   engine cannot load its manifest; a refusing worker stays out, since asking back in
-  would only be refused again). With a sync token the check-in is signed for this
-  worker's id and incarnation, the generation and its manifest: the follower computes
-  that MAC (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as
-  the slot to check in under, so the engine needs no more than the token in its
-  environment (for the learner's gate). It signs for the incarnation the learner lists
+  would only be refused again, and the learner stops, naming it and the reason). With a
+  sync token the check-in is signed for this worker's id and incarnation, the generation
+  and its manifest: the follower computes that MAC
+  (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as the slot to
+  check in under, so the engine needs no more than the token in its environment (for the
+  learner's gate). It signs for the incarnation the learner lists
   when that is one this follower has held: the learner may have read the registry just
   before a redraw (a restarted worker redraws as soon as it sees a generation formed
   without it), and it then admits the process it listed, as it did before check-ins
   were signed, instead of waiting out its deadline; the next sync sees the new
   incarnation and re-forms.
+  A generation is new when its identity (number and random id) is one not seen before,
+  not only when its number is higher: the sync hash may be lost and a learner then counts
+  again from 1 (weight_sync/rendezvous.py).
 - A higher version in the joined generation means: receive it and load it.
 - A worker left out (it checked in late, a transfer failed, or the learner had not seen
   it yet) catches up from the newest checkpoint on disk and asks back in by drawing a
@@ -108,7 +112,8 @@ class WeightFollower:
         self.latest_checkpoint = latest_checkpoint
         self.on_synced, self.on_failed, self.on_incarnation = on_synced, on_failed, on_incarnation
         self.fatal = fatal
-        self.generation = 0  # the newest generation seen
+        self.generation = 0  # the number of the newest generation seen
+        self.seen: set[tuple[int, str]] = set()  # the identity (number, id) of every generation seen
         self.incarnation = new_incarnation()
         self.held = {self.incarnation}  # every incarnation this follower has had
         self.token = sync_token()
@@ -120,7 +125,8 @@ class WeightFollower:
         while not stopping.is_set():
             try:
                 st = await asyncio.to_thread(read_sync, self.r, self.sync_key)
-                if st.generation > self.generation:
+                if st.generation and st.identity not in self.seen:
+                    self.seen.add(st.identity)
                     self.generation = st.generation
                     self.joined = must_receive = False
                     candidate = st.candidate_of(self.worker_id)

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
 ACCEPTED = b"\x01"
+# The gate's accept queue (the kernel caps it at net.core.somaxconn): a flood's connections,
+# often closed before the gate accepts them, must not fill it, or a real worker's connection
+# waits for a SYN retransmission (1 s, then 3 s, 7 s...) and misses its generation.
+GATE_BACKLOG = 4096
 
 
 def proof(token: str, nonce: bytes) -> bytes:
@@ -64,22 +68,25 @@ class Gate:
     """Accepts on ``host`` and forwards connections that prove ``token`` to the store on
     loopback ``store_port``; everything runs on one asyncio loop in a daemon thread, so a
     flood of connections costs sockets, not threads. At most ``max_pending`` connections
-    may be mid-handshake; more are closed at once, so a flood cannot take every file
-    descriptor of the learner (a real worker may then be refused too: it is left out of that
-    generation and asks back in)."""
+    may be mid-handshake, so a flood cannot take every file descriptor of the learner; a
+    new one beyond that closes the *oldest*, not itself. Refusing the newest instead let
+    ``max_pending`` silent connections, renewed every ``handshake_s`` (~50 a second), turn
+    every real worker away; now a flood must open ``max_pending`` connections within one
+    worker's handshake round trip to cut it off."""
 
     def __init__(self, host: str, store_port: int, token: str, handshake_s: float = 5.0, max_pending: int = 256):
         self.store_port, self.token = store_port, token
         self.handshake_s, self.max_pending = handshake_s, max_pending
-        self.pending = self.refused = self.admitted = 0
+        self.refused = self.admitted = 0
+        self._handshaking: dict[asyncio.StreamWriter, None] = {}  # mid-handshake, the oldest first
         self._closing = False
         self._writers: set[asyncio.StreamWriter] = set()
-        sock = listening_socket(host)
+        sock = listening_socket(host, GATE_BACKLOG)
         self.port = sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlpipe-sync-gate", daemon=True)
         self._thread.start()
-        self._server = self._call(asyncio.start_server(self._serve, sock=sock))
+        self._server = self._call(asyncio.start_server(self._serve, sock=sock, backlog=GATE_BACKLOG))
 
     def _call(self, coro, timeout: float = 10.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -108,9 +115,11 @@ class Gate:
                     self._writers.discard(w)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        if self.pending >= self.max_pending:
-            return False
-        self.pending += 1
+        if len(self._handshaking) >= self.max_pending:
+            oldest = next(iter(self._handshaking))
+            del self._handshaking[oldest]
+            oldest.close()  # its read ends, and it is refused
+        self._handshaking[writer] = None
         try:
             nonce = os.urandom(NONCE_BYTES)
             writer.write(nonce)
@@ -119,7 +128,12 @@ class Gate:
         except (OSError, EOFError, asyncio.TimeoutError):  # closed, reset, or silent past handshake_s
             return False
         finally:
-            self.pending -= 1
+            self._handshaking.pop(writer, None)
+
+    @property
+    def pending(self) -> int:
+        """Connections mid-handshake."""
+        return len(self._handshaking)
 
     def close(self) -> None:
         """Stop accepting and close every connection, the relayed ones included."""
@@ -175,7 +189,8 @@ class GateClient:
             raise ConnectionError(f"the sync gate at {host}:{port} did not let this worker in "
                                   f"(is RLPIPE_SYNC_TOKEN the learner's?): {e}") from e
         self.upstream.settimeout(None)  # from here on the store's own timeouts apply
-        self.listener = listening_socket("127.0.0.1", backlog=1)
+        # Room for strays (turned away in _relay) queued before the store client's connection.
+        self.listener = listening_socket("127.0.0.1", backlog=16)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._relay, name="rlpipe-sync-relay", daemon=True).start()
 

@@ -11,6 +11,18 @@ carries ``candidates``, ``incarnations`` (the incarnation the learner expects of
 candidate, which a worker's check-in must be signed for), ``members`` (JSON lists: the
 workers asked, and those admitted, published once the generation formed) and
 ``manifest_hash``; ``world_size`` is the admitted world.
+
+A generation is known by its number *and* a random ``generation_id`` drawn when it is
+formed: the hash can be lost (an operator deleting keys, Redis restored from an older
+snapshot), and a learner that then forms a generation cannot know what number the workers
+saw last. Numbers only grow within one learner process (it counts from the larger of its
+own last and the hash's); a worker joins every generation whose identity it has not seen,
+whatever its number. A version and the admitted members are written only into the hash of
+the generation they belong to (one atomic script, :func:`publish_version`), so the hash
+never carries a version without its manifest: when it is gone, the write says so and the
+learner forms a new generation.
+
+This module is the one place that writes the hash.
 """
 
 from __future__ import annotations
@@ -33,6 +45,11 @@ class SyncState:
     manifest: str = ""
     manifest_hash: str = ""
     incarnations: tuple[str, ...] = ()  # of each candidate
+    generation_id: str = ""  # drawn at random for each generation: its identity with the number
+
+    @property
+    def identity(self) -> tuple[int, str]:
+        return self.generation, self.generation_id
 
     def candidate_of(self, worker_id: str) -> int | None:
         return self.candidates.index(worker_id) + 1 if worker_id in self.candidates else None
@@ -57,27 +74,55 @@ def read_sync(r: redis.Redis, key: str) -> SyncState:
         manifest=raw.get("manifest", ""),
         manifest_hash=raw.get("manifest_hash", ""),
         incarnations=tuple(json.loads(raw.get("incarnations", "[]"))),
+        generation_id=raw.get("generation_id", ""),
     )
 
 
+def generation_id(r: redis.Redis, key: str) -> str:
+    """The id of the generation the hash carries ("" when it is gone)."""
+    value = r.hget(key, "generation_id")
+    return value.decode() if value is not None else ""
+
+
 def publish_generation(r: redis.Redis, key: str, state: SyncState) -> None:
-    r.hset(key, mapping={
-        "generation": state.generation,
-        "master_addr": state.master_addr,
-        "master_port": state.master_port,
-        "world_size": state.world_size,
-        "candidates": json.dumps(list(state.candidates)),
-        "members": json.dumps(list(state.members)),
-        "version": state.version,
-        "manifest": state.manifest,
-        "manifest_hash": state.manifest_hash,
-        "incarnations": json.dumps(list(state.incarnations)),
-    })
+    """Replace the hash with a new generation (nothing of the previous one is left in it)."""
+    with r.pipeline(transaction=True) as p:
+        p.delete(key)
+        p.hset(key, mapping={
+            "generation": state.generation,
+            "generation_id": state.generation_id,
+            "master_addr": state.master_addr,
+            "master_port": state.master_port,
+            "world_size": state.world_size,
+            "candidates": json.dumps(list(state.candidates)),
+            "members": json.dumps(list(state.members)),
+            "version": state.version,
+            "manifest": state.manifest,
+            "manifest_hash": state.manifest_hash,
+            "incarnations": json.dumps(list(state.incarnations)),
+        })
+        p.execute()
 
 
-def publish_members(r: redis.Redis, key: str, members: list[str], world_size: int) -> None:
-    r.hset(key, mapping={"members": json.dumps(members), "world_size": world_size})
+# HSET the fields given only if the hash still carries generation ARGV[1]; 1 if it did.
+_SET_IF_GENERATION = """
+if redis.call('HGET', KEYS[1], 'generation_id') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
+"""
 
 
-def publish_version(r: redis.Redis, key: str, version: int) -> None:
-    r.hset(key, "version", version)
+def _set_if_generation(r: redis.Redis, key: str, generation_id: str, fields: dict) -> bool:
+    args = [x for kv in fields.items() for x in kv]
+    return bool(r.eval(_SET_IF_GENERATION, 1, key, generation_id, *args))
+
+
+def publish_members(r: redis.Redis, key: str, generation_id: str, members: list[str], world_size: int) -> bool:
+    """Publish generation ``generation_id``'s admitted members; False if the hash no longer carries it."""
+    return _set_if_generation(r, key, generation_id, {"members": json.dumps(members), "world_size": world_size})
+
+
+def publish_version(r: redis.Redis, key: str, generation_id: str, version: int) -> bool:
+    """Announce ``version`` in generation ``generation_id``; False (nothing written) if
+    the hash no longer carries that generation, and so not its manifest either."""
+    return _set_if_generation(r, key, generation_id, {"version": version})

@@ -12,6 +12,10 @@ changes, so it never costs the learner a second timeout. A worker whose transfer
 (it died in the middle, or stopped reading) is left out the same way while the others
 still get the version; the next sync forms a generation without it.
 
+A worker that *refuses* a generation (its engine cannot load the manifest: another model,
+another quantization) raises :class:`~weight_sync.transport.IncompatibleWorker` naming it
+and why: that is a configuration error no later generation would mend.
+
 Each generation's store sits behind a gate that admits only holders of the sync token,
 and a candidate is admitted only on a check-in signed for its id and incarnation in the
 registry, this generation and this manifest (weight_sync/transport.py, 'Authentication').
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -33,8 +38,9 @@ from rlpipe.auth import check_sync_exposure, sync_token
 from rlpipe.queue import Keys
 from weight_sync.gate import Gate
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
-from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
-from weight_sync.transport import GlooGroup, SyncError, admit, check_in_slot
+from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
+                                    read_sync)
+from weight_sync.transport import NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +88,13 @@ class WeightSender:
         return {w: inc for w, inc in sorted(live.items()) if self.excluded.get(w) != inc}
 
     def needs_forming(self, live: Mapping[str, str]) -> bool:
-        return self.candidates(live) != self._members
+        """Membership changed, or the sync hash lost this generation (see :meth:`lost`)."""
+        return self.candidates(live) != self._members or self.lost()
+
+    def lost(self) -> bool:
+        """Whether the sync hash no longer carries the current generation (deleted, or
+        Redis restored from an older snapshot): workers can no longer see its versions."""
+        return self.group is not None and generation_id(self.r, self.sync_key) != self.state.generation_id
 
     def plan(self, tensors: Mapping[str, torch.Tensor], quant_profile: str = "", quant_compat: str = "") -> Manifest:
         """The manifest of ``tensors``: float tensors cast to ``wire_dtype`` (when set), the
@@ -134,9 +146,11 @@ class WeightSender:
             self.buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(min(2, len(manifest.buckets)))]
         names = list(candidates)
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
-        generation = read_sync(self.r, self.sync_key).generation + 1
+        # Never a number this process used before, even if the hash went back or is gone;
+        # the random id tells a generation apart from any other of the same number.
+        generation = max(read_sync(self.r, self.sync_key).generation, self.state.generation) + 1
         self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
-                               manifest.to_json(), manifest.hash, tuple(candidates.values()))
+                               manifest.to_json(), manifest.hash, tuple(candidates.values()), uuid.uuid4().hex[:12])
         publish_generation(self.r, self.sync_key, self.state)
         log.info("sync generation %d: candidates %s", generation, names)
         slots = [check_in_slot(self.token, generation, c, w, candidates[w], manifest.hash)
@@ -144,16 +158,22 @@ class WeightSender:
         admitted, left_out = admit(store, generation, slots, deadline)
         for candidate, why in left_out.items():
             self._leave_out(names[candidate - 1], candidates[names[candidate - 1]], why)
+        refused = {names[c - 1]: why for c, why in left_out.items() if why != NOT_CHECKED_IN}
+        if refused:
+            self.drop()
+            raise IncompatibleWorker("; ".join(f"worker {w} cannot take the learner's weights: {why}"
+                                               for w, why in refused.items()))
         members = [names[c - 1] for c in admitted]
         self.state.members, self.state.world_size = tuple(members), 1 + len(members)
-        publish_members(self.r, self.sync_key, members, self.state.world_size)
+        # If the hash was lost meanwhile this writes nothing; the version's publication notices.
+        publish_members(self.r, self.sync_key, self.state.generation_id, members, self.state.world_size)
         if not members:
             raise SyncError(f"generation {generation}: no worker checked in")
         try:
-            # Everyone admitted checked in a moment ago, so building the group is quick;
-            # the floor covers a deadline already spent waiting on a dead candidate.
+            # Each admitted worker builds its side within its sync timeout of its answer (just
+            # sent), whatever part of the deadline waiting on a missing candidate took.
             self.group = GlooGroup(store, 0, self.state.world_size, self.host, generation, self.timeout_s,
-                                   max(5.0, deadline - time.monotonic()))
+                                   self.timeout_s)
         except SyncError:
             self.drop()
             raise
@@ -165,7 +185,9 @@ class WeightSender:
         assert self.group is not None and self.manifest is not None
         group, failed = self.group, {}
         t0 = time.perf_counter()
-        publish_version(self.r, self.sync_key, version)
+        if not publish_version(self.r, self.sync_key, self.state.generation_id, version):
+            raise SyncError(f"the sync hash {self.sync_key} lost generation {self.state.generation} (deleted, or "
+                            f"restored from an older snapshot) before version {version}; the next sync forms a new one")
 
         def post(buf: torch.Tensor, tag: int) -> dict:
             works = {}

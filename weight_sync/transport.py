@@ -65,6 +65,16 @@ class LeftOut(SyncError):
     """This worker checked in too late (or refused): the generation formed without it."""
 
 
+class IncompatibleWorker(RuntimeError):
+    """A worker refused the generation: its engine cannot load these weights (a tensor its
+    model lacks or shapes differently, another quantization). Not a transient failure, as a
+    :class:`SyncError` is: no later generation would reach it, and a learner whose only
+    workers refuse would wait for groups forever, so the learner stops and says why."""
+
+
+NOT_CHECKED_IN = "did not check in before the deadline"
+
+
 def _key(generation: int, what: str) -> str:
     return f"rlpipe/gen{generation}/{what}"
 
@@ -101,7 +111,7 @@ def admit(store: TCPStore, generation: int, slots: list[str], deadline: float) -
     admitted, left_out = [], {}
     for c, key in keys.items():
         if not store.check([key]):
-            left_out[c] = "did not check in before the deadline"
+            left_out[c] = NOT_CHECKED_IN
             continue
         answer = store.get(key).decode(errors="replace")[:500]  # "ok", or the candidate's refusal
         if answer == "ok":
