@@ -24,12 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class SyncChannel:
-    def __init__(self, cfg, r, keys, precision: str, mixed: bool, gather=None):
+    def __init__(self, cfg, r, keys, precision: str, mixed: bool, gather=None, fence=None):
         self.precision = precision
         self.mixed = mixed  # a fleet of several precisions: only workers registered with ours
         self.wire = rollout_weights(precision, cfg.quant, cfg.model.path)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, int(cfg.sync.bucket_mib * 2**20),
-                                   self.wire.cast_to, channel=precision if mixed else "", gather=gather)
+                                   self.wire.cast_to, channel=precision if mixed else "", gather=gather,
+                                   fence=fence)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:
@@ -59,11 +60,12 @@ class FleetSync:
     up to ``sync.join_timeout_s`` for the whole configured fleet, so that no worker fills
     the first batches alone while the others start."""
 
-    def __init__(self, cfg, r, keys, metrics, gather=None):
-        """``gather(names)``: a sharded learner's parameters whole, one bucket at a time (learner/dist.py)."""
+    def __init__(self, cfg, r, keys, metrics, gather=None, fence=None):
+        """``gather(names)``: a sharded learner's parameters whole, one bucket at a time (learner/dist.py);
+        ``fence``: the learner lease's, on every write to the sync hashes (rlpipe/fence.py)."""
         self.cfg, self.r, self.keys, self.metrics = cfg, r, keys, metrics
         precisions = list(dict.fromkeys(cfg.rollout.fleet)) or [cfg.rollout.precision]
-        self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet), gather) for p in precisions}
+        self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet), gather, fence) for p in precisions}
         self._started = time.monotonic()
 
     def maybe_resync(self, model, version: int, step: int) -> None:

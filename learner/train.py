@@ -121,7 +121,7 @@ class Learner:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).
             self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics,
-                                   gather=self._gather if self.ranks.sharded else None)
+                                   gather=self._gather if self.ranks.sharded else None, fence=self.queue.fence)
             # The reader admits only records that fit this run and this model (rlpipe/admission.py).
             self.queue.check = RunCheck.for_run(cfg, self.model.get_input_embeddings().num_embeddings)
             self.ledger = Ledger(cfg, self.queue, self.run_counters, self.metrics.dropped_stale, self._try_alone)
@@ -321,9 +321,9 @@ class Learner:
 
         self.lease.acquire(on_wait=waiting, on_lost=lost)
         # From now on Redis refuses this learner's acknowledgements, dead letters and published
-        # state and weights once another learner takes the lease (rlpipe/fence.py).
-        self.queue.fence = self.lease.fence
-        self.fleet.fence = self.lease.fence
+        # state and weights once another learner takes the lease (rlpipe/fence.py): the queue's
+        # fence is also the sync's.
+        self.queue.fence.lease = self.lease
 
     def _crash_point(self, point: str, step: int | None = None) -> None:
         if CRASH_AT == f"{point}:{self.step if step is None else step}":

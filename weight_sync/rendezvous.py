@@ -22,7 +22,9 @@ the generation they belong to (one atomic script, :func:`publish_version`), so t
 never carries a version without its manifest: when it is gone, the write says so and the
 learner forms a new generation.
 
-This module is the one place that writes the hash.
+This module is the one place that writes the hash, and every write is fenced by the
+learner's lease epoch (rlpipe/fence.py): a learner that lost its lease cannot publish a
+generation or a version over its successor's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import json
 from dataclasses import dataclass
 
 import redis
+
+from rlpipe.fence import FENCE_CHECK, Fence
 
 
 @dataclass
@@ -84,45 +88,52 @@ def generation_id(r: redis.Redis, key: str) -> str:
     return value.decode() if value is not None else ""
 
 
-def publish_generation(r: redis.Redis, key: str, state: SyncState) -> None:
-    """Replace the hash with a new generation (nothing of the previous one is left in it)."""
-    with r.pipeline(transaction=True) as p:
-        p.delete(key)
-        p.hset(key, mapping={
-            "generation": state.generation,
-            "generation_id": state.generation_id,
-            "master_addr": state.master_addr,
-            "master_port": state.master_port,
-            "world_size": state.world_size,
-            "candidates": json.dumps(list(state.candidates)),
-            "members": json.dumps(list(state.members)),
-            "version": state.version,
-            "manifest": state.manifest,
-            "manifest_hash": state.manifest_hash,
-            "incarnations": json.dumps(list(state.incarnations)),
-        })
-        p.execute()
-
-
-# HSET the fields given only if the hash still carries generation ARGV[1]; 1 if it did.
-_SET_IF_GENERATION = """
-if redis.call('HGET', KEYS[1], 'generation_id') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+# KEYS: (fence), hash; ARGV: (fence), field, value, ...: the hash replaced whole.
+_PUBLISH_GENERATION = FENCE_CHECK + """
+redis.call('DEL', K[1])
+redis.call('HSET', K[1], unpack(A))
+return 1
+"""
+# KEYS: (fence), hash; ARGV: (fence), generation id, field, value, ...: HSET only if the hash
+# still carries that generation; 1 if it did.
+_SET_IF_GENERATION = FENCE_CHECK + """
+if redis.call('HGET', K[1], 'generation_id') ~= A[1] then return 0 end
+redis.call('HSET', K[1], unpack(A, 2))
 return 1
 """
 
 
-def _set_if_generation(r: redis.Redis, key: str, generation_id: str, fields: dict) -> bool:
-    args = [x for kv in fields.items() for x in kv]
-    return bool(r.eval(_SET_IF_GENERATION, 1, key, generation_id, *args))
+def _write(r: redis.Redis, fence: Fence | None, script: str, key: str, args: list) -> bool:
+    fence = fence or Fence(r, "")  # no lease: nothing to fence (tools, tests)
+    return bool(fence.run(r.register_script(script), [key], args))
 
 
-def publish_members(r: redis.Redis, key: str, generation_id: str, members: list[str], world_size: int) -> bool:
+def publish_generation(r: redis.Redis, key: str, state: SyncState, fence: Fence | None = None) -> None:
+    """Replace the hash with a new generation (nothing of the previous one is left in it)."""
+    fields = {
+        "generation": state.generation,
+        "generation_id": state.generation_id,
+        "master_addr": state.master_addr,
+        "master_port": state.master_port,
+        "world_size": state.world_size,
+        "candidates": json.dumps(list(state.candidates)),
+        "members": json.dumps(list(state.members)),
+        "version": state.version,
+        "manifest": state.manifest,
+        "manifest_hash": state.manifest_hash,
+        "incarnations": json.dumps(list(state.incarnations)),
+    }
+    _write(r, fence, _PUBLISH_GENERATION, key, [x for kv in fields.items() for x in kv])
+
+
+def publish_members(r: redis.Redis, key: str, generation_id: str, members: list[str], world_size: int,
+                    fence: Fence | None = None) -> bool:
     """Publish generation ``generation_id``'s admitted members; False if the hash no longer carries it."""
-    return _set_if_generation(r, key, generation_id, {"members": json.dumps(members), "world_size": world_size})
+    return _write(r, fence, _SET_IF_GENERATION, key, [generation_id, "members", json.dumps(members),
+                                                      "world_size", world_size])
 
 
-def publish_version(r: redis.Redis, key: str, generation_id: str, version: int) -> bool:
+def publish_version(r: redis.Redis, key: str, generation_id: str, version: int, fence: Fence | None = None) -> bool:
     """Announce ``version`` in generation ``generation_id``; False (nothing written) if
     the hash no longer carries that generation, and so not its manifest either."""
-    return _set_if_generation(r, key, generation_id, {"version": version})
+    return _write(r, fence, _SET_IF_GENERATION, key, [generation_id, "version", version])

@@ -35,6 +35,7 @@ import redis
 import torch
 
 from rlpipe.auth import check_sync_exposure, sync_token
+from rlpipe.fence import Fence
 from rlpipe.queue import Keys
 from weight_sync.gate import Gate
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
@@ -61,11 +62,12 @@ class SyncStats:
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
                  wire_dtype: torch.dtype | None, channel: str = "",
-                 gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None):
+                 gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
-        just before packing it, so the whole model is never gathered at once."""
-        self.r, self.keys = r, keys
+        just before packing it, so the whole model is never gathered at once. ``fence``: the
+        learner lease's (rlpipe/fence.py), so a learner that lost its lease publishes nothing."""
+        self.r, self.keys, self.fence = r, keys, fence
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
         self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
@@ -151,7 +153,7 @@ class WeightSender:
         generation = max(read_sync(self.r, self.sync_key).generation, self.state.generation) + 1
         self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
                                manifest.to_json(), manifest.hash, tuple(candidates.values()), uuid.uuid4().hex[:12])
-        publish_generation(self.r, self.sync_key, self.state)
+        publish_generation(self.r, self.sync_key, self.state, self.fence)
         log.info("sync generation %d: candidates %s", generation, names)
         slots = [check_in_slot(self.token, generation, c, w, candidates[w], manifest.hash)
                  for c, w in enumerate(names, 1)]
@@ -166,7 +168,8 @@ class WeightSender:
         members = [names[c - 1] for c in admitted]
         self.state.members, self.state.world_size = tuple(members), 1 + len(members)
         # If the hash was lost meanwhile this writes nothing; the version's publication notices.
-        publish_members(self.r, self.sync_key, self.state.generation_id, members, self.state.world_size)
+        publish_members(self.r, self.sync_key, self.state.generation_id, members, self.state.world_size,
+                        self.fence)
         if not members:
             raise SyncError(f"generation {generation}: no worker checked in")
         try:
@@ -185,7 +188,7 @@ class WeightSender:
         assert self.group is not None and self.manifest is not None
         group, failed = self.group, {}
         t0 = time.perf_counter()
-        if not publish_version(self.r, self.sync_key, self.state.generation_id, version):
+        if not publish_version(self.r, self.sync_key, self.state.generation_id, version, self.fence):
             raise SyncError(f"the sync hash {self.sync_key} lost generation {self.state.generation} (deleted, or "
                             f"restored from an older snapshot) before version {version}; the next sync forms a new one")
 
