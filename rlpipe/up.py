@@ -51,6 +51,7 @@ from rlpipe.proc import parse_cpus
 
 STATE_FILE, DESIRED_FILE = "up.json", "desired.json"
 BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 1.0, 30.0, 60.0
+USAGE_ERROR = 2  # a role's exit code for a mistake in the config or the fleet: restarting cannot help
 START_TRIES = 3  # exits in a row before ever being ready, after which `up` gives up (a broken model dir, a bad key)
 PROGRESS_EVERY_S, PROGRESS_IDLE_S = 10.0, 60.0
 ROLL_READY_TIMEOUT_S = 300.0  # `restart rollout` goes on to the next worker after this, ready or not
@@ -206,6 +207,11 @@ class Supervisor:
                 self.finished = True
                 return
             log_path = self.launcher.log_dir / f"{role.name}.log"
+            if role.last_exit == USAGE_ERROR:  # a mistake no restart can mend (a worker that cannot take the weights)
+                self.failed = f"{role.name} stopped on an error no restart can fix"
+                self.log(f"{role.name} exited with code {USAGE_ERROR}: giving up. The last lines of {log_path}:\n"
+                         f"{log_tail(log_path)}")
+                return
             if not role.ready:
                 role.start_failures += 1
                 if role.start_failures >= START_TRIES:
