@@ -198,6 +198,10 @@ def main() -> None:
                     print(f"{threads} threads, round {rnd + 1}/{args.rounds}, {phase:8s} tokens/s: {rates}", flush=True)
             median = {k: statistics.median(x["tokens"] / x["seconds"] for x in v) for k, v in results.items()}
             summary[threads] = {"runs": results, "median": median, "ratio": median["rlpipe"] / median["offline"]}
+            tokens = {phase: sum(run["tokens"] for run in runs) for phase, runs in results.items()}
+            if abs(tokens["rlpipe"] - tokens["offline"]) > 0.1 * tokens["offline"]:
+                # Same prompts, seeds and engine arguments: a ratio of unequal work would mean nothing.
+                sys.exit(f"the two phases generated unequal work ({tokens}): the ratio is not a comparison")
         print(f"\n{args.groups} groups x {args.n} samples, <= {args.max_tokens} tokens, {args.precision}, "
               f"random model hidden {args.hidden} x {args.layers} layers, {cores} cores")
         print(f"{'engine threads':>15s}{'offline tok/s':>15s}{'rlpipe tok/s':>15s}{'ratio':>8s}")
