@@ -299,10 +299,13 @@ class Learner:
             self.ledger.trained_indices = IndexSet(state.get("prompt_indices", {}).get("trained", b""))
         self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
         if self.ranks.is_main:
-            published = registry.learner_version(self.r, self.keys)
+            # The workers' versions too: the learner hash may be older than they are (restored, cleaned).
+            published = max([registry.learner_version(self.r, self.keys)] + [
+                int(f.get("version", 0) or 0) for f in registry.live_workers(self.r, self.keys).values()])
             if published > self.version:
                 # Workers may hold weights of versions this checkpoint never saw: the restored
-                # weights get a new, higher version so versions only ever grow.
+                # weights get a new, higher version so versions only ever grow (and their
+                # records stay within the version range the reader admits).
                 self.run_counters.version = published + 1
         log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
 

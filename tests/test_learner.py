@@ -268,8 +268,8 @@ def test_a_learner_run_serves_metrics_promtool_accepts_each_series_labelled_with
     from tests.ops_tools import check_metrics, samples_without
 
     learner = make_learner(redis_server, toy_model_path, tmp_path, steps=2, workers=1, **{
-        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1})
-    for rec in synthetic_groups(base_model, 4, seed=3):
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1, "sampling.n": 4})
+    for rec in for_run(synthetic_groups(base_model, 4, seed=3), learner.cfg):
         learner.queue.push(rec)
     learner.run()
     text = httpx.get(f"http://{serve_in_thread(learner, '127.0.0.1', 0)}/metrics", timeout=30).text

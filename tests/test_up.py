@@ -1,8 +1,9 @@
 """``rlpipe up``'s supervisor through its seams, with real processes and a real Redis (the
 whole command against live roles is tests/test_ops_live.py):
 
-- a role that keeps failing at start (here a learner whose config it rejects) is tried
-  START_TRIES times, then the supervisor gives up, showing that role's log tail;
+- a role that keeps failing at start (here a learner whose Redis is not there) is tried
+  START_TRIES times, then the supervisor gives up, showing that role's log tail; one that
+  exits 2 (a config it rejects) is not restarted at all;
 - ``restart rollout`` stops the next worker only once the one before is ready again;
 - the progress line reports the learner's step with its last metrics, the workers
   registered and the queue.
@@ -18,7 +19,7 @@ import time
 from rlpipe import registry
 from rlpipe.config import build_config
 from rlpipe.queue import Keys
-from rlpipe.up import START_TRIES, Role, Supervisor, write_desired
+from rlpipe.up import START_TRIES, USAGE_ERROR, Role, Supervisor, write_desired
 from tests.conftest import free_run_id
 
 
@@ -28,29 +29,48 @@ def supervisor(tmp_path, redis_server, lines: list[str]) -> Supervisor:
     return Supervisor(cfg, tmp_path, log=lines.append)
 
 
-def test_a_role_that_keeps_failing_at_start_stops_up_with_its_log_tail(tmp_path, redis_server, r):
-    lines: list[str] = []
-    sup = supervisor(tmp_path, redis_server, lines)
-    write_desired(tmp_path, {"learner": 1, "rollout": 0, "restart": {}})  # the learner alone
-    # what the roles read: a key the learner refuses, so every start of it fails at once
-    (tmp_path / "config.yaml").write_text("learner:\n  no_such_key: 1\n")
+def run_until_failed(sup, r) -> None:
     t0 = time.monotonic()
     try:
         while not sup.failed:
-            assert time.monotonic() - t0 < 120, "\n".join(lines)
+            assert time.monotonic() - t0 < 120, "gave no verdict in 120 s"
             sup.tick(r)
             time.sleep(0.2)
     finally:
         sup.stop_all()
+
+
+def test_a_role_that_keeps_failing_at_start_stops_up_with_its_log_tail(tmp_path, redis_server, r, toy_model_path):
+    lines: list[str] = []
+    sup = supervisor(tmp_path, redis_server, lines)
+    write_desired(tmp_path, {"learner": 1, "rollout": 0, "restart": {}})  # the learner alone
+    # what the roles read: a Redis that is not there, so every start of the learner fails (exit 3)
+    (tmp_path / "config.yaml").write_text(f"redis_url: redis://127.0.0.1:1/0\nredis_wait_s: 0.1\n"
+                                          f"model:\n  path: {toy_model_path}\n")
+    run_until_failed(sup, r)
     learner = sup.roles["learner"]
-    assert sup.failed == "learner kept failing at start" and not sup.finished
-    assert learner.start_failures == START_TRIES and learner.restarts == START_TRIES - 1 and learner.last_exit != 0
+    assert sup.failed == "learner kept failing at start" and not sup.finished, lines
+    assert learner.start_failures == START_TRIES and learner.restarts == START_TRIES - 1 and learner.last_exit == 3
     assert list(sup.roles) == ["learner"] and not learner.running
     # each failed start is reported with why (the last line of its log), then the give-up with the log's tail
     retries = [x for x in lines if x.startswith("learner exited with code") and "giving up" not in x]
-    assert len(retries) == START_TRIES - 1 and all("no_such_key" in x for x in retries), lines
+    assert len(retries) == START_TRIES - 1 and all("127.0.0.1:1" in x for x in retries), lines
     giving_up = [x for x in lines if "giving up" in x]
-    assert len(giving_up) == 1 and "logs/learner.log" in giving_up[0] and "no_such_key" in giving_up[0], lines
+    assert len(giving_up) == 1 and "logs/learner.log" in giving_up[0] and "127.0.0.1:1" in giving_up[0], lines
+
+
+def test_a_role_that_exits_2_is_not_restarted(tmp_path, redis_server, r):
+    """Exit 2 is a mistake in the config or the fleet (a key the learner refuses; a worker
+    that cannot take its weights): no restart can mend it, so up stops at the first."""
+    lines: list[str] = []
+    sup = supervisor(tmp_path, redis_server, lines)
+    write_desired(tmp_path, {"learner": 1, "rollout": 0, "restart": {}})
+    (tmp_path / "config.yaml").write_text("learner:\n  no_such_key: 1\n")
+    run_until_failed(sup, r)
+    learner = sup.roles["learner"]
+    assert learner.last_exit == USAGE_ERROR and learner.restarts == 0, lines
+    giving_up = [x for x in lines if "giving up" in x]
+    assert len(giving_up) == 1 and "no_such_key" in giving_up[0], lines
 
 
 def test_the_progress_line_shows_step_reward_staleness_workers_and_queue(tmp_path, redis_server, r):
