@@ -211,7 +211,11 @@ class Learner:
 
     def _try_alone(self, entry: Entry) -> None:
         """A forward of one group on its own (the ledger's poison check): if this kills the
-        learner, the group alone is to blame."""
+        learner, the group alone is to blame. Under FSDP rank 0 cannot forward alone (each
+        layer gathers its shards from every rank): suspects are then not tried, and a poison
+        record takes the innocent groups pending beside it to the dead letters too."""
+        if self.ranks.sharded:
+            return
         self._crash_on_poison([entry.record])
         with torch.no_grad():
             token_logprobs(self.model, collate([entry.record], torch.zeros(1, len(entry.record.samples)),
