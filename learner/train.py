@@ -363,8 +363,10 @@ class Learner:
         # The fleet's idle seconds at this row's time: over any steps, its change divided by
         # workers x elapsed time is the rollout idle fraction (the learner's: wait / wall).
         idle_s, workers = registry.fleet_idle_seconds(self.r, self.keys, now)
-        self.metrics.queue_dead.inc(counters["dead"] - self.dead_seen)
-        self.dead_seen = counters["dead"]
+        # A Redis restart may take back the last second's dead letters (they are dead-lettered again
+        # when read again): the counter only counts what is new beyond the most it has seen.
+        self.metrics.queue_dead.inc(max(0, counters["dead"] - self.dead_seen))
+        self.dead_seen = max(self.dead_seen, counters["dead"])
         m.update({
             "step": self.step,
             "learner_step": self.step,
