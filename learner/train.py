@@ -150,6 +150,7 @@ class Learner:
     def run(self) -> None:
         if self.ranks.is_main:
             self._acquire_lease()
+            self.queue.check.version = self.version  # what is taken over is admitted against the restored version
             self.ledger.take_over_pending()
             self._set_status("running")
             self.metrics.set(learner_step=self.step, learner_version=self.version)
