@@ -20,7 +20,7 @@ from learner.batch import collate
 from learner.loss import compute_advantages
 from learner.policy import load_policy, token_logprobs
 from rlpipe import registry
-from rlpipe.admission import RunCheck
+from rlpipe.admission import INDEX_SLACK, RunCheck
 from rlpipe.fence import Fenced
 from rlpipe.queue import COUNTED, TrajectoryQueue
 from rlpipe.schema import Sample, encode_group
@@ -81,7 +81,7 @@ FORGERIES = {
     "prompt token past the vocabulary": (dict(prompt_tokens=np.array([1, 10**6], dtype=np.int32)), "vocabulary"),
     "2048-token samples": (dict(samples=[sample([5] * 2048), sample([5] * 2048)]), "sampling.max_tokens"),
     "longer than max_model_len": (dict(prompt_tokens=np.ones(MAX_MODEL_LEN - 2, dtype=np.int32)), "max_model_len"),
-    "prompt never handed out": (dict(prompt_index=CURSOR + 1000), "prompt_index"),
+    "prompt never handed out": (dict(prompt_index=2 * CURSOR + INDEX_SLACK), "prompt_index"),
     "prompt 2^62": (dict(prompt_index=2**62), "prompt_index"),
     "attempt 999": (dict(attempt=999), "attempt"),
 }
@@ -101,16 +101,20 @@ def test_a_well_formed_record_that_does_not_fit_the_run_is_dead_lettered_with_it
 
 def test_records_the_run_could_have_made_are_admitted(queue):
     """Versions up to the learner's, per-token versions in the record's span, a prompt not
-    from the cursor (-1: imported data), a prompt at its first hand-out."""
+    from the cursor (-1: imported data), a prompt at its first hand-out, and one a restarted
+    Redis forgot handing out."""
     ok = [valid(queue, policy_version=VERSION - 1, policy_version_end=VERSION,
                 samples=[sample([5, 2], [3, 4]), sample([6, 7, 2], [3, 4, 4])]),
           valid(queue, prompt_index=-1, attempt=0, policy_version=0, policy_version_end=0,
                 samples=[sample([5, 2]), sample([6, 2])]),
           valid(queue, prompt_index=CURSOR - 1, attempt=0, policy_version=0, policy_version_end=0,
-                samples=[sample([5] * MAX_TOKENS), sample([2])])]
+                samples=[sample([5] * MAX_TOKENS), sample([2])]),
+          # handed out just before a Redis restart that lost the cursor's and the re-issue's increments
+          valid(queue, prompt_index=CURSOR + 20, attempt=1, policy_version=0, policy_version_end=0,
+                samples=[sample([5, 2]), sample([6, 2])])]
     for rec in ok:
         queue.push(rec)
-    assert len(queue.read("learner-0", 10, block_ms=100)) == 3 and queue.counters()["dead"] == 0
+    assert len(queue.read("learner-0", 10, block_ms=100)) == 4 and queue.counters()["dead"] == 0
 
 
 def test_foreign_entries_keep_the_books_balanced_and_raise_no_allowance(queue):
