@@ -128,12 +128,17 @@ class PPOStep:
         lp = torch.zeros(len(mine), width, device=self.device)
         ent = torch.zeros(len(mine), width, device=self.device)
         position = {int(row): i for i, row in enumerate(mine.tolist())}
+        parts = microbatches(batch, mine, self.max_tokens) if len(mine) else []
+        n_parts = len(parts)
+        if ranks.sharded:  # every rank runs as many forwards (each gathers the layers): extra ones are discarded
+            parts += [torch.arange(1, device=self.device)] * (ranks.max(n_parts) - n_parts)
         with torch.no_grad():
-            for part in microbatches(batch, mine, self.max_tokens):
+            for i, part in enumerate(parts):
                 mb = batch.select(part).trimmed()
                 part_lp, part_ent = token_logprobs(self.model, mb, lc.dtype, lc.fp32_lm_head)
-                at = torch.tensor([position[int(row)] for row in part.tolist()], device=self.device)
-                lp[at, : part_lp.shape[1]], ent[at, : part_ent.shape[1]] = part_lp, part_ent
+                if i < n_parts:
+                    at = torch.tensor([position[int(row)] for row in part.tolist()], device=self.device)
+                    lp[at, : part_lp.shape[1]], ent[at, : part_ent.shape[1]] = part_lp, part_ent
         return ranks.share_rows(lp, mine, n_rows), ranks.share_rows(ent, mine, n_rows)
 
     def _train_step_bypass(self, records, rewards, informative, batch) -> dict:
