@@ -253,7 +253,7 @@ class Learner:
                 self.ranks.command("snapshot")
             weights, state = self._snapshot(state)
         write = partial(checkpoint.save, self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
-                        self.cfg.learner.checkpoint_keep, before_publish=partial(self._crash_point, "checkpoint_written", self.step),
+                        self.cfg.learner.checkpoint_keep, before_publish=partial(self._before_publish, self.step),
                         rollout=rollout, weights=weights)
         started = {"step": self.step, "version": self.version, "started": time.perf_counter()}
         self.ledger.checkpoint_started()
@@ -337,6 +337,12 @@ class Learner:
         if CRASH_AT == f"{point}:{self.step if step is None else step}":
             log.warning("RLPIPE_CRASH_AT=%s: killing myself", CRASH_AT)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _before_publish(self, step: int) -> None:
+        """Just before a written checkpoint is renamed into place (maybe in the background
+        writer, after a pause): a learner that lost its lease must not put one there."""
+        self._crash_point("checkpoint_written", step)
+        self.queue.fence.check()
 
     def _crash_on_poison(self, records) -> None:
         if CRASH_ON_PROMPT and any(r.prompt_id == CRASH_ON_PROMPT for r in records):

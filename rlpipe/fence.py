@@ -58,6 +58,14 @@ class Fence:
                 raise Fenced(str(e)) from None
             raise
 
+    def check(self) -> None:
+        """Raise :class:`Fenced` if another learner took the lease: for writes Redis cannot
+        fence, such as a checkpoint put in place on disk (checked just before the rename)."""
+        epoch = self.r.get(self.epoch_key)
+        if self.epoch is not None and (epoch is None or int(epoch) != self.epoch):
+            raise Fenced(f"FENCED: lease epoch {self.epoch} is stale (now {epoch and int(epoch)}): another "
+                         f"learner holds the lease")
+
     def hset(self, key: str, mapping: dict) -> None:
         self.run(self._hset, [key], [x for kv in mapping.items() for x in kv])
 
