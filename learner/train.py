@@ -283,7 +283,13 @@ class Learner:
         if not block and not future.done():
             return
         t0 = time.perf_counter()
-        path = future.result()  # a failed write raises here: the learner stops, its supervisor restarts it
+        try:
+            path = future.result()  # a failed write raises here: the learner stops, its supervisor restarts it
+        except Exception:
+            # A paused learner's write may fail because its successor cleared the half-written
+            # directory: then the loss of the lease is the error to report (exit 3), not the disk.
+            self.queue.fence.check()
+            raise
         self.checkpoint_blocking_s += time.perf_counter() - t0 if block else 0.0
         self._writing = None
         self._crash_point("checkpointed", started["step"])
