@@ -77,14 +77,27 @@ def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
     assert summary["groups_unacknowledged"] == 0 and final.name == f"{checkpoint.PREFIX}{steps:08d}"
     assert checkpoint.read_meta(final)["trained_groups"] == trained
 
-    # It learns: the last steps' reward is clearly above the first steps'.
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
-    assert last > first + 0.05, (first, last)
+    # It learns: the reward's least-squares slope over the run is positive, beyond its own
+    # noise (t > 2). The first and last 5 steps' means, compared before, each carry about
+    # 0.015 of noise against a rise of about 0.05 over 30 steps: a run that learned
+    # (0.26 -> 0.31, slope t = 2.9) failed their 0.05 margin.
+    rewards = [r["reward_mean"] for r in rows]
+    slope, t = reward_trend(rewards)
+    assert slope > 0 and t > 2, (slope, t, rewards)
 
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "learner.log").exists()
     assert processes_of_run(os.getpid(), run_dir) == []
+
+
+def reward_trend(values: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``values`` per step and its t statistic (slope / standard error)."""
+    n = len(values)
+    x_mean, y_mean = (n - 1) / 2, sum(values) / n
+    sxx = sum((x - x_mean) ** 2 for x in range(n))
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in enumerate(values)) / sxx
+    residual = sum((y - y_mean - slope * (x - x_mean)) ** 2 for x, y in enumerate(values))
+    return slope, slope / ((residual / (n - 2)) ** 0.5 / sxx ** 0.5)
 
 
 def check_http_interfaces(run_dir: Path, worker_ids: list[str]) -> None:
