@@ -81,7 +81,8 @@ class Ledger:
                 continue
             fresh, stale, duplicate, later = self._sort(entries, batch)
             deferred += later
-            if any(e.record.prompt_index in {u.record.prompt_index for u in self.not_durable()} for e in duplicate):
+            not_durable = {u.record.prompt_index for u in self.not_durable()} if duplicate else set()
+            if any(e.record.prompt_index in not_durable for e in duplicate):
                 # A twin trained since the last durable checkpoint may be the prompt's only copy
                 # (Redis lost its push): make it durable before the duplicate goes.
                 make_durable()
