@@ -117,9 +117,11 @@ def test_a_worker_killed_mid_transfer_costs_one_timeout_and_catches_up_on_restar
     assert int(caught[-1]) >= checkpointed
 
     def back_in():
+        # Within one version, not equal to it: the learner steps several times a second here, and the
+        # registry has the worker's version only once it loaded it, so equality is a race (it lost in CI).
         st = learner_status(r, keys)
         w = st.get("workers", {}).get("w1", {})
-        return w.get("member") and w.get("version") == st["version"] and w["weights"] == "learner"
+        return w.get("member") and w["weights"] == "learner" and 0 <= w.get("behind", -1) <= 1
 
     wait_for(back_in, 120, interval=0.5, what="w1 back in a generation with the learner's version")
     assert sorted(learner_status(r, keys)["sync_members"]) == ["w0", "w1"]
