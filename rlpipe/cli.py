@@ -4,7 +4,7 @@
     rlpipe rollout --config run.yaml --worker-id w0       one rollout worker
     rlpipe learner --config run.yaml                      the learner (under torchrun when learner.ranks > 1)
     rlpipe calibrate --config run.yaml [--out DIR]        int8: calibrate the base model once, write a profile
-    rlpipe build-model [--seed S]                         build/cache the toy model, print its path
+    rlpipe build-model [--seed S]                         prepare/cache the model (toy or built-in), print its path
     rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
     rlpipe up --config run.yaml                           the roles of deploy/k8s on this machine, supervised
     rlpipe status | restart ROLE | scale ROLE N           act on a running `rlpipe up` (rlpipe/up.py)
@@ -314,7 +314,7 @@ COMMANDS = {
     "learner": ("run the learner", _config_args, _run_learner),
     "calibrate": ("int8 rollout: one SmoothQuant calibration of the base model (nvidia-modelopt); writes the "
                   "profile and a compressed-tensors checkpoint", _calibrate_args, _run_calibrate),
-    "build-model": ("build (or find) the cached toy model and print its path", _build_model_args, _run_build_model),
+    "build-model": ("prepare (or find) the cached model, toy or built-in, and print its path", _build_model_args, _run_build_model),
     "bench": ("regenerate the evidence report (docs/results.md): every benchmark in bench/", _bench_args, _run_bench),
     "plot": ("draw metrics.png for a run directory", _plot_args, _run_plot),
     "up": ("run the learner and workers on this machine, restarted when they crash, as the Kubernetes "

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlpipe.paths import TOY_ARCHS, TOY_PREFIX
+from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
@@ -112,6 +112,9 @@ class RolloutConfig(Section):
     kv_cache_gib: int = Field(1, ge=1)
     enforce_eager: bool = True
     max_model_len: int = Field(64, ge=8)
+    max_num_batched_tokens: int | None = Field(None, ge=8, description="tokens one engine step may schedule "
+                                               "(vLLM's token budget; null = vLLM's default): a longer prompt is "
+                                               "prefilled in chunks across steps")
     heartbeat_s: float = Field(2.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     shutdown_deadline_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight groups may "
@@ -421,23 +424,24 @@ def secret_env(cfg: RunConfig) -> dict[str, str]:
 def check_model_path(path: str | None, builds_toy: bool = True) -> None:
     """``model.path`` names a model, checked before anything starts (else a transformers
     traceback, after Redis and the engine): a Hugging Face model directory (with a
-    config.json) or, where the command builds one (``builds_toy``: demo, up, calibrate,
-    build-model), null or a toy model's name (``toy-<arch>``, rlpipe/paths.py). A role
-    (rollout, learner) loads the directory its launcher resolved."""
-    toys = ", ".join(TOY_PREFIX + a for a in TOY_ARCHS)
+    config.json) or, where the command prepares one (``builds_toy``: demo, up, calibrate,
+    build-model), null, a toy model's name (``toy-<arch>``, rlpipe/paths.py) or a built-in
+    real model's (``smollm2-135m-instruct``, rlpipe/builtin_models.py). A role (rollout,
+    learner) loads the directory its launcher resolved."""
+    names = ", ".join([TOY_PREFIX + a for a in TOY_ARCHS] + list(BUILTIN_NAMES))
     if path is None:
         if builds_toy:
             return
         raise ConfigError("model.path: not set; a role needs a model directory "
-                          "(`rlpipe build-model` builds the toy one)")
+                          "(`rlpipe build-model` prepares the toy or a built-in one)")
     p = Path(path)
     if p.is_dir():
         if (p / "config.json").is_file():
             return
         raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
-    if builds_toy and path.startswith(TOY_PREFIX) and path[len(TOY_PREFIX):] in TOY_ARCHS:
+    if builds_toy and (path in BUILTIN_NAMES or path.startswith(TOY_PREFIX) and path[len(TOY_PREFIX):] in TOY_ARCHS):
         return
-    hint = f" nor a toy model ({toys})" if builds_toy else ""
+    hint = f" nor a model rlpipe prepares ({names})" if builds_toy else ""
     raise ConfigError(f"model.path: {path} is not a directory{hint}")
 
 

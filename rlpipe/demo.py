@@ -23,13 +23,15 @@ from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, check_model_path, dump_config, secret_env, validate_run, \
     without_secrets
 from rlpipe.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
+from rlpipe.paths import BUILTIN_NAMES
 from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.redis_server import EmbeddedRedis
 
 
 def resolve_model(cfg: RunConfig, log=print) -> str:
-    """The model directory: ``model.path`` if given, else the cached toy model for this config.
+    """The model directory: ``model.path`` if given, the cached built-in model it names
+    (``smollm2-135m-instruct``, prepared once), else the cached toy model for this config.
     ``model.path: toy-llama`` (or ``toy-qwen2``, the default's architecture) builds, once, the
     toy model of that architecture from the same ``model.toy_*`` keys and task (an existing
     directory of that name is loaded as it is). The task's ``arith_style`` is part of the spec:
@@ -38,6 +40,10 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     check_model_path(path)
     if path and Path(path).is_dir():
         return path
+    if path in BUILTIN_NAMES:
+        from rlpipe.builtin_models import ensure_builtin_model
+
+        return str(ensure_builtin_model(path, log=log))
     from rlpipe.arith import ArithmeticTask
     from rlpipe.paths import TOY_PREFIX
     from rlpipe.toy import ensure_toy_model, toy_spec

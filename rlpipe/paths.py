@@ -18,6 +18,10 @@ TOY_ARCHS = {
     "llama": {"arch": "llama", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False},
 }
 
+# Real models rlpipe prepares once from an installed package (rlpipe/builtin_models.py).
+SMOLLM2 = "smollm2-135m-instruct"
+BUILTIN_NAMES = (SMOLLM2,)
+
 
 def cache_root() -> Path:
     """The cache of built artifacts (toy models under ``models/``, quantized checkpoints and

@@ -103,6 +103,7 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
             max_model_len=self.cfg.max_model_len,
+            **({"max_num_batched_tokens": self.cfg.max_num_batched_tokens} if self.cfg.max_num_batched_tokens else {}),
             seed=self.seed,
             distributed_executor_backend="uni",
             disable_log_stats=True,
@@ -115,8 +116,9 @@ class RolloutEngine:
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
         info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_dir, self.profile.compat)))[0]
-        if not info["keep_reloaded_kernel_tensors"]:
-            raise RuntimeError("the vLLM reload workaround (vllm_compat.keep_reloaded_kernel_tensors) did not take")
+        for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
+            if not info[workaround]:
+                raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])

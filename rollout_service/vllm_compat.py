@@ -114,6 +114,57 @@ def reload_weights(model_runner, weights: list) -> None:
         model_runner.reload_weights(weights_iterator=sorted(weights, key=lambda item: item[0]))
 
 
+def rewind_cpu_generators(model_runner) -> bool:
+    """Bug 4: a seeded request that is chunk-prefilled kills the engine on CPU
+    (``RuntimeError: CPU Generator does not use offset``), and real prompts are long enough
+    to be chunk-prefilled (the toy's never were).
+
+    The model runner samples a token for every scheduled request, also for one whose prompt
+    was only partly prefilled this step, then discards that token and undoes the draw on its
+    seeded generator so the request's samples do not depend on how its prompt was chunked:
+    ``gen.set_offset(gen.get_offset() - 4)`` in ``_bookkeeping_sync``, which is CUDA's
+    Philox counter. A CPU generator (a Mersenne Twister) has no offset, so the call raises.
+    On CPU the same undo is exact with the generator's state: it is saved before sampling
+    for each discarded request and put back after, and ``_bookkeeping_sync`` then sees no
+    CPU generator to rewind. So a seed still gives the same samples however the prompt was
+    chunked (tests/test_worker.py checks that on the real engine).
+
+    Patches this (engine) process's model runner, once; returns True when it is in place.
+    """
+    import numpy as np
+
+    if getattr(model_runner, "_rlpipe_rewinds", False):
+        return True
+    sample, bookkeeping = model_runner._sample, model_runner._bookkeeping_sync
+
+    def cpu_generators(batch) -> dict:
+        return {i: g for i, g in batch.generators.items() if g.device.type == "cpu"}
+
+    def sample_then_undo_discarded(*args, **kwargs):
+        batch = model_runner.input_batch
+        discarded = np.nonzero(model_runner.discard_request_mask.np[:batch.num_reqs])[0]
+        cpu = cpu_generators(batch)
+        saved = {int(i): cpu[int(i)].get_state() for i in discarded if int(i) in cpu}
+        out = sample(*args, **kwargs)
+        for i, state in saved.items():
+            cpu[i].set_state(state)
+        return out
+
+    def bookkeeping_without_cpu_rewind(*args, **kwargs):
+        batch = model_runner.input_batch
+        generators = batch.generators
+        batch.generators = {i: g for i, g in generators.items() if g.device.type != "cpu"}
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            batch.generators = generators
+
+    model_runner._sample = sample_then_undo_discarded
+    model_runner._bookkeeping_sync = bookkeeping_without_cpu_rewind
+    model_runner._rlpipe_rewinds = True
+    return True
+
+
 def after_reload(model: torch.nn.Module) -> dict[str, bool]:
     """Apply every post-reload workaround; returns which ones acted."""
     return {"tied_lm_head": refresh_tied_lm_head(model)}

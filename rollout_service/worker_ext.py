@@ -20,7 +20,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from rollout_service.vllm_compat import after_reload, die_with_parent, keep_reloaded_kernel_tensors, reload_weights
+from rollout_service.vllm_compat import (
+    after_reload,
+    die_with_parent,
+    keep_reloaded_kernel_tensors,
+    reload_weights,
+    rewind_cpu_generators,
+)
 from weight_sync.manifest import Manifest, incompatibility, shape_mismatch
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
@@ -59,7 +65,8 @@ class RlpipeWorkerExtension:
         self._rlpipe_shapes = checkpoint_shapes(model_dir)
         self._rlpipe_compat = quant_compat
         return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent(),
-                "keep_reloaded_kernel_tensors": keep_reloaded_kernel_tensors()}
+                "keep_reloaded_kernel_tensors": keep_reloaded_kernel_tensors(),
+                "rewind_cpu_generators": rewind_cpu_generators(self.model_runner)}
 
     # -- background work ---------------------------------------------------------------
     def rlpipe_start(self, op: str, *args) -> dict:
