@@ -35,7 +35,14 @@ import numpy as np
 
 from rlpipe.arith import ArithmeticTask
 from rlpipe.config import ConfigError, TaskConfig
-from rlpipe.datasets import INSTRUCTIONS, answer_kind, is_file, last_boxed, load_dataset, load_rows  # noqa: F401 (load_dataset)
+from rlpipe.datasets import (
+    INSTRUCTIONS,
+    answer_kind,
+    is_file,
+    last_boxed,
+    load_dataset,  # noqa: F401 (it lived here; callers import it from here)
+    load_rows,
+)
 
 TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
 MATH_TIMEOUT_S = 2  # math-verify's per-parse and per-comparison limit (whole seconds: signal.alarm)
@@ -204,19 +211,18 @@ def number_reward(answer: str, response: str) -> tuple[float, dict]:
     math-verify; 0.0 when there is no number. Never raises. ``extracted`` is the answer as written, ``boxed`` says
     where it came from."""
     boxed = last_boxed(response)
+    text = boxed
     if boxed is None:
-        found = None
         for found in _NUMBER.finditer(response):
-            pass
-        if found is None:
+            text = found.group()
+        if text is None:
             return 0.0, {"extracted": "", "format_ok": False, "boxed": False}
-    got, gold = _as_number(boxed if boxed is not None else found.group()), _as_number(answer)
-    extracted = (boxed if boxed is not None else found.group())[:200]
+    got, gold = _as_number(text), _as_number(answer)
     if got is None or gold is None:
-        reward, info = _verify(answer, boxed if boxed is not None else found.group().replace(",", ""))
-        return reward, {**info, "extracted": extracted, "boxed": boxed is not None}
+        reward, info = _verify(answer, text if boxed is not None else text.replace(",", ""))
+        return reward, {**info, "extracted": text[:200], "boxed": boxed is not None}
     ok = abs(got - gold) <= 1e-6 * max(1.0, abs(gold))
-    return float(ok), {"extracted": extracted, "format_ok": True, "boxed": boxed is not None}
+    return float(ok), {"extracted": text[:200], "format_ok": True, "boxed": boxed is not None}
 
 
 class PythonReward:
