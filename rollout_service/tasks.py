@@ -5,8 +5,10 @@ duplicate or skip a prompt; epochs wrap) and scores the group of responses sampl
 
 - ``arith``: the toy arithmetic task with an exact-match reward, or with ``task.arith_style: worked`` a shown working
   scored by its last number (rlpipe/arith.py);
-- ``math``: a JSONL/Parquet dataset, reward 1 when the last ``\\boxed{}`` answer equals the reference (math-verify);
-- ``remote``: a JSONL/Parquet dataset scored by an HTTP reward server, one POST per group.
+- ``math``: a JSONL/Parquet file or a named public set (rlpipe/datasets.py), reward 1 when the response's answer
+  equals the reference: its last ``\\boxed{}`` (math-verify), or for numeric answers the last boxed answer or else
+  the last number; or a Python function named by ``task.reward``;
+- ``remote``: such a dataset scored by an HTTP reward server, one POST per group.
 
 ``PromptEncoder`` turns a prompt's text into the token ids the engine is given and the record keeps, through the
 tokenizer's chat template for instruct models (``task.chat_template``).
@@ -17,13 +19,15 @@ reward_info dicts hold only plain values (str, int, float, bool, None): they go 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import math
 import os
+import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Protocol
 
 import httpx
@@ -31,6 +35,14 @@ import numpy as np
 
 from rlpipe.arith import ArithmeticTask
 from rlpipe.config import ConfigError, TaskConfig
+from rlpipe.datasets import (
+    INSTRUCTIONS,
+    answer_kind,
+    is_file,
+    last_boxed,
+    load_dataset,  # noqa: F401 (it lived here; callers import it from here)
+    load_rows,
+)
 
 TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
 MATH_TIMEOUT_S = 2  # math-verify's per-parse and per-comparison limit (whole seconds: signal.alarm)
@@ -81,51 +93,16 @@ class ArithTask:
         pass
 
 
-def load_dataset(path: str | Path) -> list[dict]:
-    """All rows of a ``.jsonl`` or ``.parquet`` file, read once at start-up (RL prompt sets fit in memory)."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(f"{path}: unsupported dataset extension {suffix!r} (use .jsonl or .parquet)")
-    if not rows:
-        raise ValueError(f"{path}: empty dataset")
-    return rows
+def answer_format(cfg: TaskConfig) -> str:
+    """How responses are read: ``task.answer_format``, or with ``auto`` the dataset's kind (a file's: ``boxed``)."""
+    return answer_kind(cfg.dataset) if cfg.answer_format == "auto" else cfg.answer_format
 
 
-def _prepare(cfg: TaskConfig, row: dict, n: int, need_answer: bool) -> tuple[str, str, str, dict]:
-    """``(prompt_id, text, answer, meta)`` of row ``n``; every row is checked at load, not when first drawn."""
-    where = f"{cfg.dataset}: row {n}"
-    if row.get(cfg.prompt_field) is None:
-        raise ValueError(f"{where}: missing prompt field {cfg.prompt_field!r} (task.prompt_field)")
-    answer = row.get(cfg.answer_field)
-    if need_answer and answer is None:
-        raise ValueError(f"{where}: missing answer field {cfg.answer_field!r} (task.answer_field)")
-    try:
-        text = cfg.template.format(**{**row, "prompt": row[cfg.prompt_field]})
-    except KeyError as e:
-        raise ValueError(f"{where}: task.template names field {e.args[0]!r}, which the row lacks") from None
-    except (IndexError, ValueError) as e:
-        raise ValueError(f"task.template: {e}") from None
-    prompt_id = str(row[cfg.id_field]) if row.get(cfg.id_field) is not None else str(n)
-    meta = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field, cfg.id_field)}
-    return prompt_id, text, "" if answer is None else str(answer), meta
+def instruction(cfg: TaskConfig) -> str:
+    """``task.instruction``, else for a named dataset the one that asks for answers as they are read."""
+    if cfg.instruction is not None:
+        return cfg.instruction
+    return "" if is_file(cfg.dataset) else INSTRUCTIONS[answer_format(cfg)]
 
 
 class DatasetTask:
@@ -133,7 +110,21 @@ class DatasetTask:
     handed index ``i`` sees the same prompt."""
 
     def __init__(self, cfg: TaskConfig, need_answer: bool):
-        self.rows = [_prepare(cfg, row, n, need_answer) for n, row in enumerate(load_dataset(cfg.dataset))]
+        named = not is_file(cfg.dataset)
+        self.raw = load_rows(cfg.dataset, cfg.prompt_field, cfg.answer_field, cfg.id_field, need_answer)
+        suffix = instruction(cfg)
+        own = () if named else (cfg.prompt_field, cfg.answer_field, cfg.id_field)  # a name's rows keep every field
+        self.rows = []
+        for n, row in enumerate(self.raw):
+            try:
+                text = cfg.template.format(**{**row.raw, "prompt": row.question})
+            except KeyError as e:
+                raise ValueError(f"{cfg.dataset}: row {n}: task.template names field {e.args[0]!r}, which the row "
+                                 "lacks") from None
+            except (IndexError, ValueError) as e:
+                raise ValueError(f"task.template: {e}") from None
+            text = f"{text}\n{suffix}" if suffix else text
+            self.rows.append((row.id, text, row.answer, {k: v for k, v in row.raw.items() if k not in own}))
         self.size = len(self.rows)
         self.seed, self.shuffle = cfg.seed, cfg.shuffle
         self._epoch, self._order = -1, None  # the permutation of the epoch last asked for
@@ -156,22 +147,6 @@ class DatasetTask:
         pass
 
 
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}``; None when there is none or its braces never close."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + len("\\boxed"), len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len("\\boxed{") : i]
-    return None
-
-
 def _timeout() -> int | None:
     """math-verify times out with signal.alarm, which only the main thread may set (elsewhere it raises)."""
     return MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
@@ -188,9 +163,14 @@ def _parse_gold(answer: str, timeout: int | None) -> list:
 
 def math_reward(answer: str, response: str) -> tuple[float, dict]:
     """1.0 when the response's last boxed answer is mathematically equal to ``answer``, else 0.0; never raises."""
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     if boxed is None:
         return 0.0, {"extracted": "", "format_ok": False}
+    return _verify(answer, boxed)
+
+
+def _verify(answer: str, boxed: str) -> tuple[float, dict]:
+    """math-verify's verdict on ``boxed`` (a boxed answer's content, or a number) against ``answer``."""
     if len(boxed) > MAX_ANSWER_CHARS:
         return 0.0, {"extracted": "", "format_ok": True, "error": "boxed answer too long"}
     try:
@@ -209,14 +189,108 @@ def math_reward(answer: str, response: str) -> tuple[float, dict]:
     return float(ok), info
 
 
+# A number as written in free text: "1,234.5", "-3", "0.75". A "-" is its sign only where no word character or
+# closing bracket precedes it (in "4-3" the last number is 3, as in rlpipe.arith.last_number).
+_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def _as_number(text: str) -> float | None:
+    """``text`` as a float when it is a plain number ("1,000", "$18", "5.0", "18."), else None."""
+    text = text.strip().replace(",", "").removeprefix("\\$").removeprefix("$").rstrip(".")
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def number_reward(answer: str, response: str) -> tuple[float, dict]:
+    """For numeric answers (``task.answer_format: number``): the response's answer is its last ``\\boxed{}`` if it
+    has one, else its last number; 1.0 when that equals ``answer`` as a number (``1,000`` = ``1000``, ``5.0`` =
+    ``5``, relative tolerance 1e-6), a boxed expression (``\\frac{1}{2}``) or a non-numeric reference by
+    math-verify; 0.0 when there is no number. Never raises. ``extracted`` is the answer as written, ``boxed`` says
+    where it came from."""
+    boxed = last_boxed(response)
+    text = boxed
+    if boxed is None:
+        for found in _NUMBER.finditer(response):
+            text = found.group()
+        if text is None:
+            return 0.0, {"extracted": "", "format_ok": False, "boxed": False}
+    got, gold = _as_number(text), _as_number(answer)
+    if got is None or gold is None:
+        reward, info = _verify(answer, text if boxed is not None else text.replace(",", ""))
+        return reward, {**info, "extracted": text[:200], "boxed": boxed is not None}
+    ok = abs(got - gold) <= 1e-6 * max(1.0, abs(gold))
+    return float(ok), {"extracted": text[:200], "format_ok": True, "boxed": boxed is not None}
+
+
+class PythonReward:
+    """``task.reward: "package.module:function"``, a reward written in Python, called as
+
+        function(prompt: str, response: str, answer: str, row: dict) -> float | tuple[float, dict]
+
+    with the prompt text (after template and instruction), one decoded response, the reference answer ("" when the
+    row has none) and a copy of the dataset row as read. The dict, if returned, is the sample's reward_info: plain
+    values only (str, int, float, bool, None).
+
+    The function is imported once, when the task is made; a failed import is a ConfigError naming the path. Each
+    call runs in a thread of this reward's own pool (so a slow reward never holds the threads that push to Redis)
+    and must return within ``task.reward_timeout_s``. A timeout, an exception or a malformed result is a
+    RewardError for the whole group, never a made-up 0: the rollout loop logs it, counts it
+    (``rlpipe_rollout_reward_errors_total``) and gives the prompt back, as for a remote verifier that is down. A
+    call that timed out cannot be stopped; its thread finishes in the background."""
+
+    def __init__(self, path: str, timeout_s: float):
+        module, _, name = path.partition(":")
+        try:
+            self.fn = getattr(importlib.import_module(module), name)
+        except Exception as e:
+            raise ConfigError(f"task.reward: cannot import {path!r}: {type(e).__name__}: {e}") from e
+        if not callable(self.fn):
+            raise ConfigError(f"task.reward: {path!r} is a {type(self.fn).__name__}, not a function")
+        self.path, self.timeout_s = path, timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reward")
+
+    async def __call__(self, prompt: str, response: str, answer: str, row: dict) -> tuple[float, dict | None]:
+        call = asyncio.get_running_loop().run_in_executor(self.pool, self.fn, prompt, response, answer, dict(row))
+        try:
+            out = await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardError(f"task.reward {self.path}: no result within {self.timeout_s} s "
+                              "(task.reward_timeout_s)") from None
+        except Exception as e:
+            raise RewardError(f"task.reward {self.path} raised {type(e).__name__}: {e}") from e
+        reward, info = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise RewardError(f"task.reward {self.path} returned {str(out)[:200]}: expected a finite float or "
+                              "(float, dict)")
+        if info is not None and not (isinstance(info, dict) and all(isinstance(v, PLAIN) for v in info.values())):
+            raise RewardError(f"task.reward {self.path}: info {str(info)[:200]} is not a dict of plain values")
+        return float(reward), info
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 class MathTask(DatasetTask):
-    """A math dataset scored by math-verify: the answer must be boxed, any equivalent form counts."""
+    """A math dataset. Scored by math-verify on the last boxed answer (``task.answer_format: boxed``), by the last
+    boxed answer or else the last number (``number``), or by a Python function (``task.reward``)."""
 
     def __init__(self, cfg: TaskConfig):
-        super().__init__(cfg, need_answer=True)
+        super().__init__(cfg, need_answer=not cfg.reward)
+        self.reward = PythonReward(cfg.reward, cfg.reward_timeout_s) if cfg.reward else None
+        self.read = number_reward if answer_format(cfg) == "number" else math_reward
 
     async def score(self, prompt: Prompt, responses: list[str]) -> list[tuple[float, dict | None]]:
-        return [math_reward(prompt.answer, r) for r in responses]
+        if self.reward is None:
+            return [self.read(prompt.answer, r) for r in responses]
+        row = self.raw[self._row(prompt.index)].raw
+        return [await self.reward(prompt.text, r, prompt.answer, row) for r in responses]
+
+    async def aclose(self) -> None:
+        if self.reward is not None:
+            self.reward.close()
 
 
 class RemoteTask(DatasetTask):

