@@ -320,6 +320,34 @@ class QuantConfig(Section):
     recalibrate_cooldown_steps: int = Field(10, ge=1, description="fewest steps between two recalibrations")
 
 
+class EvalConfig(Section):
+    """Held-out evaluation during training (rollout_service/evals.py, learner/evals.py): a rollout worker
+    evaluates the policy between its groups on the first ``size`` rows of ``dataset`` at step 0, every
+    ``every`` steps and at the end; the learner logs each result with the version it evaluated."""
+
+    every: int = Field(0, ge=0, description="steps between evaluations; 0 = no evaluation")
+    dataset: str = Field("", description="the held-out set: a dataset name (e.g. gsm8k:test) or a .jsonl/.parquet "
+                         "file with task's fields; scored like task.dataset; must share no question with it")
+    size: int = Field(64, ge=1, description="rows evaluated (the first ones, in file order)")
+    samples: int = Field(4, ge=0, description="k of mean@k: sampled answers per row at sampling.temperature, "
+                         "beside the greedy one of pass@1; 0 = greedy only")
+    concurrency: int = Field(8, ge=1, description="rows in flight at once on the worker's engine, beside "
+                             "its rollout groups")
+    final_wait_s: float = Field(1800.0, ge=0, description="how long the learner waits at the end of the run "
+                                "for the last evaluation (workers keep serving meanwhile)")
+
+    @model_validator(mode="after")
+    def _needs_dataset(self) -> EvalConfig:
+        if self.every and not self.dataset:
+            raise ValueError("eval.dataset: required when eval.every is set")
+        if self.dataset:
+            try:
+                check_dataset(self.dataset)
+            except ValueError as e:
+                raise ValueError(f"eval.dataset: {e}") from None
+        return self
+
+
 class RunConfig(Section):
     run_id: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$")
     run_dir: str = ""
@@ -340,6 +368,7 @@ class RunConfig(Section):
     queue: QueueConfig = QueueConfig()
     sync: SyncConfig = SyncConfig()
     quant: QuantConfig = QuantConfig()
+    eval: EvalConfig = EvalConfig()
 
 
 class ConfigError(ValueError):
@@ -512,5 +541,9 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append(f"learner.parallel: fsdp (the default above one rank) cannot quantize for "
                         f"{'/'.join(learner_quantized(cfg))} workers yet, which needs the whole model on rank 0: "
                         f"set learner.parallel: ddp")
+    if cfg.eval.every and cfg.task.type == "arith":
+        problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
+    if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
+        problems.append("eval.dataset: the same as task.dataset; evaluate on held-out rows (e.g. gsm8k:test)")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
