@@ -292,19 +292,39 @@ class LearnerMetrics:
         if self.trackers:
             self.trackers.log(int(step_metrics.get("step", 0)), step_metrics)
 
+    def record_eval(self, step: int, result: dict) -> None:
+        """A held-out evaluation's result (learner/evals.py): a ``kind: eval`` row of metrics.jsonl,
+        ``rlpipe_eval_accuracy{dataset,metric}`` and ``rlpipe_eval_version``, and the trackers."""
+        accuracy = self._series("eval_accuracy", "held-out accuracy: pass@1 (greedy) and mean@k (sampled)",
+                                ("dataset", "metric"))
+        accuracy.labels(dataset=result["dataset"], metric="pass@1").set(result["pass_at_1"])
+        if result.get("mean_at_k") is not None:
+            accuracy.labels(dataset=result["dataset"], metric=f"mean@{result['k']}").set(result["mean_at_k"])
+        self._series("eval_version", "the policy version of the last held-out evaluation").set(result["version"])
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"kind": "eval", "logged_at_step": step, **result}) + "\n")
+        if self.trackers:
+            self.trackers.log(int(result["step"]), {f"eval_{k}": v for k, v in result.items()
+                                                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
     def close(self) -> None:
         if self.trackers:
             self.trackers.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, kind: str = "step") -> list[dict]:
+    """The rows of a metrics.jsonl of one kind: ``step`` (one per learner step, the default) or
+    ``eval`` (one per held-out evaluation, learner/evals.py)."""
     path = Path(path)
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:  # a line being written right now
-            pass
+            continue
+        if row.get("kind", "step") == kind:
+            out.append(row)
     return out

@@ -36,6 +36,7 @@ from learner.batch import collate
 from learner.channels import FleetSync
 from learner.checkpoint import RunCounters
 from learner.dist import Ranks
+from learner.evals import Evals
 from learner.ledger import Ledger
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, load_policy, token_logprobs
@@ -129,6 +130,7 @@ class Learner:
             # Dead letters from before this process: its Prometheus counter counts only its own,
             # or every restart would re-raise the dead-letter alert of an old one.
             self.dead_seen = self.queue.counters()["dead"]
+            self.evals = Evals(cfg, self.r, self.keys, self.metrics)  # held-out evaluation (learner/evals.py)
         self.last_metrics: dict = {}
         self.last_checkpoint: dict | None = None
         self.status = "starting"
@@ -154,6 +156,8 @@ class Learner:
             self.ledger.take_over_pending()
             self._set_status("running")
             self.metrics.set(learner_step=self.step, learner_version=self.version)
+            if self.evals.due(self.step):
+                self.evals.request(self.version, self.step)  # step 0: the base model
         while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None
@@ -179,6 +183,9 @@ class Learner:
             self._crash_point("trained")
             step_metrics.update(self.fleet.sync(self.model, self.version, self.step))
             self._crash_point("synced")
+            if self.evals.due(self.step) and self.step < self.cfg.steps:
+                self.evals.request(self.version, self.step)  # the workers have this version now
+            self.evals.poll(self.step)
             if self.step % self.cfg.learner.checkpoint_every == 0 or self.step == self.cfg.steps:
                 self.checkpoint()
             self._finish_checkpoint(block=False)  # a background write that is done: acknowledge
@@ -189,6 +196,9 @@ class Learner:
             if self.ledger.unacked:  # stopped between checkpoints
                 self.checkpoint()
             self._finish_checkpoint()
+            if self.step >= self.cfg.steps:
+                self._set_status("evaluating")
+                self.evals.finish(self.version, self.step)
             self._set_status("done" if self.step >= self.cfg.steps else "stopped")
             self.metrics.done.set(float(self.step >= self.cfg.steps))
             self.fleet.drop()

@@ -282,7 +282,8 @@ def _run_plot(args, cfg) -> int:
     if not rows:
         print(f"rlpipe: error: no metrics in {args.run_dir}", file=sys.stderr)
         return 2
-    print(plot_run(rows, Path(args.run_dir) / "metrics.png"))
+    print(plot_run(rows, Path(args.run_dir) / "metrics.png",
+                   evals=read_jsonl(Path(args.run_dir) / "metrics.jsonl", kind="eval")))
     return 0
 
 

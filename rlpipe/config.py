@@ -543,7 +543,14 @@ def validate_run(cfg: RunConfig) -> None:
                         f"set learner.parallel: ddp")
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
-    if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
-        problems.append("eval.dataset: the same as task.dataset; evaluate on held-out rows (e.g. gsm8k:test)")
+    if cfg.eval.every and cfg.task.type != "arith":
+        from rlpipe.datasets import check_disjoint
+
+        try:  # else the held-out score measures memory, not learning
+            check_disjoint(cfg.task.dataset, cfg.eval.dataset, names=("task", "eval"))
+        except ValueError as e:
+            problems.append(f"eval.dataset: {e}")
+        except OSError as e:
+            problems.append(f"eval.dataset: cannot read it: {e}")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

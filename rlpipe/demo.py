@@ -279,6 +279,15 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         summary["quant_kl_vs_bf16_mean"] = mean(x.get("quant_kl_vs_bf16") for x in rows)
         summary["quant_act_clip_fraction_max"] = max(x.get("quant_act_clip_fraction", 0) for x in rows)
         summary["quant_recalibrations_total"] = rows[-1].get("quant_recalibrations_total", 0)
+    evals = read_jsonl(run_dir / "metrics.jsonl", kind="eval")
+    if evals:  # held-out accuracy at the first and the last version evaluated, with 95% intervals
+        first, last = min(evals, key=lambda e: e["version"]), max(evals, key=lambda e: e["version"])
+        for name, e in (("start", first), ("end", last)):
+            summary[f"eval_pass@1_{name}"] = (f"{e['pass_at_1']:.3f} [{e['pass_at_1_low']:.3f}, "
+                                              f"{e['pass_at_1_high']:.3f}] at version {e['version']}")
+            if e.get("mean_at_k") is not None:
+                summary[f"eval_mean@{e['k']}_{name}"] = e["mean_at_k"]
+        summary["eval_dataset"] = f"{first['dataset']} ({first['rows']} rows)"
     if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
         for p in sorted(set(cfg.rollout.fleet)):
             summary[f"reward_start[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[:k])
@@ -291,7 +300,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         from rlpipe.plots import plot_run
 
         summary["plot"] = str(plot_run(rows, run_dir / "metrics.png",
-                                       title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}"))
+                                       title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",
+                                       evals=evals))
     return summary
 
 

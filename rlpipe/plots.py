@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_run(rows: list[dict], out: str | Path, title: str = "") -> Path:
+def plot_run(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] = ()) -> Path:
+    """``evals``: held-out evaluations (metrics.jsonl's ``kind: eval`` rows), drawn over the
+    reward at the step of the version they evaluated, pass@1 with its 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,6 +34,16 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "") -> Path:
         have = [r for r in rows if "quant_kl_vs_bf16" in r]
         ax_k.plot([r["step"] for r in have], [r["quant_kl_vs_bf16"] for r in have], linestyle=":",
                   label="int8 vs bf16 KL (probe set)")
+    if evals:
+        at = [e["version"] for e in evals]  # one version per step: the step that made it
+        ax_r.errorbar(at, [e["pass_at_1"] for e in evals],
+                      yerr=[[e["pass_at_1"] - e["pass_at_1_low"] for e in evals],
+                            [e["pass_at_1_high"] - e["pass_at_1"] for e in evals]],
+                      marker="s", capsize=3, label=f"held-out pass@1 ({evals[0]['dataset']})")
+        if any(e.get("mean_at_k") is not None for e in evals):
+            have = [e for e in evals if e.get("mean_at_k") is not None]
+            ax_r.plot([e["version"] for e in have], [e["mean_at_k"] for e in have], marker="^", linestyle="--",
+                      label=f"held-out mean@{have[0]['k']}")
     ax_r.set_xlabel("learner step")
     ax_r.set_ylabel("mean reward")
     ax_r.set_ylim(0, 1)

@@ -68,6 +68,13 @@ class Keys:
         self.attempts = self.prefix + "prompts:attempts"
         # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
         self.counters = self.prefix + "counters"
+        # Not in DESIGN.md's table: held-out evaluation (rollout_service/evals.py, learner/evals.py):
+        # the learner's requests (a stream read in one consumer group), the workers' results (a
+        # stream), the versions already requested (a hash) and the last result the learner logged.
+        self.eval_requests = self.prefix + "eval:requests"
+        self.eval_results = self.prefix + "eval:results"
+        self.eval_requested = self.prefix + "eval:requested"
+        self.eval_logged = self.prefix + "eval:logged"
 
     def leases(self, worker_id: str) -> str:
         return f"{self.prefix}prompts:leases:{worker_id}"

@@ -332,7 +332,7 @@ def _answers_ready(address: str) -> bool:
 
 
 def last_row(path: Path) -> dict:
-    """The last complete line of a JSON-lines file ({} if none), without reading it all."""
+    """The last complete step row of a metrics.jsonl ({} if none), without reading it all."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
@@ -341,9 +341,11 @@ def last_row(path: Path) -> dict:
         return {}
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            row = json.loads(line)
         except ValueError:  # a line being written, or the cut first one
             continue
+        if row.get("kind", "step") == "step":  # not a held-out evaluation's row
+            return row
     return {}
 
 

@@ -279,7 +279,7 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             raise
         await engine.start()
         metrics.version.set(engine.version)
-        app.state.loop = None
+        app.state.loop = app.state.evals = None
         if cfg.redis_url:
             from rlpipe.queue import TrajectoryQueue, connect
             from rollout_service.loop import RolloutLoop
@@ -295,6 +295,14 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             app.state.loop = RolloutLoop(cfg, worker_id, address, engine, queue, make_task(cfg.task),
                                          app.state.tokenizer, metrics, on_fatal, api_slots=api_share.slots)
             app.state.loop.start()
+            if cfg.eval.every:
+                from rollout_service.evals import EvalRunner
+                from rollout_service.tasks import eval_task_config
+
+                app.state.evals = EvalRunner(cfg, worker_id, engine, queue.r,
+                                             make_task(eval_task_config(cfg.task, cfg.eval.dataset)),
+                                             PromptEncoder(cfg.task, app.state.tokenizer, cfg.model.path))
+                app.state.evals.start()
         else:
             engine.synced = True  # standalone: the weights on disk are the policy
         app.state.ready = True
@@ -303,6 +311,8 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             yield
         finally:
             app.state.ready = False
+            if app.state.evals is not None:
+                await app.state.evals.stop()
             if app.state.loop is not None:
                 await app.state.loop.stop()
             engine.shutdown()

@@ -395,6 +395,11 @@ class PromptEncoder:
         return [int(i) for i in ids]
 
 
+def eval_task_config(cfg: TaskConfig, dataset: str) -> TaskConfig:
+    """The task of a held-out evaluation: the training task's settings on ``dataset``, rows in file order."""
+    return cfg.model_copy(update={"dataset": dataset, "shuffle": False})
+
+
 def make_task(cfg: TaskConfig) -> Task:
     kinds = {"arith": ArithTask, "math": MathTask, "remote": RemoteTask}
     if cfg.type not in kinds:

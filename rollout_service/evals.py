@@ -1,0 +1,166 @@
+"""Held-out evaluation on a rollout worker, between (beside) its rollout groups (``eval.*``).
+
+The learner asks for an evaluation of a version by adding an entry to the run's
+``eval:requests`` stream (learner/evals.py); the workers read it in one consumer group,
+so exactly one of them evaluates each request. That worker sends the first ``eval.size``
+rows of ``eval.dataset`` through its own engine, ``eval.concurrency`` rows at a time, next
+to the groups its rollout loop keeps in flight: the engine batches both, so training never
+waits for an evaluation; it only shares the worker's tokens for a while. Per row: one greedy
+answer (pass@1, the mean of its rewards) and, with ``eval.samples`` k > 0, k answers sampled
+at ``sampling.temperature`` with a seed fixed per row (mean@k). The result, with the version
+the engine served when it started and when it ended (an update may land mid-evaluation),
+goes to the ``eval:results`` stream, and only then is the request acknowledged: a request
+whose worker died is claimed by a live worker (its consumer is no longer in the registry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+import redis
+
+from rlpipe import registry
+from rlpipe.config import RunConfig
+from rlpipe.queue import Keys
+from rollout_service.engine import RolloutEngine
+from rollout_service.tasks import PromptEncoder, Task
+
+log = logging.getLogger(__name__)
+
+GROUP = "eval"
+MAX_TRIES = 3  # a request whose evaluation fails this often (a reward that always raises) is dropped
+EVAL_SEED = 1_000_000_007  # eval rows' sampling seeds: row i samples with seed EVAL_SEED + i, on any worker
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (better than the normal one near 0 and 1,
+    where small models' accuracies are)."""
+    if n == 0:
+        return 0.0, 0.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+class EvalRunner:
+    def __init__(self, cfg: RunConfig, worker_id: str, engine: RolloutEngine, r: redis.Redis, task: Task,
+                 encode: PromptEncoder):
+        self.cfg, self.worker_id, self.engine, self.r, self.task, self.encode = cfg, worker_id, engine, r, task, encode
+        self.keys = Keys(cfg.run_id)
+        self.stopping = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="eval")
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def run(self) -> None:
+        failures: dict[str, int] = {}
+        while not self.stopping.is_set():
+            entry_id = None
+            try:
+                entry = await asyncio.to_thread(self.next_request)
+                if entry is None:
+                    continue
+                entry_id, fields = entry
+                result = await self.evaluate(int(fields["version"]), int(fields["step"]))
+                await asyncio.to_thread(self.publish, entry_id, result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis away for a moment, a reward that failed: try again, then give up
+                failures[entry_id] = failures.get(entry_id, 0) + 1
+                log.warning("eval: request %s failed (%d of %d tries): %r", entry_id, failures[entry_id],
+                            MAX_TRIES, e)
+                if entry_id is not None and failures[entry_id] >= MAX_TRIES:
+                    log.error("eval: giving up request %s: %r", entry_id, e)
+                    await asyncio.to_thread(self.r.xack, self.keys.eval_requests, GROUP, entry_id)
+                await asyncio.sleep(1.0)
+
+    # -- Redis -----------------------------------------------------------------------------
+    def next_request(self, block_ms: int = 1000) -> tuple[str, dict] | None:
+        """An orphaned request (its worker is gone) first, else a new one (waits up to ``block_ms``)."""
+        try:
+            self.r.xgroup_create(self.keys.eval_requests, GROUP, id="0", mkstream=True)
+        except redis.ResponseError:  # BUSYGROUP: it exists
+            pass
+        live = registry.live_workers(self.r, self.keys)
+        for pending in self.r.xpending_range(self.keys.eval_requests, GROUP, "-", "+", 16):
+            consumer = _text(pending["consumer"])
+            # Its own: a request this process's predecessor (same worker id) took and never finished.
+            if consumer not in live or consumer == self.worker_id:
+                claimed = self.r.xclaim(self.keys.eval_requests, GROUP, self.worker_id, 0, [pending["message_id"]])
+                if claimed:
+                    log.info("eval: taking over request %s of worker %s", _text(claimed[0][0]), consumer)
+                    return self._decoded(claimed[0])
+        got = self.r.xreadgroup(GROUP, self.worker_id, {self.keys.eval_requests: ">"}, count=1, block=block_ms)
+        return self._decoded(got[0][1][0]) if got else None
+
+    @staticmethod
+    def _decoded(entry) -> tuple[str, dict]:
+        entry_id, fields = entry
+        return _text(entry_id), {_text(k): _text(v) for k, v in fields.items()}
+
+    def publish(self, entry_id: str, result: dict) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.eval_results, {"result": json.dumps(result)})
+        pipe.xack(self.keys.eval_requests, GROUP, entry_id)
+        pipe.execute()
+        log.info("eval of version %d on %s: pass@1 %.3f, mean@%d %s (%d rows, %.0f s)", result["version"],
+                 result["dataset"], result["pass_at_1"], result["k"],
+                 "-" if result["mean_at_k"] is None else f"{result['mean_at_k']:.3f}", result["rows"],
+                 result["seconds"])
+
+    # -- the evaluation ----------------------------------------------------------------------
+    async def evaluate(self, requested_version: int, step: int) -> dict:
+        ec, s = self.cfg.eval, self.cfg.sampling
+        t0, v0 = time.monotonic(), self.engine.version
+        gate = asyncio.Semaphore(ec.concurrency)
+        max_len = self.cfg.rollout.max_model_len
+
+        async def row(i: int) -> tuple[float, list[float]] | None:
+            async with gate:
+                prompt = self.task.prompt(i)
+                ids = self.encode(prompt.text)
+                if len(ids) + s.max_tokens > max_len:
+                    return None
+                greedy, _, _ = await self.engine.generate(ids, n=1, temperature=0.0, max_tokens=s.max_tokens)
+                sampled = []
+                if ec.samples:
+                    sampled, _, _ = await self.engine.generate(
+                        ids, n=ec.samples, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                        max_tokens=s.max_tokens, seed=(EVAL_SEED + i) % 2**31)
+                texts = [self.encode.tokenizer.decode(res.tokens, skip_special_tokens=True)
+                         for res in greedy + sampled]
+                scores = [reward for reward, _ in await self.task.score(prompt, texts)]
+                return scores[0], scores[1:]
+
+        rows = [r for r in await asyncio.gather(*(row(i) for i in range(min(ec.size, self.task.size))))
+                if r is not None]
+        greedy = [g for g, _ in rows]
+        sampled = [sum(k) / len(k) for _, k in rows if k]
+        low, high = wilson_interval(sum(greedy), len(greedy))
+        return {
+            "dataset": ec.dataset, "requested_version": requested_version, "step": step,
+            "version": v0, "version_end": self.engine.version, "rows": len(rows),
+            "skipped_rows": min(ec.size, self.task.size) - len(rows),
+            "pass_at_1": sum(greedy) / len(greedy) if greedy else 0.0, "pass_at_1_low": low, "pass_at_1_high": high,
+            "k": ec.samples, "mean_at_k": sum(sampled) / len(sampled) if sampled else None,
+            "seconds": time.monotonic() - t0, "worker": self.worker_id,
+        }
