@@ -185,6 +185,22 @@ def test_kl_penalty_against_the_base_model_starts_at_zero_then_measures_the_drif
     assert torch.equal(params_vector(reference), params_vector(base_model))  # never updated
 
 
+def test_kl_in_the_reward_gives_equal_reward_groups_a_signal(redis_server, toy_model_path, tmp_path, base_model):
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{
+        "learner.kl_coef": 0.5, "learner.kl_in": "reward", "learner.lr": 1e-3, "sampling.n": 4})
+    records = for_run(synthetic_groups(base_model, 2, seed=12), learner.cfg)
+    assert learner.ppo.train_step(records)["kl_loss"] == 0  # step 0: the policy is the reference
+    flat = [dataclasses.replace(rec, samples=[dataclasses.replace(s, reward=1.0) for s in rec.samples])
+            for rec in records]
+    # each sample's penalty kl_coef x sum_t (log pi_old - log ref), from the policy as it now is
+    penalty = [0.5 * float((learner_logprobs(learner.model, rec.prompt_tokens, s.tokens)
+                            - learner_logprobs(base_model, rec.prompt_tokens, s.tokens)).sum())
+               for rec in flat for s in rec.samples]
+    m = learner.ppo.train_step(flat)
+    assert m["kl_loss"] == pytest.approx(sum(penalty) / len(penalty), rel=1e-4, abs=1e-9)
+    assert m["reward_mean"] == 1.0 and m["groups_skipped_equal_reward"] == 0  # the penalty tells them apart
+
+
 def test_bypass_measures_the_same_mismatch_without_a_recompute_pass(redis_server, toy_model_path, tmp_path,
                                                                       base_model):
     records = synthetic_groups(base_model, 4, seed=3)
