@@ -314,9 +314,8 @@ def test_token_entropy_and_its_gradient_against_a_softmax_loop():
 
 
 def test_entropy_bonus_only_carries_a_gradient_when_asked():
-    from tests.test_topk_topp import LogitsModel, make_batch
-
     from learner.policy import token_logprobs
+    from tests.test_topk_topp import LogitsModel, make_batch
 
     batch = make_batch([[1, 2, 3], [1, 4, 0]], [{"temperature": 0.8}, {"top_k": 3}])
     model = LogitsModel(torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(4)))
