@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-IS_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass")
+IS_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
+            "bypass")
 # Modes whose PPO ratio is taken against mu instead of pi_old (and that need no extra weight).
 RATIO_AGAINST_MU = ("ppo_is", "bypass")
 
@@ -68,7 +69,7 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm:
 
 # -- importance weights ----------------------------------------------------------------------
 def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0,
-                       geo_low: float = 0.5, geo_high: float = 2.0, clamp: float = 20.0):
+                       geo_low: float = 0.5, geo_high: float = 2.0, clamp: float = 20.0, icepop_beta: float = 2.0):
     """Per-token mismatch weights (N, T), detached, and their metrics.
 
     With ``w_t = exp(pi_old - mu)`` per token, ``W = prod_t w_t`` per sequence and
@@ -81,6 +82,11 @@ def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tenso
     token_mis              w_t if w_t <= C else 0 (the token is rejected, not truncated)
     seq_mis                W if W <= C else 0 (the whole sequence is rejected)
     geo_mask               1 if geo_low <= g <= geo_high else 0, per sequence
+    icepop                 w_t if 1/beta <= w_t <= beta else 0: two-sided token masking (IcePop, Ling team,
+                           "Small Leak Can Sink a Great Ship", 2025: M(k) = k inside [alpha, beta], 0 outside;
+                           here alpha = 1/beta). A token outside the band leaves the loss altogether
+                           (masked, not truncated); one inside keeps its weight w_t, as IcePop's M does
+                           and slime's ``icepop_function``.
     """
     if mode not in IS_MODES:
         raise ValueError(f"is_mode: unknown mode {mode!r}")
@@ -106,6 +112,9 @@ def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tenso
     elif mode == "seq_mis":
         rejected = w_seq > cap
         w = w_seq * ~rejected
+    elif mode == "icepop":
+        rejected = (w_tok < 1 / icepop_beta) | (w_tok > icepop_beta)
+        w = w_tok * ~rejected
     else:  # geo_mask
         geo = torch.exp(log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1))
         rejected = ((geo < geo_low) | (geo > geo_high)).expand_as(w_tok)
@@ -161,6 +170,92 @@ def ppo_clip_terms(pi: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor
             "ppo_ratio_mean": masked_mean(ratio, mask).item(),
         }
     return per_token, metrics
+
+
+def cispo_terms(pi: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                weights: torch.Tensor, eps_low: float, eps_high: float, clamp: float = 20.0):
+    """Per-token CISPO loss (N, T) (MiniMax-M1, arXiv 2506.13585): REINFORCE on log pi, each
+    token weighted by its clipped importance ratio with the gradient stopped,
+
+        loss_t = -w_t * sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * pi_t,   r_t = exp(pi - ref)
+
+    so unlike PPO-clip no token's gradient is ever dropped: the clip bounds its weight only
+    (d loss_t / d pi_t = -w_t * clip(r_t) * A). ``ref`` and ``weights`` are what the PPO path
+    gets (pi_old, or mu for ppo_is/bypass; the is_mode's mismatch weight w_t), and they
+    compose the same way: the mismatch weight multiplies the token's term. The paper
+    aggregates token-level over the batch (``loss_agg: token_mean``). The loss *value* is a
+    surrogate (its gradient is the policy gradient); it is what ``learner_loss`` reports.
+    """
+    adv = advantages[:, None]
+    ratio = torch.exp((pi - ref).clamp(-clamp, clamp))
+    coef = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
+    per_token = -weights * coef * adv * pi * mask
+    with torch.no_grad():
+        metrics = {
+            "cispo_clip_fraction": masked_mean((coef != ratio).float(), mask).item(),
+            "ppo_ratio_mean": masked_mean(ratio, mask).item(),
+        }
+    return per_token, metrics
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_terms, "cispo": cispo_terms}
+
+
+# -- regularisers ------------------------------------------------------------------------------
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_terms(pi: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, estimator: str,
+             clamp: float = 20.0) -> torch.Tensor:
+    """Per-token estimates (N, T) of KL(pi || ref) from tokens sampled from pi (Schulman,
+    "Approximating KL divergence", 2020), with ``log r = ref - pi`` per token:
+
+    k1   -log r               unbiased, can be negative
+    k2   (log r)^2 / 2        biased, low variance
+    k3   (r - 1) - log r      unbiased, never negative, low variance
+
+    Gradients flow through ``pi`` (the reference is frozen); 0 off the mask.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator: unknown estimator {estimator!r}")
+    log_r = (ref - pi).clamp(-clamp, clamp)
+    if estimator == "k1":
+        k = -log_r
+    elif estimator == "k2":
+        k = log_r * log_r / 2
+    else:
+        k = torch.exp(log_r) - 1 - log_r
+    return k * mask
+
+
+def sequence_kl(pi: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
+    """(N, T) -> (N,): each sequence's k1 sum, log pi(y) - log ref(y): the KL penalty that
+    ``kl_in: reward`` subtracts (times kl_coef) from each sample's reward."""
+    return row_sum(kl_terms(pi, ref, mask, "k1", clamp), mask)
+
+
+class _Entropy(torch.autograd.Function):
+    """H = -sum_v p_v log p_v over the last dimension, saving only the log-probs for the
+    backward (dH/dlog p_v = -p_v (log p_v + 1), p recomputed there): the log-softmax keeps
+    the same tensor, so the entropy adds no (N, T, V) copy to what the loss already holds."""
+
+    @staticmethod
+    def forward(ctx, logp_all):
+        ctx.save_for_backward(logp_all)
+        return -(logp_all.exp() * logp_all).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logp_all,) = ctx.saved_tensors
+        return -grad[..., None] * logp_all.exp() * (logp_all + 1)
+
+
+def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """(N, T, V) normalised log-probs -> (N, T) entropy of each position's distribution.
+    Without grad mode (or for a tensor without grad) nothing is kept for a backward."""
+    if torch.is_grad_enabled() and logp_all.requires_grad:
+        return _Entropy.apply(logp_all)
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")

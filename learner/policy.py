@@ -20,6 +20,7 @@ import math
 import torch
 
 from learner.batch import Batch
+from learner.loss import token_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,7 +131,7 @@ def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool = False,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy of its distribution, both (N, T-1), fp32.
 
     ``model`` may be wrapped (DistributedDataParallel): its forward is what runs, so
@@ -140,6 +141,10 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     renormalised over the kept tokens and a token outside them (probability 0; e.g. a
     token sampled by an older policy) gets ``OUTSIDE_LOGPROB``, finite so that masked
     sums stay nan-free, and far below any log-ratio clamp.
+
+    The entropy is of the full (truncated) distribution, in fp32; it carries a gradient only
+    with ``entropy_grad`` (``learner.entropy_coef`` > 0), else nothing of it outlives the
+    call (learner/loss.py token_entropy keeps no (N, T, V) copy of its own either way).
     """
     device_type = batch.input_ids.device.type
     inner = getattr(model, "module", model)
@@ -160,7 +165,7 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     else:  # renormalised over each position's kept tokens; the others get OUTSIDE_LOGPROB
         logp_all = torch.log_softmax(scaled.masked_fill(~keep, -math.inf), dim=-1).masked_fill(~keep, OUTSIDE_LOGPROB)
     logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = token_entropy(logp_all if entropy_grad else logp_all.detach())
     return logp, entropy
 
 

@@ -1,9 +1,12 @@
 """One learner step's PPO update on a batch of groups (DESIGN.md 'Loss'), split out of the
 loop in learner/train.py so that file reads top to bottom.
 
-    score       advantages per group (GRPO, RLOO or REINFORCE++); all-equal groups carry no signal: skipped
-    recompute   pi_old with the training policy (no grad); mismatch metrics and IS weights vs mu
-    update      ppo_epochs x minibatches optimizer steps on the PPO-clip loss, in the training precision
+    recompute   pi_old with the training policy (no grad), and the frozen reference's log-probs
+                when there is a KL penalty (learner/reference.py); mismatch metrics and IS weights vs mu
+    score       advantages per group (GRPO, RLOO or REINFORCE++), from rewards less the KL penalty
+                with ``kl_in: reward``; all-equal groups carry no signal: skipped
+    update      ppo_epochs x minibatches optimizer steps on the policy loss (PPO-clip or CISPO), plus
+                the KL term (``kl_in: loss``) and less the entropy bonus, in the training precision
 
 Every forward goes through micro-batches of at most a token budget (:func:`token_budget`),
 so no batch, however long its rows, can take more activation memory than the learner was
@@ -20,14 +23,16 @@ import torch
 
 from learner.batch import Batch, collate, microbatches
 from learner.loss import (
+    POLICY_LOSSES,
     RATIO_AGAINST_MU,
     compute_advantages,
     importance_weights,
+    kl_terms,
     loss_denominator,
     loss_sum,
     masked_mean,
     mismatch_metrics,
-    ppo_clip_terms,
+    sequence_kl,
 )
 from learner.policy import token_logprobs
 
@@ -56,6 +61,7 @@ class UpdateStats:
     grad_norms: list[float] = field(default_factory=list)
     skipped: int = 0  # fp16 steps skipped on overflow
     ppo_rows: list[dict] = field(default_factory=list)  # PPO statistics per minibatch
+    kl_losses: list[float] = field(default_factory=list)  # kl_in loss: the KL term of each optimizer step
 
 
 @dataclass
@@ -71,6 +77,7 @@ class StepOutcome:
     mask: torch.Tensor  # the batch's, less rows bypass never measured
     is_metrics: dict
     update: UpdateStats
+    kl_metrics: dict = field(default_factory=dict)
 
 
 def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
@@ -84,8 +91,9 @@ def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
 class PPOStep:
     """The PPO update of one learner step on every rank; it holds no queue or Redis state."""
 
-    def __init__(self, cfg, ranks, model, train_model, opt, scaler, counters, staleness_histogram):
+    def __init__(self, cfg, ranks, model, train_model, opt, scaler, counters, staleness_histogram, reference=None):
         self.cfg, self.ranks, self.model, self.train_model = cfg, ranks, model, train_model
+        self.reference = reference  # the frozen base model of the KL penalty (learner/reference.py), or None
         self.opt, self.scaler, self.counters, self.staleness = opt, scaler, counters, staleness_histogram
         self.device = ranks.device
         lc = cfg.learner
@@ -104,44 +112,80 @@ class PPOStep:
         """
         lc = self.cfg.learner
         rewards = torch.tensor([r.rewards for r in records], dtype=torch.float32)  # (G, n)
-        advantages, informative = compute_advantages(rewards, lc.advantage, lc.adv_std_norm)
-        batch = collate(records, advantages, self.version).to(self.device)
+        batch = collate(records, torch.zeros_like(rewards), self.version).to(self.device)
         self.model.eval()  # no dropout: pi_old and pi must be the same function of the weights
-        if lc.is_mode == "bypass":
-            return self._train_step_bypass(records, rewards, informative, batch)
-        pi_old, entropy = self._recompute_pi_old(batch)
+        bypass = lc.is_mode == "bypass"
+        pi_old, entropy, ref_lp = self._no_grad_pass(batch, policy=not bypass)
         mu = batch.behavior_logprobs
+        # kl_in reward: each sample's reward less kl_coef x its k1 sum against the reference, under
+        # the policy that sampled it as the learner sees it (pi_old; mu itself under bypass).
+        kl_metrics, scored = self._kl_before_update(mu if bypass else pi_old, ref_lp, batch.mask, rewards)
+        advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm)
+        batch.advantages = advantages.reshape(-1).to(self.device)  # rows are records x samples (collate)
+        if bypass:
+            return self._train_step_bypass(records, rewards, informative, batch, ref_lp, kl_metrics)
         weights, is_metrics = importance_weights(pi_old, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                                 lc.geo_high, lc.log_ratio_clamp)
+                                                 lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
         ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
-        update = self._update(batch, informative, weights, ref)
+        update = self._update(batch, informative, weights, ref, ref_lp)
         return self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
-                                              is_metrics, update))
+                                              is_metrics, update, kl_metrics))
 
-    def _recompute_pi_old(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """pi_old and the entropy of every row under the current weights, in the training
-        precision (each rank computes its rows, then every rank has all of them)."""
+    def _no_grad_pass(self, batch, policy: bool = True):
+        """pi_old and the entropy of every row under the current weights (``policy``), and the
+        reference model's log-probs of every row (if there is one), in the training precision,
+        through the same micro-batches: (pi_old, entropy, ref), each (N, T) or None. Each
+        rank computes its rows, then every rank has all of them."""
         lc, ranks = self.cfg.learner, self.ranks
+        models = {"pi_old": self.model} if policy else {}
+        if self.reference is not None:
+            models["ref"] = self.reference
+        if not models:
+            return None, None, None
         n_rows = len(batch.rewards)
         mine = ranks.mine(torch.arange(n_rows, device=self.device))
         width = batch.mask.shape[1]
-        lp = torch.zeros(len(mine), width, device=self.device)
-        ent = torch.zeros(len(mine), width, device=self.device)
+        out = {name: torch.zeros(len(mine), width, device=self.device) for name in [*models, "entropy"]}
         position = {int(row): i for i, row in enumerate(mine.tolist())}
         parts = microbatches(batch, mine, self.max_tokens) if len(mine) else []
         n_parts = len(parts)
-        if ranks.sharded:  # every rank runs as many forwards (each gathers the layers): extra ones are discarded
+        if policy and ranks.sharded:  # every rank runs as many policy forwards (each gathers the layers):
+            # extra ones are discarded. The reference is whole on every rank: it runs only on real parts.
             parts += [torch.arange(1, device=self.device)] * (ranks.max(n_parts) - n_parts)
         with torch.no_grad():
             for i, part in enumerate(parts):
                 mb = batch.select(part).trimmed()
-                part_lp, part_ent = token_logprobs(self.model, mb, lc.dtype, lc.fp32_lm_head)
-                if i < n_parts:
-                    at = torch.tensor([position[int(row)] for row in part.tolist()], device=self.device)
-                    lp[at, : part_lp.shape[1]], ent[at, : part_ent.shape[1]] = part_lp, part_ent
-        return ranks.share_rows(lp, mine, n_rows), ranks.share_rows(ent, mine, n_rows)
+                at = torch.tensor([position[int(row)] for row in part.tolist()], device=self.device) \
+                    if i < n_parts else None
+                for name, model in models.items():
+                    if at is None and name == "ref":
+                        continue
+                    part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head)
+                    if at is not None:
+                        out[name][at, : part_lp.shape[1]] = part_lp
+                        if name == "pi_old":
+                            out["entropy"][at, : part_ent.shape[1]] = part_ent
+        full = {name: ranks.share_rows(value, mine, n_rows) for name, value in out.items()
+                if name != "entropy" or policy}
+        return full.get("pi_old"), full.get("entropy"), full.get("ref")
 
-    def _train_step_bypass(self, records, rewards, informative, batch) -> dict:
+    def _kl_before_update(self, pi, ref_lp, mask, rewards) -> tuple[dict, torch.Tensor]:
+        """The KL metrics of the step's samples against the reference, measured before the
+        update (``kl_ref``: the mean per-token estimate the loss or reward uses), and the
+        rewards the advantages are computed from: with ``kl_in: reward``, less ``kl_coef`` x
+        each sample's k1 sum (``kl_loss`` is then the mean penalty per sample)."""
+        lc = self.cfg.learner
+        if ref_lp is None:
+            return {}, rewards
+        estimator = "k1" if lc.kl_in == "reward" else lc.kl_estimator
+        metrics = {"kl_ref": masked_mean(kl_terms(pi, ref_lp, mask, estimator, lc.log_ratio_clamp), mask).item()}
+        if lc.kl_in != "reward":
+            return {**metrics, "kl_loss": 0.0}, rewards  # the update's KL term replaces it (none without signal)
+        penalty = lc.kl_coef * sequence_kl(pi, ref_lp, mask, lc.log_ratio_clamp).cpu().view_as(rewards)  # (G, n)
+        metrics["kl_loss"] = penalty.mean().item()
+        return metrics, rewards - penalty
+
+    def _train_step_bypass(self, records, rewards, informative, batch, ref_lp=None, kl_metrics=None) -> dict:
         """``is_mode: bypass``: pi_old is taken to be mu, so there is no recompute pass; the
         mismatch is measured on the first epoch's forward passes instead (of the rows that
         took part in one: groups without signal are never forwarded)."""
@@ -150,22 +194,29 @@ class PPOStep:
         everyone = torch.arange(n_rows, device=self.device)
         pi_old, entropy, seen = torch.zeros_like(mu), torch.zeros_like(mu), torch.zeros(n_rows, device=self.device)
         weights, is_metrics = importance_weights(mu, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low, lc.geo_high,
-                                                 lc.log_ratio_clamp)
+                                                 lc.log_ratio_clamp, lc.icepop_beta)
 
         def first_epoch(rows, pi, ent, took_part):  # pi may be trimmed to the rows' longest
             pi_old[rows, : pi.shape[1]], entropy[rows, : ent.shape[1]] = pi.detach(), ent.detach()
             seen[rows] = float(took_part)
 
-        update = self._update(batch, informative, weights, mu, first_epoch)
+        update = self._update(batch, informative, weights, mu, ref_lp, first_epoch)
         pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
         entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
         mask = batch.mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
         return self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
-                                              is_metrics, update))
+                                              is_metrics, update, kl_metrics or {}))
 
-    def _update(self, batch, informative, weights, ref, first_epoch=None) -> UpdateStats:
-        """``ppo_epochs`` x ``minibatches`` optimizer steps on the PPO-clip loss of the
+    def _update(self, batch, informative, weights, ref, ref_lp=None, first_epoch=None) -> UpdateStats:
+        """``ppo_epochs`` x ``minibatches`` optimizer steps on the policy loss of the
         informative groups; ``first_epoch(rows, pi, entropy, took_part)`` sees epoch 0's forwards.
+
+        Per token the loss is the policy term (``learner.loss``: PPO-clip or CISPO, scaled by
+        the mismatch weight), plus ``kl_coef`` x the reference KL estimate with ``kl_in: loss``
+        (``ref_lp`` the reference's log-probs; not weighted), less ``entropy_coef`` x the
+        token's entropy; all aggregated together by ``loss_agg`` (with token_mean the bonus is
+        exactly the mean token entropy). The KL and entropy terms reach only the rows the
+        update forwards: those of informative groups.
 
         Each rank's rows of a minibatch go forward in micro-batches of at most
         ``learner.max_tokens_per_microbatch`` padded tokens, and their gradients accumulate
@@ -173,6 +224,9 @@ class PPOStep:
         is the same as one padded forward of all of them. (``max_tokens_per_microbatch`` 0:
         the token budget of ``learner.activation_memory_gib``.)"""
         lc, ranks = self.cfg.learner, self.ranks
+        policy_terms = POLICY_LOSSES[lc.loss]
+        eps = (lc.cispo_eps_low, lc.cispo_eps_high) if lc.loss == "cispo" else (lc.eps_low, lc.eps_high)
+        kl_in_loss = ref_lp is not None and lc.kl_in == "loss"
         groups = torch.nonzero(informative).squeeze(1).to(self.device)
         out = UpdateStats()
         for epoch in range(lc.ppo_epochs if len(groups) else 0):
@@ -188,18 +242,25 @@ class PPOStep:
                 if ranks.sharded:  # every rank must run as many forwards (each one gathers the layers)
                     parts += [parts[-1][:1]] * (ranks.max(n_parts) - n_parts)  # with weight 0
                 self.opt.zero_grad(set_to_none=True)
-                total, ppo_parts = 0.0, []
+                total, kl_total, ppo_parts = 0.0, 0.0, []
                 for i, part in enumerate(parts):
                     mb = batch.select(part).trimmed() if len(parts) > 1 else batch.select(part)
                     width = mb.mask.shape[1]
                     weight = share if i < n_parts else 0.0
                     with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
-                        pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head)
+                        pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
+                                                 entropy_grad=lc.entropy_coef > 0)
                         if first_epoch and epoch == 0 and i < n_parts:
                             first_epoch(part, pi, ent, share > 0)
-                        per_token, ppo_m = ppo_clip_terms(pi, ref[part, :width], mb.advantages, mb.mask,
-                                                          weights[part, :width], lc.eps_low, lc.eps_high,
-                                                          lc.log_ratio_clamp)
+                        per_token, ppo_m = policy_terms(pi, ref[part, :width], mb.advantages, mb.mask,
+                                                        weights[part, :width], *eps, lc.log_ratio_clamp)
+                        if kl_in_loss:
+                            kl = lc.kl_coef * kl_terms(pi, ref_lp[part, :width], mb.mask, lc.kl_estimator,
+                                                       lc.log_ratio_clamp)
+                            per_token = per_token + kl
+                            kl_total += loss_sum(kl.detach(), mb.mask, lc.loss_agg).item() * (i < n_parts)
+                        if lc.entropy_coef:
+                            per_token = per_token - lc.entropy_coef * ent
                         part_total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
                         # DDP and FSDP average gradients over ranks; scaling by the world size makes it the sum.
                         self.scaler.backward(part_total * weight / denom)
@@ -210,14 +271,19 @@ class PPOStep:
                 grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
                 out.skipped += was_skipped
                 out.grad_norms.append(grad_norm)
-                out.losses.append(ranks.sum([total * (share > 0)])[0] / denom)
+                loss, kl_loss = ranks.sum([total * (share > 0), kl_total * (share > 0)])
+                out.losses.append(loss / denom)
+                if kl_in_loss:
+                    out.kl_losses.append(kl_loss / denom)
         return out
 
     def _step_metrics(self, o: StepOutcome) -> dict:
         records, rewards, informative, batch = o.records, o.rewards, o.informative, o.batch
         pi_old, mu, mask, entropy = o.pi_old, batch.behavior_logprobs, o.mask, o.entropy
         losses, grad_norms, skipped, ppo_rows = o.update.losses, o.update.grad_norms, o.update.skipped, o.update.ppo_rows
-        is_metrics = o.is_metrics
+        is_metrics, kl_metrics = o.is_metrics, dict(o.kl_metrics)
+        if o.update.kl_losses:  # kl_in loss: the KL term, averaged over the step's optimizer updates
+            kl_metrics["kl_loss"] = sum(o.update.kl_losses) / len(o.update.kl_losses)
         clamp = self.cfg.learner.log_ratio_clamp
         finite = [g for g in grad_norms if math.isfinite(g)]
         if finite:
@@ -263,6 +329,7 @@ class PPOStep:
             if fresh.any() else None,
             "mismatch_by_precision": by_precision,
             **is_metrics,
+            **kl_metrics,
             # PPO statistics averaged over the step's minibatches (on rank 0's rows under DDP)
             **{k: sum(m[k] for m in ppo_rows) / len(ppo_rows) for k in (ppo_rows[0] if ppo_rows else {})},
         }

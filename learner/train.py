@@ -40,6 +40,7 @@ from learner.evals import Evals
 from learner.ledger import Ledger
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, load_policy, token_logprobs
+from learner.reference import load_reference
 from learner.schedule import LRSchedule, apply_lr
 from learner.step import PPOStep
 from rlpipe import registry
@@ -117,7 +118,7 @@ class Learner:
                                       lc.wandb, lc.mlflow)
         self.run_counters = RunCounters()
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
-                           self.metrics.staleness)
+                           self.metrics.staleness, load_reference(cfg, self.device))  # None unless kl_coef > 0
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).

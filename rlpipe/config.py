@@ -24,7 +24,8 @@ from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
-IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is", "vanilla_is", "bypass"]
+IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
+                 "bypass"]
 TrainDtype = Literal["fp32", "bf16", "fp16"]
 CPU_LIST = r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$"  # "0", "0-3", "0,2-3" (taskset -c notation); "" = not set
 
@@ -226,7 +227,30 @@ class LearnerConfig(Section):
     is_cap: float = Field(2.0, gt=0, description="C: the truncation (tis) or rejection (mis) threshold")
     geo_low: float = Field(0.5, gt=0, description="geo_mask: lowest geometric-mean ratio kept")
     geo_high: float = Field(2.0, gt=0, description="geo_mask: highest geometric-mean ratio kept")
+    # 2.0: the band [0.5, 2.0] slime runs IcePop with (--tis-clip-low 0.5 --tis-clip 2.0, its
+    # icepop_function test; 2.0 is also its --tis-clip default).
+    icepop_beta: float = Field(2.0, gt=1, description="icepop: tokens whose w = exp(pi_old - mu) leaves "
+                               "[1/beta, beta] are masked out of the loss")
     log_ratio_clamp: float = Field(20.0, gt=0, description="|log w| is clamped to this before exp")
+    loss: Literal["ppo_clip", "cispo"] = Field("ppo_clip", description="the policy loss: PPO-clip, or CISPO "
+                                               "(MiniMax-M1: REINFORCE with the clipped ratio as a stop-gradient "
+                                               "weight; learner/loss.py)")
+    # MiniMax-M1 (arXiv 2506.13585) sets no lower bound on the weight (eps_low 'large': any >= 1
+    # is none, the ratio being > 0) and tunes only eps_high, whose value it does not publish;
+    # 3.0 caps the weight at 4, ScaleRL's CISPO (arXiv 2510.13786) and Tinker's default.
+    cispo_eps_low: float = Field(1.0, ge=0, description="cispo: the weight is clipped below at 1 - this")
+    cispo_eps_high: float = Field(3.0, ge=0, description="cispo: the weight is clipped above at 1 + this")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen base model (model.path); 0 = "
+                           "off, and no reference model is loaded")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="kl_in loss: Schulman's estimator of "
+                                                    "KL(pi || ref) per token (k3: unbiased, never negative); "
+                                                    "kl_in reward always sums k1")
+    kl_in: Literal["loss", "reward"] = Field("loss", description="loss: kl_coef x the estimate, aggregated like "
+                                             "the policy loss (loss_agg); reward: kl_coef x each sample's k1 sum "
+                                             "(log pi_old(y) - log ref(y)) is subtracted from its reward before "
+                                             "advantages")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss less this x the mean token "
+                                "entropy of pi (full vocabulary, fp32), aggregated like the policy loss")
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
     adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = "token_mean"

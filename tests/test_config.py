@@ -15,6 +15,8 @@ def test_defaults_are_valid():
     validate_run(cfg)
     assert cfg.learner.is_mode == "token_tis" and cfg.learner.is_cap == 2.0
     assert (cfg.learner.eps_low, cfg.learner.eps_high) == (0.2, 0.28)
+    # the extra loss terms are all off unless asked for
+    assert cfg.learner.kl_coef == 0 and cfg.learner.entropy_coef == 0 and cfg.learner.loss == "ppo_clip"
 
 
 def test_yaml_env_and_dotted_overrides_layer(tmp_path):
@@ -31,6 +33,13 @@ def test_yaml_env_and_dotted_overrides_layer(tmp_path):
     ({"rollout": {"precision": "fp4"}}, "rollout.precision"),
     ({"sampling": {"n": 0}}, "sampling.n"),
     ({"bogus": 1}, "bogus"),
+    ({"learner": {"kl_coef": -0.1}}, "learner.kl_coef"),
+    ({"learner": {"kl_estimator": "k4"}}, "learner.kl_estimator"),
+    ({"learner": {"kl_in": "advantage"}}, "learner.kl_in"),
+    ({"learner": {"entropy_coef": -0.01}}, "learner.entropy_coef"),
+    ({"learner": {"icepop_beta": 1.0}}, "learner.icepop_beta"),
+    ({"learner": {"loss": "dpo"}}, "learner.loss"),
+    ({"learner": {"cispo_eps_high": -1}}, "learner.cispo_eps_high"),
 ])
 def test_bad_keys_are_named(data, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -146,8 +146,8 @@ def make_learner(redis_server, toy_model_path, tmp_path, **overrides) -> Learner
     return Learner(cfg)
 
 
-@pytest.mark.parametrize("mode", ["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "ppo_is",
-                                  "vanilla_is", "bypass"])
+@pytest.mark.parametrize("mode", ["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop",
+                                  "ppo_is", "vanilla_is", "bypass"])
 def test_every_is_mode_takes_a_finite_step_that_changes_the_weights(mode, redis_server, toy_model_path, tmp_path,
                                                                      base_model):
     learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": mode})
@@ -159,6 +159,46 @@ def test_every_is_mode_takes_a_finite_step_that_changes_the_weights(mode, redis_
     # noise of std 0.05 on mu: E[mu - pi_old] = 0 and k3 ~ 0.05^2 / 2
     assert 1e-4 < m["mismatch_k3_kl"] < 5e-3 and m["mismatch_log_ppl_abs_diff"] > 0
     assert set(m["mismatch_by_precision"]) == {"bf16", "fp8"}
+
+
+def test_kl_penalty_against_the_base_model_starts_at_zero_then_measures_the_drift(
+        redis_server, toy_model_path, tmp_path, base_model):
+    from learner.reference import load_reference
+
+    assert load_reference(build_config({}, environ={}), torch.device("cpu")) is None  # kl_coef 0: none loaded
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.kl_coef": 0.1, "learner.lr": 1e-3,
+                                                                      "sampling.n": 4})
+    reference = learner.ppo.reference
+    assert not any(p.requires_grad for p in reference.parameters())
+    records = for_run(synthetic_groups(base_model, 4, seed=11), learner.cfg)
+    first = learner.ppo.train_step(records)
+    assert first["kl_ref"] == pytest.approx(0, abs=1e-7)  # the policy is the reference
+    assert first["kl_loss"] > 0  # the second epoch's KL term, after the first moved the policy
+    learner.ppo.train_step(records)
+    # kl_ref is the mean k3 over the response tokens of pi_old (the policy now) against the base model
+    k3 = [float(np.exp(r - p) - 1 - (r - p))
+          for rec in records for s in rec.samples
+          for p, r in zip(learner_logprobs(learner.model, rec.prompt_tokens, s.tokens).tolist(),
+                          learner_logprobs(base_model, rec.prompt_tokens, s.tokens).tolist())]
+    third = learner.ppo.train_step(records)
+    assert third["kl_ref"] == pytest.approx(sum(k3) / len(k3), rel=1e-4) and third["kl_ref"] > 1e-6
+    assert torch.equal(params_vector(reference), params_vector(base_model))  # never updated
+
+
+def test_kl_in_the_reward_gives_equal_reward_groups_a_signal(redis_server, toy_model_path, tmp_path, base_model):
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{
+        "learner.kl_coef": 0.5, "learner.kl_in": "reward", "learner.lr": 1e-3, "sampling.n": 4})
+    records = for_run(synthetic_groups(base_model, 2, seed=12), learner.cfg)
+    assert learner.ppo.train_step(records)["kl_loss"] == 0  # step 0: the policy is the reference
+    flat = [dataclasses.replace(rec, samples=[dataclasses.replace(s, reward=1.0) for s in rec.samples])
+            for rec in records]
+    # each sample's penalty kl_coef x sum_t (log pi_old - log ref), from the policy as it now is
+    penalty = [0.5 * float((learner_logprobs(learner.model, rec.prompt_tokens, s.tokens)
+                            - learner_logprobs(base_model, rec.prompt_tokens, s.tokens)).sum())
+               for rec in flat for s in rec.samples]
+    m = learner.ppo.train_step(flat)
+    assert m["kl_loss"] == pytest.approx(sum(penalty) / len(penalty), rel=1e-4, abs=1e-9)
+    assert m["reward_mean"] == 1.0 and m["groups_skipped_equal_reward"] == 0  # the penalty tells them apart
 
 
 def test_bypass_measures_the_same_mismatch_without_a_recompute_pass(redis_server, toy_model_path, tmp_path,
@@ -194,6 +234,7 @@ def test_mismatch_is_split_by_the_precision_label(redis_server, toy_model_path, 
     {"learner.loss_agg": "seq_mean_token_mean"}, {"learner.loss_agg": "seq_sum_norm"},
     {"learner.dtype": "bf16"}, {"learner.dtype": "bf16", "learner.fp32_lm_head": True},
     {"learner.dtype": "fp16"}, {"learner.minibatches": 2, "learner.ppo_epochs": 1},
+    {"learner.loss": "cispo"}, {"learner.entropy_coef": 0.05},
 ])
 def test_estimators_aggregations_and_precisions_train(overrides, redis_server, toy_model_path, tmp_path, base_model):
     learner = make_learner(redis_server, toy_model_path, tmp_path, **overrides)

@@ -9,12 +9,16 @@ import torch
 
 from learner.loss import (
     IS_MODES,
+    cispo_terms,
     compute_advantages,
     importance_weights,
+    kl_terms,
     loss_denominator,
     loss_sum,
     mismatch_metrics,
     ppo_clip_terms,
+    sequence_kl,
+    token_entropy,
 )
 
 # Two samples of different lengths, right-padded: 2 response tokens and 1.
@@ -79,6 +83,10 @@ def weights(mode, **kw):
     ("seq_mis", {"cap": 0.9}, [E(-0.5), E(-0.5), 0], (0, 0), (1 / 3, 1 / 2)),
     ("geo_mask", {"geo_low": 0.8, "geo_high": 1.2}, [0, 0, 1], (0, 0), (2 / 3, 1 / 2)),
     ("geo_mask", {"geo_low": 0.7, "geo_high": 0.99}, [1, 1, 0], (0, 0), (1 / 3, 1 / 2)),
+    # w = (e^0.5, e^-1, 1): beta 2 keeps [0.5, 2] (e^-1 = 0.37 is out), beta 3 keeps all of them
+    ("icepop", {"icepop_beta": 2.0}, [E(0.5), 0, 1], (0, 0), (1 / 3, 1 / 2)),
+    ("icepop", {"icepop_beta": 3.0}, [E(0.5), E(-1), 1], (0, 0), (0, 0)),
+    ("icepop", {"icepop_beta": 1.5}, [0, 0, 1], (0, 0), (2 / 3, 1 / 2)),
 ])
 def test_every_is_mode_by_hand(mode, kw, expected, truncated, masked):
     w, m = weights(mode, **kw)
@@ -183,3 +191,139 @@ def test_identical_policies_have_no_mismatch_and_unit_weights():
     for mode in IS_MODES:
         w, _ = importance_weights(PI_OLD, PI_OLD, MASK, mode, cap=2.0, geo_low=0.5, geo_high=2.0)
         assert (w == MASK).all(), mode
+
+
+def test_icepop_masks_exactly_the_tokens_a_loop_finds_outside_the_band():
+    gen = torch.Generator().manual_seed(0)
+    pi_old, mu = -torch.rand(4, 6, generator=gen) * 3, -torch.rand(4, 6, generator=gen) * 3
+    mask = (torch.rand(4, 6, generator=gen) > 0.2).float()
+    beta = 1.7
+    w, m = importance_weights(pi_old, mu, mask, "icepop", icepop_beta=beta)
+    masked = 0
+    for i in range(4):
+        for t in range(6):
+            ratio = math.exp(pi_old[i, t] - mu[i, t])
+            inside = 1 / beta <= ratio <= beta
+            expected = ratio if inside and mask[i, t] else 0.0
+            masked += bool(mask[i, t]) and not inside
+            assert w[i, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-7), (i, t)
+    assert 0 < masked < mask.sum() and m["is_masked_fraction"] == pytest.approx(masked / mask.sum().item())
+
+
+# -- CISPO --------------------------------------------------------------------------------------
+def test_cispo_gradient_is_the_clipped_ratio_times_the_advantage():
+    w, _ = importance_weights(PI_OLD, MU, MASK, "token_tis", cap=1.5)
+    pi = (PI_OLD + DELTA).requires_grad_(True)
+    per_token, m = cispo_terms(pi, PI_OLD, ADV, MASK, w, eps_low=1.0, eps_high=0.2)
+    loss = loss_sum(per_token, MASK, "token_mean") / loss_denominator(MASK, "token_mean", 8)
+    loss.backward()
+    # by hand: loss = -(1/3) sum_t w_t c_t A_t pi_t with c_t = clip(r_t, 0, 1.2) a constant,
+    # so d loss / d pi_t = -(1/3) w_t c_t A_t, and no token's gradient is zero (unlike PPO-clip).
+    w1, w2, w3 = 1.5, E(-1.0), 1.0
+    c1, c2, c3 = 1.2, E(-0.4), E(0.1)  # r = e^0.3 = 1.35 clipped to 1.2; e^-0.4 and e^0.1 inside
+    assert pi.grad[0, 0].item() == pytest.approx(-w1 * c1 * 1.0 / 3, rel=1e-6)
+    assert pi.grad[0, 1].item() == pytest.approx(-w2 * c2 * 1.0 / 3, rel=1e-6)
+    assert pi.grad[1, 0].item() == pytest.approx(-w3 * c3 * -2.0 / 3, rel=1e-6)
+    assert pi.grad[0, 2].item() == 0 and pi.grad[1, 1:].abs().sum().item() == 0
+    p = (PI_OLD + DELTA)
+    value = -(w1 * c1 * 1.0 * p[0, 0] + w2 * c2 * 1.0 * p[0, 1] + w3 * c3 * -2.0 * p[1, 0]) / 3
+    assert loss.item() == pytest.approx(value.item(), rel=1e-6)
+    assert m["cispo_clip_fraction"] == pytest.approx(1 / 3)
+
+
+def test_cispo_gradient_matches_autograd_of_the_objective_written_out():
+    """The same gradient as differentiating sum_t w_t c_t A log pi_t with c_t held constant,
+    here with a lower clip too (eps_low 0.1: e^-0.4 = 0.67 is raised to 0.9)."""
+    w = torch.tensor([[1.0, 0.5, 0.0], [2.0, 0.0, 0.0]])
+    pi = (PI_OLD + DELTA).requires_grad_(True)
+    per_token, _ = cispo_terms(pi, PI_OLD, ADV, MASK, w, eps_low=0.1, eps_high=0.2)
+    (grad,) = torch.autograd.grad(per_token.sum(), pi)
+    x = (PI_OLD + DELTA).requires_grad_(True)
+    objective = 0.0
+    for i, t in [(0, 0), (0, 1), (1, 0)]:
+        c = min(max(math.exp(DELTA[i, t].item()), 0.9), 1.2)
+        objective = objective + w[i, t] * c * ADV[i] * x[i, t]
+    (expected,) = torch.autograd.grad(-objective, x)
+    assert torch.allclose(grad, expected, atol=1e-7)
+    assert grad[0, 1].item() == pytest.approx(-0.5 * 0.9 * 1.0, rel=1e-6)
+
+
+# -- KL against the reference ------------------------------------------------------------------------
+def test_kl_estimators_by_hand():
+    pi = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, 3.0], [-0.5, 7.0, 7.0]])  # junk in the padding
+    for estimator, f in {"k1": lambda lr: -lr, "k2": lambda lr: lr * lr / 2,
+                         "k3": lambda lr: E(lr) - 1 - lr}.items():
+        k = kl_terms(pi, ref, MASK, estimator)
+        log_r = [-1.5 + 1.0, -1.0 + 2.0, 0.0]  # ref - pi on the response tokens
+        assert [k[0, 0].item(), k[0, 1].item(), k[1, 0].item()] == pytest.approx([f(x) for x in log_r], abs=1e-6)
+        assert k[0, 2] == 0 and (k[1, 1:] == 0).all(), estimator
+    assert sequence_kl(pi, ref, MASK).tolist() == pytest.approx([0.5 - 1.0, 0.0])
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_terms(pi, ref, MASK, "k4")
+
+
+def test_kl_estimators_of_a_known_distribution_converge_to_the_true_kl():
+    # pi and ref over 3 tokens; tokens sampled from pi: k1 and k3 are unbiased, k2 close (small KL).
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.4, 0.4, 0.2])
+    true_kl = (p * (p / q).log()).sum().item()
+    tokens = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    pi, ref = p.log()[tokens][None], q.log()[tokens][None]
+    ones = torch.ones_like(pi)
+    for estimator, tol in (("k1", 2e-3), ("k3", 2e-3), ("k2", 5e-3)):
+        assert kl_terms(pi, ref, ones, estimator).mean().item() == pytest.approx(true_kl, abs=tol), estimator
+    assert (kl_terms(pi, ref, ones, "k3") >= 0).all()
+
+
+def test_kl_in_the_loss_and_in_the_reward_by_hand():
+    """kl_in loss: coef x k3 per token joins the token-mean loss, its gradient through pi only;
+    kl_in reward: each sample's reward less coef x its k1 sum, before the advantages."""
+    coef = 0.1
+    ref = torch.tensor([[-1.2, -1.5, 0.0], [-0.7, 0.0, 0.0]])
+    pi = PI_OLD.clone().requires_grad_(True)
+    kl = coef * kl_terms(pi, ref, MASK, "k3")
+    (loss_sum(kl, MASK, "token_mean") / loss_denominator(MASK, "token_mean", 8)).backward()
+    # d/dpi of (e^(ref - pi) - 1 - (ref - pi)) = 1 - e^(ref - pi)
+    for (i, t) in [(0, 0), (0, 1), (1, 0)]:
+        expected = coef * (1 - E(ref[i, t].item() - PI_OLD[i, t].item())) / 3
+        assert pi.grad[i, t].item() == pytest.approx(expected, rel=1e-5)
+    rewards = torch.tensor([[1.0, 0.0]])  # one group of the two rows
+    shaped = rewards - coef * sequence_kl(PI_OLD, ref, MASK).view_as(rewards)
+    # k1 sums: row 0 (-1 + 1.2) + (-2 + 1.5) = -0.3, row 1 -0.5 + 0.7 = 0.2
+    assert shaped[0].tolist() == pytest.approx([1.0 + 0.03, 0.0 - 0.02])
+
+
+# -- entropy ----------------------------------------------------------------------------------------
+def test_token_entropy_and_its_gradient_against_a_softmax_loop():
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(2, 3, 5, generator=gen) * 2).requires_grad_(True)
+    h = token_entropy(torch.log_softmax(logits, dim=-1))
+    direct = torch.zeros(2, 3)
+    for i in range(2):
+        for t in range(3):
+            z = [math.exp(v) for v in logits[i, t].tolist()]
+            probs = [v / sum(z) for v in z]
+            direct[i, t] = -sum(p * math.log(p) for p in probs)
+    assert torch.allclose(h.detach(), direct, atol=1e-6)
+    weights = torch.randn(2, 3, generator=gen)
+    (grad,) = torch.autograd.grad((h * weights).sum(), logits)
+    x = logits.detach().clone().requires_grad_(True)
+    p = torch.softmax(x, dim=-1)
+    (expected,) = torch.autograd.grad((-(p * p.log()).sum(-1) * weights).sum(), x)
+    assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_entropy_bonus_only_carries_a_gradient_when_asked():
+    from learner.policy import token_logprobs
+    from tests.test_topk_topp import LogitsModel, make_batch
+
+    batch = make_batch([[1, 2, 3], [1, 4, 0]], [{"temperature": 0.8}, {"top_k": 3}])
+    model = LogitsModel(torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(4)))
+    _, plain = token_logprobs(model, batch)
+    assert not plain.requires_grad  # entropy_coef 0: nothing of it is kept for a backward
+    _, ent = token_logprobs(model, batch, entropy_grad=True)
+    assert torch.equal(ent.detach(), plain)
+    bonus = -0.01 * loss_sum(ent, batch.mask, "token_mean") / loss_denominator(batch.mask, "token_mean", 8)
+    bonus.backward()
+    grad = model.logits.grad[:, :-1]
+    assert torch.isfinite(grad).all() and grad.abs().max() > 0

@@ -1,0 +1,29 @@
+"""The frozen reference policy of the KL penalty (``learner.kl_coef`` > 0).
+
+The reference is the base model, ``model.path`` as the run started, never updated (a
+learner resumed from a checkpoint still loads the base model here, not the checkpoint).
+It runs only without grad, through the same micro-batches as the pi_old pass and in the
+learner's compute precision (``learner.dtype`` autocast over its fp32 weights, exactly as
+the policy runs, so at step 0 the two are the same function and the KL is 0).
+
+Under DDP and FSDP each rank holds a whole copy (not sharded, not wrapped): its forwards
+need no other rank, so ranks may run different numbers of them. That costs one full fp32
+copy of the weights per rank; sharding it with the policy would halve nothing of the
+optimizer state, which dominates, and would need the padded, collective forwards the
+pi_old pass has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner.policy import load_policy
+
+
+def load_reference(cfg, device: torch.device):
+    """The reference model on ``device``, frozen and in eval mode; None when ``learner.kl_coef`` is 0."""
+    if not cfg.learner.kl_coef:
+        return None
+    model = load_policy(cfg.model.path).to(device)
+    model.requires_grad_(False)
+    return model.eval()
