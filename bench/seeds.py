@@ -1,5 +1,5 @@
-"""The seeds' findings reproduced on the toy task, each with at least 2 seeds, learning
-curves and mismatch plots.
+"""The seeds' findings reproduced on the toy task, and the recipe on the real model, each
+with at least 2 seeds, learning curves and mismatch plots.
 
 Every finding is an entry of ``FINDINGS``: its arms (config keys that differ), its defaults
 (``steps`` and config keys every arm shares), the ``metrics.jsonl`` keys to plot over
@@ -14,6 +14,7 @@ the notes.
     precision   seed 000: bf16 vs fp16 for rollout and training, and rollout-only with an fp32 learner
     int8        seed 002: does int8 W8A8 rollout need TIS?  (was bench/int8_tis.py)
     surge       seed 001: constant LR vs the length-surge decay, on the worked-answer arith variant
+    real        GRPO on the real model (configs/smollm2-math.yaml), held-out accuracy at start and end
 
     python bench/seeds.py --finding precision,int8               # 2 seeds each, the lead's full runs
     python bench/seeds.py --finding int8 --seeds 0,1 --steps 60  # seed 002 as bench/int8_tis.py ran it
@@ -93,6 +94,46 @@ def steps_without_fresh(rows: list[dict]) -> int:
     return sum(1 for r in rows if r.get("mismatch_kl_fresh") is None)
 
 
+class Rows(list):
+    """A run's step rows, with its held-out evaluations (metrics.jsonl's ``kind: eval`` rows) as ``evals``."""
+
+    evals: list[dict] = []
+
+
+def held_out(which: str, field: str = "pass_at_1") -> Stat:
+    """The first or last held-out evaluation's ``field`` (by the version it evaluated)."""
+    def stat(rows):
+        evals = sorted(getattr(rows, "evals", []), key=lambda e: e["version"])
+        return (evals[0] if which == "first" else evals[-1]).get(field) if evals else None
+    return stat
+
+
+def held_out_interval(which: str) -> Stat:
+    def stat(rows):
+        low, high = held_out(which, "pass_at_1_low")(rows), held_out(which, "pass_at_1_high")(rows)
+        return None if low is None else f"[{low:.3f}, {high:.3f}]"
+    return stat
+
+
+def held_out_gain(rows) -> float | None:
+    """Last minus first held-out pass@1, in points (percentage points)."""
+    a, b = held_out("first")(rows), held_out("last")(rows)
+    return None if a is None or b is None else 100 * (b - a)
+
+
+def recipe(path: str) -> dict:
+    """A config file's settings as the dotted keys a finding's defaults use."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+    return flat(yaml.safe_load((ROOT / path).read_text()))
+
+
 @dataclass
 class Finding:
     title: str
@@ -102,6 +143,7 @@ class Finding:
     columns: dict[str, Stat]    # table column -> number per run
     notes: list[str] = field(default_factory=list)
     quick_arms: list[str] = field(default_factory=list)  # the arms --quick runs (default: the first)
+    quick: dict = field(default_factory=dict)  # --quick's settings for this finding, beside QUICK
 
 
 FINDINGS: dict[str, Finding] = {
@@ -210,6 +252,31 @@ FINDINGS: dict[str, Finding] = {
                "32), down to 1.5 (length_surge, cap 48). The length surge never fired the trigger before the "
                "collapse: on this toy, length is not an early warning, the grad norm and the mismatch are."],
         quick_arms=["length_surge"]),
+    "real": Finding(
+        title="GRPO on a real model: SmolLM2-135M-Instruct on MAWPS, held-out accuracy",
+        arms={"grpo": {}},
+        defaults=recipe("configs/smollm2-math.yaml"),
+        curves=["reward_mean", "eval:pass_at_1", "response_length_mean", "mismatch_k3_kl", "entropy"],
+        columns={"steps": len,
+                 "held-out pass@1 start": held_out("first"),
+                 "95% interval start": held_out_interval("first"),
+                 "held-out pass@1 end": held_out("last"),
+                 "95% interval end": held_out_interval("last"),
+                 "change (points)": held_out_gain,
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean"),
+                 "length end": final("response_length_mean"),
+                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
+                 "RL seconds": last("time")},
+        notes=["The recipe is configs/smollm2-math.yaml, run as it is (`rlpipe demo --config "
+               "configs/smollm2-math.yaml`): the built-in SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized to "
+               "bf16, so weaker than the original) trained with GRPO on MAWPS SingleOp (562 one-operation word "
+               "problems) and evaluated greedily on MAWPS SingleEq without the 36 questions the two share. The "
+               "reward is 1 when the last number of the answer equals the reference.",
+               "The held-out accuracy is evaluated by the rollout worker between its groups at step 0, every "
+               "`eval.every` steps and at the end; its 95% interval is Wilson's over the rows evaluated. The "
+               "`eval:pass_at_1` panel plots it over the version evaluated."],
+        quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2}),
 }
 
 QUICK = {"steps": 3, "learner.groups_per_step": 8, "workers": 1}  # --quick: 1 seed, the quick arms, these settings
@@ -277,7 +344,8 @@ def load_runs(name: str, f: Finding, out: Path, arms: list[str] | None = None,
             if not seed.isdigit() or (seeds is not None and int(seed) not in seeds) or \
                     (path.parent / "failed.txt").exists():
                 continue
-            rows = read_jsonl(path)
+            rows = Rows(read_jsonl(path))
+            rows.evals = read_jsonl(path, kind="eval")
             if rows:
                 runs[arm][int(seed)] = rows
     return runs
@@ -303,7 +371,8 @@ def write_section(name: str, f: Finding, runs: dict[str, dict[int, list[dict]]],
               note="Means over each run's steps; reward start = first 3 steps, reward end = last 5 steps; "
                    "`mean` rows average the seeds above them. Settings: "
                    + ", ".join(f"{k}={v}" for k, v in settings.items()) + ".")
-    curves = [c for c in f.curves if any(c in r for by_seed in runs.values() for rows in by_seed.values() for r in rows)]
+    curves = [c for c in f.curves if any(c in r or (c.startswith("eval:") and getattr(rows, "evals", None))
+                                         for by_seed in runs.values() for rows in by_seed.values() for r in rows)]
     if curves:
         ncols = min(3, len(curves))
         fig, axes = figure(ncols=ncols, nrows=math.ceil(len(curves) / ncols), width=4.6, height=3.6)
@@ -328,11 +397,15 @@ def write_section(name: str, f: Finding, runs: dict[str, dict[int, list[dict]]],
 
 
 def plot_curve(ax, key: str, runs: dict[str, dict[int, list[dict]]]) -> None:
+    """``eval:<field>`` plots a held-out evaluation's field over the version it evaluated."""
     positive = True
+    held_out = key.startswith("eval:")
     for i, (arm, by_seed) in enumerate(runs.items()):
         color = f"C{i}"
         per_step: dict[int, list[float]] = {}
         for rows in by_seed.values():
+            if held_out:
+                rows = [{"step": e["version"], key: e[key[5:]]} for e in getattr(rows, "evals", [])]
             have = [r for r in rows if r.get(key) is not None]
             ax.plot([r["step"] for r in have], [r[key] for r in have], color=color, alpha=0.25, linewidth=1)
             for r in have:
@@ -377,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
                 ap.error(f"{name}: none of --arms {args.arms} (have {', '.join(f.arms)})")
         else:
             arms = (f.quick_arms or list(f.arms)[:1]) if args.quick else list(f.arms)
-        settings = {**f.defaults, **(QUICK if args.quick else {}), **parse_sets(args.set)}
+        settings = {**f.defaults, **({**QUICK, **f.quick} if args.quick else {}), **parse_sets(args.set)}
         if args.steps:
             settings["steps"] = args.steps
         command, failed = None, []

@@ -65,6 +65,8 @@ PARTS = (
          ("--finding", "surge", "--steps", "20"), ("--finding", "surge", "--quick"), ("surge",), "--json-dir"),
     Part("int8", "seed 002: int8 rollout with and without TIS, against bf16", "bench/seeds.py",
          ("--finding", "int8", "--steps", "40"), ("--finding", "int8", "--quick"), ("int8",), "--json-dir"),
+    Part("real", "GRPO on SmolLM2-135M-Instruct, held-out accuracy", "bench/seeds.py",
+         ("--finding", "real"), ("--finding", "real", "--quick"), ("real",), "--json-dir"),
 )
 ORDER = [s for p in PARTS for s in p.sections]
 

@@ -355,6 +355,8 @@ class EvalConfig(Section):
     size: int = Field(64, ge=1, description="rows evaluated (the first ones, in file order)")
     samples: int = Field(4, ge=0, description="k of mean@k: sampled answers per row at sampling.temperature, "
                          "beside the greedy one of pass@1; 0 = greedy only")
+    drop_shared: bool = Field(False, description="drop the held-out rows whose question is also in task.dataset "
+                              "(else a shared question is refused at launch)")
     concurrency: int = Field(8, ge=1, description="rows in flight at once on the worker's engine, beside "
                              "its rollout groups")
     final_wait_s: float = Field(1800.0, ge=0, description="how long the learner waits at the end of the run "
@@ -567,13 +569,13 @@ def validate_run(cfg: RunConfig) -> None:
                         f"set learner.parallel: ddp")
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
-    if cfg.eval.every and cfg.task.type != "arith":
+    if cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared:
         from rlpipe.datasets import check_disjoint
 
         try:  # else the held-out score measures memory, not learning
             check_disjoint(cfg.task.dataset, cfg.eval.dataset, names=("task", "eval"))
         except ValueError as e:
-            problems.append(f"eval.dataset: {e}")
+            problems.append(f"eval.dataset: {e} (eval.drop_shared: true drops them from the held-out rows)")
         except OSError as e:
             problems.append(f"eval.dataset: cannot read it: {e}")
     if problems:

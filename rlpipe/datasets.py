@@ -197,7 +197,7 @@ def load_rows(dataset: str, prompt_field: str = "prompt", answer_field: str = "a
     return out
 
 
-def _key(text: str) -> str:
+def question_key(text: str) -> str:
     """Questions compared without case or whitespace: MAWPS has the same question as "beach ." and "beach."."""
     return "".join(text.split()).lower()
 
@@ -209,8 +209,8 @@ def check_disjoint(train: str | list[Row], evaluation: str | list[Row], names: t
     label = [f"{n} dataset {d!r}" if isinstance(d, str) else f"{n} dataset" for n, d in zip(names, (train, evaluation))]
     train_rows = load_rows(train, need_answer=False) if isinstance(train, str) else train
     eval_rows = load_rows(evaluation, need_answer=False) if isinstance(evaluation, str) else evaluation
-    seen = {_key(r.question): r for r in train_rows}
-    shared = [(seen[_key(r.question)], r) for r in eval_rows if _key(r.question) in seen]
+    seen = {question_key(r.question): r for r in train_rows}
+    shared = [(seen[question_key(r.question)], r) for r in eval_rows if question_key(r.question) in seen]
     if shared:
         a, b = shared[0]
         raise ValueError(f"{label[0]} and {label[1]} share {len(shared)} question(s), e.g. row {a.id} and row "

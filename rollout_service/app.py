@@ -296,11 +296,9 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
                                          app.state.tokenizer, metrics, on_fatal, api_slots=api_share.slots)
             app.state.loop.start()
             if cfg.eval.every:
-                from rollout_service.evals import EvalRunner
-                from rollout_service.tasks import eval_task_config
+                from rollout_service.evals import EvalRunner, make_eval_task
 
-                app.state.evals = EvalRunner(cfg, worker_id, engine, queue.r,
-                                             make_task(eval_task_config(cfg.task, cfg.eval.dataset)),
+                app.state.evals = EvalRunner(cfg, worker_id, engine, queue.r, make_eval_task(cfg),
                                              PromptEncoder(cfg.task, app.state.tokenizer, cfg.model.path))
                 app.state.evals.start()
         else:

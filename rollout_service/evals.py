@@ -27,11 +27,12 @@ from rlpipe import registry
 from rlpipe.config import RunConfig
 from rlpipe.queue import Keys
 from rollout_service.engine import RolloutEngine
-from rollout_service.tasks import PromptEncoder, Task
+from rollout_service.tasks import PromptEncoder, Task, eval_task_config, make_task
 
 log = logging.getLogger(__name__)
 
 GROUP = "eval"
+VERSION_WAIT_S = 60.0  # how long an evaluation waits for the engine to load the version asked for
 MAX_TRIES = 3  # a request whose evaluation fails this often (a reward that always raises) is dropped
 EVAL_SEED = 1_000_000_007  # eval rows' sampling seeds: row i samples with seed EVAL_SEED + i, on any worker
 
@@ -49,6 +50,17 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def make_eval_task(cfg: RunConfig) -> Task:
+    """The held-out task: the training task's settings on ``eval.dataset``, rows in file order, without the
+    questions it shares with ``task.dataset`` when ``eval.drop_shared`` (else launch refused them)."""
+    task = make_task(eval_task_config(cfg.task, cfg.eval.dataset))
+    if cfg.eval.drop_shared:
+        dropped = task.drop_questions_of(cfg.task.dataset)
+        log.info("eval: %d rows of %s dropped (their question is in %s); %d left", dropped, cfg.eval.dataset,
+                 cfg.task.dataset, task.size)
+    return task
 
 
 class EvalRunner:
@@ -130,6 +142,10 @@ class EvalRunner:
     # -- the evaluation ----------------------------------------------------------------------
     async def evaluate(self, requested_version: int, step: int) -> dict:
         ec, s = self.cfg.eval, self.cfg.sampling
+        # The learner asks once it sent the version; the engine loads it a moment later.
+        deadline = time.monotonic() + VERSION_WAIT_S
+        while self.engine.version < requested_version and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         t0, v0 = time.monotonic(), self.engine.version
         gate = asyncio.Semaphore(ec.concurrency)
         max_len = self.cfg.rollout.max_model_len

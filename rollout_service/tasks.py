@@ -42,6 +42,7 @@ from rlpipe.datasets import (
     last_boxed,
     load_dataset,  # noqa: F401 (it lived here; callers import it from here)
     load_rows,
+    question_key,
 )
 
 TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
@@ -128,6 +129,18 @@ class DatasetTask:
         self.size = len(self.rows)
         self.seed, self.shuffle = cfg.seed, cfg.shuffle
         self._epoch, self._order = -1, None  # the permutation of the epoch last asked for
+
+    def drop_questions_of(self, dataset: str) -> int:
+        """Drop the rows whose question is also one of ``dataset``'s (``eval.drop_shared``: a held-out set
+        that shares questions with the training set); returns how many were dropped."""
+        seen = {question_key(r.question) for r in load_rows(dataset, need_answer=False)}
+        keep = [i for i, row in enumerate(self.raw) if question_key(row.question) not in seen]
+        dropped = len(self.raw) - len(keep)
+        self.raw, self.rows = [self.raw[i] for i in keep], [self.rows[i] for i in keep]
+        self.size = len(self.rows)
+        if not self.size:
+            raise ValueError(f"every question of the held-out set is also one of {dataset!r}")
+        return dropped
 
     def _row(self, index: int) -> int:
         epoch, pos = divmod(index, self.size)
