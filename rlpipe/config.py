@@ -570,10 +570,12 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
     if cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared:
-        from rlpipe.datasets import check_disjoint
+        from rlpipe.datasets import check_disjoint, load_rows
 
+        t = cfg.task  # both sets are read with the task's fields, as the workers read them (a name has its own)
         try:  # else the held-out score measures memory, not learning
-            check_disjoint(cfg.task.dataset, cfg.eval.dataset, names=("task", "eval"))
+            check_disjoint(*(load_rows(d, t.prompt_field, t.answer_field, t.id_field, need_answer=False)
+                             for d in (t.dataset, cfg.eval.dataset)), names=("task", "eval"))
         except ValueError as e:
             problems.append(f"eval.dataset: {e} (eval.drop_shared: true drops them from the held-out rows)")
         except OSError as e:

@@ -25,6 +25,7 @@ import redis
 
 from rlpipe import registry
 from rlpipe.config import RunConfig
+from rlpipe.datasets import load_rows
 from rlpipe.queue import Keys
 from rollout_service.engine import RolloutEngine
 from rollout_service.tasks import PromptEncoder, Task, eval_task_config, make_task
@@ -57,7 +58,9 @@ def make_eval_task(cfg: RunConfig) -> Task:
     questions it shares with ``task.dataset`` when ``eval.drop_shared`` (else launch refused them)."""
     task = make_task(eval_task_config(cfg.task, cfg.eval.dataset))
     if cfg.eval.drop_shared:
-        dropped = task.drop_questions_of(cfg.task.dataset)
+        t = cfg.task  # read with the task's fields, as its own rows are
+        dropped = task.drop_questions_of(load_rows(t.dataset, t.prompt_field, t.answer_field, t.id_field,
+                                                   need_answer=False))
         log.info("eval: %d rows of %s dropped (their question is in %s); %d left", dropped, cfg.eval.dataset,
                  cfg.task.dataset, task.size)
     return task

@@ -41,6 +41,7 @@ from rlpipe.datasets import (
     is_file,
     last_boxed,
     load_dataset,  # noqa: F401 (it lived here; callers import it from here)
+    Row,
     load_rows,
     question_key,
 )
@@ -130,10 +131,10 @@ class DatasetTask:
         self.seed, self.shuffle = cfg.seed, cfg.shuffle
         self._epoch, self._order = -1, None  # the permutation of the epoch last asked for
 
-    def drop_questions_of(self, dataset: str) -> int:
-        """Drop the rows whose question is also one of ``dataset``'s (``eval.drop_shared``: a held-out set
+    def drop_questions_of(self, other: list[Row]) -> int:
+        """Drop the rows whose question is also one of ``other``'s (``eval.drop_shared``: a held-out set
         that shares questions with the training set); returns how many were dropped."""
-        seen = {question_key(r.question) for r in load_rows(dataset, need_answer=False)}
+        seen = {question_key(r.question) for r in other}
         keep = [i for i, row in enumerate(self.raw) if question_key(row.question) not in seen]
         dropped = len(self.raw) - len(keep)
         self.raw, self.rows = [self.raw[i] for i in keep], [self.rows[i] for i in keep]

@@ -8,6 +8,8 @@
   of docs/operations.md, and at least one promtool case.
 - The dashboard's datasource is a template variable and every rate() uses ``$__rate_interval``;
   its ``run`` variable lists the runs' ``run_id`` and every metric of every query is filtered on it.
+- The held-out panels query the series the learner exports for an evaluation, by the labels it sets
+  (the live run of tests/test_ops_live.py trains the toy task, which has no held-out set).
 
 tests/test_ops_live.py evaluates the same expressions against a real Prometheus scraping a live run.
 """
@@ -128,13 +130,14 @@ def test_dashboard_covers_the_pipeline():
     titles = " | ".join(title.lower() for title, _ in dashboard_queries())
     exprs = " ".join(expr for _, expr in dashboard_queries())
     for word in ("reward", "response length", "mismatch", "truncat", "staleness", "step time", "tokens/s",
-                 "queue", "weight sync", "quant", "restart"):
+                 "queue", "weight sync", "quant", "restart", "held-out"):
         assert word in titles, word
     for metric in ("rlpipe_mismatch_k3_kl_by_precision", "rlpipe_mismatch_kl_by_precision",
                    "rlpipe_is_truncated_fraction", "rlpipe_learner_wait_seconds", "rlpipe_learner_train_seconds",
                    "rlpipe_rollout_tokens_total", "rlpipe_queue_depth", "rlpipe_queue_pending",
                    "rlpipe_weight_sync_seconds_bucket", "rlpipe_weight_sync_bytes_total",
-                   "rlpipe_quant_saturation_fraction", "process_start_time_seconds"):
+                   "rlpipe_quant_saturation_fraction", "process_start_time_seconds", "rlpipe_eval_accuracy",
+                   "rlpipe_eval_version"):
         assert metric in exprs, metric
 
 
@@ -150,3 +153,23 @@ def test_every_dashboard_query_is_filtered_by_the_run_variable():
         problems += [f"{title}: {name}{labels} in {expr}" for name, labels in selectors
                      if 'run_id="$run"' not in labels]
     assert not problems, "series not filtered by run:\n" + "\n".join(problems)
+
+
+def test_the_held_out_panels_query_what_the_learner_exports():
+    from prometheus_client import generate_latest
+
+    from learner.metrics import LearnerMetrics
+
+    metrics = LearnerMetrics(None, run_name="r1")
+    metrics.record_eval(10, {"dataset": "svamp", "pass_at_1": 0.25, "mean_at_k": 0.5, "k": 4, "version": 9, "step": 10})
+    page = generate_latest(metrics.registry).decode()
+    exported = dict(re.findall(r"^(rlpipe_eval_\w+\{[^}]*\}) (\S+)$", page, re.M))
+    queried = {name for _, expr in dashboard_queries() for name in re.findall(r"\brlpipe_eval_\w+", expr)}
+    assert queried == {"rlpipe_eval_accuracy", "rlpipe_eval_version"}
+    assert {k.split("{")[0] for k in exported} == queried, page
+    # the accuracy panel's legend and grouping name these labels
+    (expr,) = [e for _, e in dashboard_queries() if "rlpipe_eval_accuracy" in e]
+    assert "by (dataset, metric)" in expr
+    assert exported == {'rlpipe_eval_accuracy{dataset="svamp",metric="pass@1",run_id="r1"}': "0.25",
+                        'rlpipe_eval_accuracy{dataset="svamp",metric="mean@4",run_id="r1"}': "0.5",
+                        'rlpipe_eval_version{run_id="r1"}': "9.0"}, page

@@ -1,6 +1,6 @@
 """deploy/: the Kubernetes manifests and the Dockerfile, checked offline (no cluster, no Docker).
 
-Every kustomize target (base and both overlays) is rendered with ``kubectl kustomize`` and
+Every kustomize target (base and the three overlays) is rendered with ``kubectl kustomize`` and
 every object validated strictly against the Kubernetes schema (``kubernetes-validate``);
 the Prometheus Operator's kinds, which it has no schema for, are checked here by hand.
 Then the manifests are checked against the code they run: ports and probe paths against
@@ -27,7 +27,7 @@ from rlpipe.config import ConfigError, build_config, load_config, validate_run
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu"]
+TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu", "overlays/smollm2-math"]
 K8S_VERSION = "1.32"  # the kubectl here; kubernetes-validate's bundled schema for it
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # no bundled schema: checked structurally below
 SOURCES = ["rlpipe", "learner", "rollout_service", "weight_sync", "quant"]
@@ -337,6 +337,32 @@ def test_budgets_cover_drain_and_startup(target, tmp_path):
     assert cfg.learner.on_done == "serve", "an exited learner would be restarted in a loop"
     pdb = one(docs, "PodDisruptionBudget", "rlpipe-rollout")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= rollout["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_smollm2_overlay_runs_the_recipe_on_the_model_it_builds():
+    """overlays/smollm2-math is configs/smollm2-math.yaml on Kubernetes: every key the recipe sets has the recipe's
+    value (but the local launcher's core pinning and the model, which the init container prepares by the recipe's
+    name and links at the overlay's model.path)."""
+    from rlpipe.cli import _parser
+
+    def flat(tree, prefix=""):
+        for k, v in tree.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+    docs = render("overlays/smollm2-math")
+    overlay = dict(flat(yaml.safe_load(run_config_text(docs))))
+    recipe = dict(flat(yaml.safe_load((ROOT / "configs" / "smollm2-math.yaml").read_text())))
+    local_only = {"model.path", "rollout.cpus", "learner.cpus"}
+    assert {k: v for k, v in recipe.items() if k not in local_only} == \
+        {k: overlay.get(k) for k in recipe if k not in local_only}
+    (init,) = workload(docs, "learner")["spec"]["template"]["spec"]["initContainers"]
+    script = init["args"][0]
+    build = re.search(r'"\$\(rlpipe (build-model [^)]*)\)"', script)
+    assert build, script
+    args = _parser().parse_args(build.group(1).split())
+    assert args.command == "build-model" and args.set == [f"model.path={recipe['model.path']}"]
+    assert f'ln -sfn "$path" {overlay["model.path"]}' in script
+    assert {m["mountPath"]: m for m in init["volumeMounts"]}[args.config]["subPath"] == "run.yaml"
 
 
 # -- secrets -------------------------------------------------------------------------------
