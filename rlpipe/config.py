@@ -569,7 +569,9 @@ def validate_run(cfg: RunConfig) -> None:
                         f"set learner.parallel: ddp")
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
-    if cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared:
+    if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
+        problems.append("eval.dataset: the same as task.dataset; evaluate on held-out rows (e.g. gsm8k:test)")
+    elif cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared:
         from rlpipe.datasets import check_disjoint, load_rows
 
         t = cfg.task  # both sets are read with the task's fields, as the workers read them (a name has its own)

@@ -37,11 +37,11 @@ from rlpipe.arith import ArithmeticTask
 from rlpipe.config import ConfigError, TaskConfig
 from rlpipe.datasets import (
     INSTRUCTIONS,
+    Row,
     answer_kind,
     is_file,
     last_boxed,
     load_dataset,  # noqa: F401 (it lived here; callers import it from here)
-    Row,
     load_rows,
     question_key,
 )
@@ -140,7 +140,7 @@ class DatasetTask:
         self.raw, self.rows = [self.raw[i] for i in keep], [self.rows[i] for i in keep]
         self.size = len(self.rows)
         if not self.size:
-            raise ValueError(f"every question of the held-out set is also one of {dataset!r}")
+            raise ValueError("every question of the held-out set is also in the training set")
         return dropped
 
     def _row(self, index: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -191,6 +192,8 @@ def reward_cfg(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(MODULE)
     (tmp_path / "broken_rewards.py").write_text("import no_such_module_here\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("my_rewards", "broken_rewards"):  # another test's module of the same name may be imported
+        monkeypatch.delitem(sys.modules, name, raising=False)
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "Say 42", "answer": "42", "level": 3}) + "\n")
 

@@ -85,6 +85,7 @@ def test_the_worked_example_checks_as_the_guide_shows(tmp_path):
 def test_the_worked_examples_reward_and_overlap_check(tmp_path, monkeypatch):
     worked_example(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's module of the same name
     from my_rewards import last_number
 
     row = {"unit": "eggs"}
