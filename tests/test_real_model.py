@@ -10,12 +10,14 @@ every chat prompt below (about 80 tokens) is prefilled in at least two chunks.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
 
 from rlpipe.paths import SMOLLM2
-from tests.conftest import start_worker, stop_worker
+from rlpipe.queue import connect
+from tests.conftest import WorkerHarness, learner_logprobs, start_worker, stop_worker
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +28,7 @@ QUESTIONS = [
     "How much did she earn? Give the final answer as a number at the end.",
 ]
 STEP_TOKENS = 64
+RECIPE = Path(__file__).resolve().parent.parent / "configs" / "smollm2-math.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -36,12 +39,19 @@ def real_model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def real_worker(redis_server, real_model_path, tmp_path_factory):
+def real_harness(redis_server, real_model_path, tmp_path_factory):
     cfg, proc, address = start_worker(redis_server.url, real_model_path, tmp_path_factory.mktemp("real-worker"), **{
         "rollout.precision": "bf16", "rollout.max_model_len": 512, "rollout.max_num_batched_tokens": STEP_TOKENS,
         "rollout.max_prompt_tokens": 256, "rollout.max_inflight_groups": 4, "sampling.n": 2})
-    yield address
+    harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
+    yield harness
+    harness.sender.drop()
     stop_worker(proc)
+
+
+@pytest.fixture(scope="module")
+def real_worker(real_harness):
+    return real_harness.address
 
 
 def chat_ids(model_path: str, question: str) -> list[int]:
@@ -75,3 +85,57 @@ def test_seeded_chunk_prefilled_prompts_sample_the_same_however_they_are_chunked
     (reseeded,) = asyncio.run(generate(real_worker, [{**body, "seed": 9}]))
     assert tokens(reseeded) != tokens(alone)  # the seed, not greedy decoding, fixes the samples
     assert httpx.get(f"http://{real_worker}/healthz", timeout=10).status_code == 200
+
+
+def test_the_recipe_trains_the_real_model_and_evaluates_it_on_held_out_rows(real_model_path, tmp_path):
+    """configs/smollm2-math.yaml, cut to 2 steps of 2 groups with short answers: the whole pipeline on the
+    real model (chat template, MAWPS by name, the number reward, GRPO) and the held-out evaluation at step
+    0, step 1 and the end, on rows none of which is a training row."""
+    from learner.metrics import read_jsonl
+    from rlpipe.config import load_config
+    from rlpipe.demo import run_demo
+
+    cfg = load_config(RECIPE, environ={}).model_copy(update={"steps": 2, "run_id": "real"})
+    cfg = cfg.model_copy(update={
+        "sampling": cfg.sampling.model_copy(update={"max_tokens": 32}),
+        "learner": cfg.learner.model_copy(update={"groups_per_step": 2, "cpus": ""}),
+        "rollout": cfg.rollout.model_copy(update={"cpus": ""}),
+        "eval": cfg.eval.model_copy(update={"every": 1, "size": 8})})
+    summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False, timeout_s=900)
+    assert summary["completed"] and summary["groups_dead"] == 0, summary
+    metrics = tmp_path / "real" / "metrics.jsonl"
+    steps = read_jsonl(metrics)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["response_length_mean"] > 1 for r in steps)
+    evals = read_jsonl(metrics, kind="eval")
+    assert sorted(e["requested_version"] for e in evals) == [0, 1, 2], evals
+    assert all(e["dataset"] == "mawps:singleeq" and e["rows"] == 8 and 0 <= e["pass_at_1"] <= 1 for e in evals)
+    assert all(e["pass_at_1_low"] <= e["pass_at_1"] <= e["pass_at_1_high"] for e in evals)
+    assert {e["version"] for e in evals if e["requested_version"] == 2} == {2}  # the final one, on the final weights
+    assert "eval_pass@1_start" in summary and "eval_pass@1_end" in summary
+
+
+def test_a_synced_update_of_the_tied_embedding_reaches_the_real_engines_head(real_harness, real_model_path):
+    """SmolLM2 ties its LM head to the embedding, and vLLM's CPU backend keeps a prepacked copy of the head
+    (vllm_compat.refresh_tied_lm_head): after a sync that moves only the embedding, the engine's log-probs
+    must follow the learner's model, not the base model's."""
+    import torch
+
+    from learner.policy import load_policy
+
+    base, model = load_policy(real_model_path), load_policy(real_model_path)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.add_(0.5 * emb.std() * torch.randn(emb.shape, generator=torch.Generator().manual_seed(0)))
+    version = real_harness.sync(model)
+    prompt = chat_ids(real_model_path, QUESTIONS[0])
+    (reply,) = asyncio.run(generate(real_harness.address, [{"prompt_token_ids": prompt, "n": 2, "max_tokens": 24,
+                                                            "seed": 3, "temperature": 1.0}]))
+    assert reply["policy_version"] == version
+    to_model, to_base = [], []
+    for choice in reply["choices"]:
+        engine = torch.tensor(choice["logprobs"])
+        to_model.append((learner_logprobs(model, prompt, choice["tokens"]) - engine).abs().mean())
+        to_base.append((learner_logprobs(base, prompt, choice["tokens"]) - engine).abs().mean())
+    # bf16 engine vs fp32 learner: a few hundredths per token; the old head would be far off
+    assert max(to_model) < 0.1 and min(to_base) > 5 * max(to_model), (to_model, to_base)
