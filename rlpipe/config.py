@@ -359,7 +359,7 @@ class EvalConfig(Section):
                               "(else a shared question is refused at launch)")
     concurrency: int = Field(8, ge=1, description="rows in flight at once on the worker's engine, beside "
                              "its rollout groups")
-    final_wait_s: float = Field(1800.0, ge=0, description="how long the learner waits at the end of the run "
+    final_wait_s: float = Field(600.0, ge=0, description="how long the learner waits at the end of the run "
                                 "for the last evaluation (workers keep serving meanwhile)")
 
     @model_validator(mode="after")
