@@ -22,6 +22,7 @@ one it only serves ``/v1/generate`` (a plain sampling server, as the tests use i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -312,22 +313,26 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
             if app.state.evals is not None:
                 await app.state.evals.stop()
             if app.state.loop is not None:
-                await app.state.loop.stop()
+                await (app.state.stopping or app.state.loop.stop())
             engine.shutdown()
 
     app = FastAPI(title="rlpipe rollout worker", version="1", lifespan=lifespan)
     app.state.ready = False
     app.state.draining = False
+    app.state.stopping = None  # the loop's shutdown, once SIGTERM started it
     app.state.fatal = None
     app.state.engine = engine
     app.state.metrics = metrics
 
     def drain() -> None:
-        """SIGTERM: stop taking prompts at once (the groups in flight finish at shutdown)."""
+        """SIGTERM: stop taking prompts at once, and start the loop's shutdown now, so the groups in
+        flight get ``rollout.shutdown_deadline_s`` from SIGTERM (as Kubernetes counts its grace
+        period), not from when uvicorn has finished with its connections."""
         log.info("worker %s draining: no new prompts", worker_id)
         app.state.draining = True
-        if app.state.loop is not None:
+        if app.state.loop is not None and app.state.stopping is None:
             app.state.loop.stopping.set()
+            app.state.stopping = asyncio.ensure_future(app.state.loop.stop())
 
     app.state.drain = drain
 
