@@ -408,12 +408,12 @@ def write_section(name: str, f: Finding, runs: dict[str, dict[int, list[dict]]],
 def plot_curve(ax, key: str, runs: dict[str, dict[int, list[dict]]]) -> None:
     """``eval:<field>`` plots a held-out evaluation's field over the version it evaluated."""
     positive = True
-    held_out = key.startswith("eval:")
+    evaluated = key.startswith("eval:")
     for i, (arm, by_seed) in enumerate(runs.items()):
         color = f"C{i}"
         per_step: dict[int, list[float]] = {}
         for rows in by_seed.values():
-            if held_out:
+            if evaluated:
                 rows = [{"step": e["version"], key: e[key[5:]]} for e in getattr(rows, "evals", [])]
             have = [r for r in rows if r.get(key) is not None]
             ax.plot([r["step"] for r in have], [r[key] for r in have], color=color, alpha=0.25, linewidth=1)
