@@ -81,6 +81,20 @@ def surge_step(rows: list[dict]) -> int | None:
     return (rows[-1].get("lr_schedule") or {}).get("surge_step") if rows else None
 
 
+def replayed_surge(factor: float) -> Stat:
+    """The step seed 001's length trigger (``length_surge``, its other settings the defaults) would
+    have fired at on this run's response lengths, replayed offline (None: never)."""
+    def stat(rows):
+        from learner.schedule import LRSchedule
+        from rlpipe.config import ScheduleConfig
+
+        schedule = LRSchedule(ScheduleConfig(kind="length_surge", surge_factor=factor), 1.0, max(len(rows), 1))
+        for r in rows:
+            schedule.update(r["step"], r["response_length_mean"])
+        return schedule.surge_step
+    return stat
+
+
 def stale_groups(rows: list[dict]) -> int:
     """Trained groups with staleness above 0, from each step's ``staleness_hist``."""
     return sum(n for r in rows for s, n in (r.get("staleness_hist") or {}).items() if int(s) > 0)
@@ -265,7 +279,11 @@ FINDINGS: dict[str, Finding] = {
                  "change (points)": held_out_gain,
                  "reward start": first("reward_mean"),
                  "reward end": final("reward_mean"),
+                 "length start": first("response_length_mean"),
                  "length end": final("response_length_mean"),
+                 "length max": highest("response_length_mean"),
+                 "surge trigger 2x at": replayed_surge(2.0),
+                 "1.5x at": replayed_surge(1.5),
                  "KL (k3, all)": mean_of("mismatch_k3_kl"),
                  "RL seconds": last("time")},
         notes=["The recipe is configs/smollm2-math.yaml, run as it is (`rlpipe demo --config "
@@ -286,6 +304,45 @@ FINDINGS: dict[str, Finding] = {
                "What to try next, not tuned here to flatter the evaluation: a lower LR (5e-6) over more steps, "
                "`max_lag` 0, more answers per prompt; on a GPU this recipe is minutes, not hours."],
         quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2}),
+    "real-rollout": Finding(
+        title="Seeds 000 and 002 on the real model: bf16, fp16 and int8 rollout (int8 with and without token TIS)",
+        arms={"bf16": {"rollout.precision": "bf16", "learner.is_mode": "none"},
+              "fp16": {"rollout.precision": "fp16", "learner.is_mode": "none"},
+              "int8": {"rollout.precision": "int8", "learner.is_mode": "none"},
+              "int8+tis": {"rollout.precision": "int8", "learner.is_mode": "token_tis"}},
+        defaults={**recipe("configs/smollm2-math.yaml"), "steps": 10, "queue.max_lag": 0, "eval.every": 10,
+                  "eval.size": 128},
+        curves=["mismatch_k3_kl", "mismatch_log_ppl_abs_diff", "reward_mean", "is_truncated_fraction",
+                "quant_kl_vs_bf16"],
+        columns={"steps": len,
+                 "stale groups": stale_groups,
+                 "KL (k1, staleness 0)": mean_of("mismatch_kl_fresh"),
+                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
+                 "KL (k3) step 1": first("mismatch_k3_kl", 1),
+                 "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
+                 "IS truncated": mean_of("is_truncated_fraction"),
+                 "int8 vs bf16 KL (probe)": mean_of("quant_kl_vs_bf16"),
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean"),
+                 "held-out pass@1 start": held_out("first"),
+                 "held-out pass@1 end": held_out("last"),
+                 "RL seconds": last("time")},
+        notes=["The recipe (configs/smollm2-math.yaml) with `queue.max_lag` 0, so the mismatch measured is the "
+               "rollout precision's against the fp32 learner, not the policy lag's; every arm trains the same "
+               "10 steps of 8 groups x 4 answers and is evaluated greedily on 128 held-out rows at its start and "
+               "end. `int8` is W8A8 with dynamic per-token activations, calibrated once on the task's prompts "
+               "(`rlpipe calibrate`) and then quantized on the learner every update; `int8+tis` adds token-level "
+               "TIS (`is_cap` 2). `bf16`, `fp16` and `int8` train without any correction.",
+               "Seed 000's training-precision arms (a bf16 or fp16 learner) are not run on the real model: this "
+               "CPU has no native bf16/fp16 matmul and the learner trains about 10x slower in them "
+               "(docs/bench/learner.md), which would put one run past an hour. The toy's `precision` section "
+               "has them.",
+               "10 steps move held-out accuracy by less than its interval (the `real` section needed 40 steps to "
+               "move the training reward), so the held-out columns say whether an arm broke, not which is better; "
+               "the arms are compared by their mismatch."],
+        quick_arms=["int8+tis"],
+        quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2,
+               "quant.calibration_samples": 16, "quant.probe_samples": 4}),
 }
 
 QUICK = {"steps": 3, "learner.groups_per_step": 8, "workers": 1}  # --quick: 1 seed, the quick arms, these settings
@@ -326,7 +383,7 @@ def run_finding(name: str, f: Finding, arms: list[str], seeds: list[int], settin
         shutil.rmtree(runs_dir / rid, ignore_errors=True)  # a kept run dir would be resumed, not trained anew
         t0 = time.time()
         try:
-            cfg = build_config({}, environ={}, seed=seed, run_id=rid, **settings, **f.arms[arm])
+            cfg = build_config({}, environ={}, seed=seed, run_id=rid, **{**settings, **f.arms[arm]})  # the arm wins
             run_demo(cfg, runs_dir=str(runs_dir), progress=False, timeout_s=7200)
         except Exception as e:  # one failed run should not lose the others
             print(f"[seeds] {rid} failed after {time.time() - t0:.0f}s: {type(e).__name__}: {e}", file=sys.stderr)

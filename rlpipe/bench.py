@@ -67,6 +67,10 @@ PARTS = (
          ("--finding", "int8", "--steps", "40"), ("--finding", "int8", "--quick"), ("int8",), "--json-dir"),
     Part("real", "GRPO on SmolLM2-135M-Instruct, held-out accuracy", "bench/seeds.py",
          ("--finding", "real"), ("--finding", "real", "--quick"), ("real",), "--json-dir"),
+    Part("real-int8", "int8 calibration on SmolLM2: the monitors per layer, the engines' mismatch on real answers",
+         "bench/real_quant.py", (), ("--quick",), ("real-int8",)),
+    Part("real-rollout", "seeds 000 and 002 on SmolLM2: bf16, fp16, int8 and int8+TIS rollout", "bench/seeds.py",
+         ("--finding", "real-rollout"), ("--finding", "real-rollout", "--quick"), ("real-rollout",), "--json-dir"),
 )
 ORDER = [s for p in PARTS for s in p.sections]
 

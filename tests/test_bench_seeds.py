@@ -76,3 +76,16 @@ def test_from_runs_tables_and_plots_from_kept_runs(tmp_path):
     assert plot["file"] == "precision_curves.png" and (json_dir / plot["file"]).stat().st_size > 10_000
     assert any("staleness 0" in n for n in sec["notes"])
     assert "| fp16 | mean |" in proc.stdout  # the tables are printed
+
+
+def test_the_length_trigger_replayed_on_a_run_fires_where_the_smoothed_length_doubles():
+    sys.path.insert(0, str(ROOT))
+    from bench.seeds import replayed_surge
+
+    def rows(lengths):
+        return [{"step": i + 1, "response_length_mean": x} for i, x in enumerate(lengths)]
+
+    growing = rows([40, 40, 40, 40, 50, 60, 70, 80, 90, 100])  # 3-step means: 40 ... 90
+    assert replayed_surge(2.0)(growing) == 9  # (70+80+90)/3 = 80 = 2 x 40
+    assert replayed_surge(1.5)(growing) == 7  # (50+60+70)/3 = 60 = 1.5 x 40
+    assert replayed_surge(2.0)(rows([40, 60, 45, 55, 50, 58, 52, 61, 49, 57])) is None  # noise, no surge
