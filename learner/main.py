@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 def main(cfg: RunConfig) -> int:
     from learner.app import serve_in_thread
+    from learner.dist import exit_rank
     from learner.train import Learner
     from weight_sync.transport import IncompatibleWorker
 
@@ -56,4 +57,6 @@ def main(cfg: RunConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         learner.metrics.close()
         learner.ranks.close()
+    if learner.ranks.world > 1:
+        exit_rank(0)
     return 0

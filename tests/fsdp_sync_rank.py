@@ -25,7 +25,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from learner.dist import Ranks  # noqa: E402
+from learner.dist import Ranks, exit_rank  # noqa: E402
 from rlpipe.queue import Keys, connect  # noqa: E402
 from tests.test_weight_sync import checksum  # noqa: E402
 from weight_sync.sender import WeightSender  # noqa: E402
@@ -70,7 +70,7 @@ def main(redis_url: str, run_id: str, out_path: str) -> None:
     if not ranks.is_main:
         ranks.release(handlers)  # serve rank 0's gathers until it lets go
         ranks.close()
-        return
+        exit_rank(0)
 
     def gather(bucket_names):
         ranks.command("gather", bucket_names)
@@ -89,6 +89,7 @@ def main(redis_url: str, run_id: str, out_path: str) -> None:
     ranks.release(handlers)
     ranks.close()
     Path(out_path).write_text(json.dumps(result))
+    exit_rank(0)
 
 
 if __name__ == "__main__":
