@@ -47,6 +47,8 @@ _TRAIN = {
     "learner_grad_norm_smoothed": "exponential moving average of the gradient norm (learner.grad_norm_ema)",
     "learner_lr": "learning rate of the step",
     "learner_loss_scale": "fp16 dynamic loss scale (constant for other dtypes)",
+    "learner_served_visible_fraction": "bf16/fp16 rollout: fraction of weights whose value as the engines hold "
+                                       "them (rounded) the step's update changed",
     "learner_skipped_steps": "optimizer updates of the step skipped for non-finite gradients",
     "learner_skipped_steps_total": "optimizer updates skipped for non-finite gradients in the run",
     "groups": "groups trained in the step",

@@ -34,7 +34,7 @@ from learner.loss import (
     mismatch_metrics,
     sequence_kl,
 )
-from learner.policy import token_logprobs
+from learner.policy import ServedWeights, served_dtype, token_logprobs
 
 # Activation memory per token of a decoder forward kept for the backward: about 17 values
 # per hidden unit per layer (Korthikanti et al. 2022: 34 bytes in 16-bit, attention's
@@ -100,6 +100,7 @@ class PPOStep:
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
         self.max_tokens = lc.max_tokens_per_microbatch or token_budget(
             model.config, lc.activation_memory_gib, lc.activation_checkpointing)
+        self.served = ServedWeights(model.parameters(), served_dtype(cfg))  # the weights the engines compute with
 
     @property
     def version(self) -> int:
@@ -115,7 +116,9 @@ class PPOStep:
         batch = collate(records, torch.zeros_like(rewards), self.version).to(self.device)
         self.model.eval()  # no dropout: pi_old and pi must be the same function of the weights
         bypass = lc.is_mode == "bypass"
-        pi_old, entropy, ref_lp = self._no_grad_pass(batch, policy=not bypass)
+        self.served.begin_step()
+        with self.served.rounded():
+            pi_old, entropy, ref_lp = self._no_grad_pass(batch, policy=not bypass)
         mu = batch.behavior_logprobs
         # kl_in reward: each sample's reward less kl_coef x its k1 sum against the reference, under
         # the policy that sampled it as the learner sees it (pi_old; mu itself under bypass).
@@ -128,8 +131,11 @@ class PPOStep:
                                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
         ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
         update = self._update(batch, informative, weights, ref, ref_lp)
-        return self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
-                                              is_metrics, update, kl_metrics))
+        metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
+                                                 is_metrics, update, kl_metrics))
+        if (visible := self.served.visible_fraction()) is not None:
+            metrics["learner_served_visible_fraction"] = visible
+        return metrics
 
     def _no_grad_pass(self, batch, policy: bool = True):
         """pi_old and the entropy of every row under the current weights (``policy``), and the
@@ -243,30 +249,31 @@ class PPOStep:
                     parts += [parts[-1][:1]] * (ranks.max(n_parts) - n_parts)  # with weight 0
                 self.opt.zero_grad(set_to_none=True)
                 total, kl_total, ppo_parts = 0.0, 0.0, []
-                for i, part in enumerate(parts):
-                    mb = batch.select(part).trimmed() if len(parts) > 1 else batch.select(part)
-                    width = mb.mask.shape[1]
-                    weight = share if i < n_parts else 0.0
-                    with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
-                        pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
-                                                 entropy_grad=lc.entropy_coef > 0)
-                        if first_epoch and epoch == 0 and i < n_parts:
-                            first_epoch(part, pi, ent, share > 0)
-                        per_token, ppo_m = policy_terms(pi, ref[part, :width], mb.advantages, mb.mask,
-                                                        weights[part, :width], *eps, lc.log_ratio_clamp)
-                        if kl_in_loss:
-                            kl = lc.kl_coef * kl_terms(pi, ref_lp[part, :width], mb.mask, lc.kl_estimator,
-                                                       lc.log_ratio_clamp)
-                            per_token = per_token + kl
-                            kl_total += loss_sum(kl.detach(), mb.mask, lc.loss_agg).item() * (i < n_parts)
-                        if lc.entropy_coef:
-                            per_token = per_token - lc.entropy_coef * ent
-                        part_total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
-                        # DDP and FSDP average gradients over ranks; scaling by the world size makes it the sum.
-                        self.scaler.backward(part_total * weight / denom)
-                    if i < n_parts:
-                        total += part_total.item()
-                        ppo_parts.append((ppo_m, mb.mask.sum().item()))
+                with self.served.rounded():  # forwards and backwards at the served weights; the step at the master's
+                    for i, part in enumerate(parts):
+                        mb = batch.select(part).trimmed() if len(parts) > 1 else batch.select(part)
+                        width = mb.mask.shape[1]
+                        weight = share if i < n_parts else 0.0
+                        with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
+                            pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
+                                                     entropy_grad=lc.entropy_coef > 0)
+                            if first_epoch and epoch == 0 and i < n_parts:
+                                first_epoch(part, pi, ent, share > 0)
+                            per_token, ppo_m = policy_terms(pi, ref[part, :width], mb.advantages, mb.mask,
+                                                            weights[part, :width], *eps, lc.log_ratio_clamp)
+                            if kl_in_loss:
+                                kl = lc.kl_coef * kl_terms(pi, ref_lp[part, :width], mb.mask, lc.kl_estimator,
+                                                           lc.log_ratio_clamp)
+                                per_token = per_token + kl
+                                kl_total += loss_sum(kl.detach(), mb.mask, lc.loss_agg).item() * (i < n_parts)
+                            if lc.entropy_coef:
+                                per_token = per_token - lc.entropy_coef * ent
+                            part_total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
+                            # DDP and FSDP average gradients over ranks; scaling by the world size makes it the sum.
+                            self.scaler.backward(part_total * weight / denom)
+                        if i < n_parts:
+                            total += part_total.item()
+                            ppo_parts.append((ppo_m, mb.mask.sum().item()))
                 out.ppo_rows.append(_token_weighted(ppo_parts))
                 grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
                 out.skipped += was_skipped

@@ -212,6 +212,8 @@ class LearnerConfig(Section):
 
     dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32")
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
+    served_weights: bool = Field(True, description="bf16/fp16 rollout: the learner's forwards use the weights "
+                                 "rounded as the engines hold them (the fp32 master still takes the updates)")
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16 only: initial dynamic loss scale")
     lr: float = Field(3e-4, gt=0)
     schedule: ScheduleConfig = ScheduleConfig()
