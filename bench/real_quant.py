@@ -295,8 +295,8 @@ def report(results: dict, args):
                for name, r in (("SmolLM2-135M", real), ("toy (0.5M)", toy))],
               note="Largest outlier: the largest input channel's |x| over the median channel's, over every "
                    "quantized linear's inputs on the probe set; 'after smoothing' is the same with SmoothQuant's "
-                   "per-channel scales folded into the norms (the down_proj input has no norm before it and is not "
-                   "smoothed). Activation clipping is against the static range 127 x the calibrated input scale; "
+                   "per-channel scales folded in (into the norms, and down_proj's into up_proj's rows; o_proj's input "
+                   "is not smoothed). Activation clipping is against the static range 127 x the calibrated input scale; "
                    "with dynamic activations (this profile) nothing clips at run time, so it says how far the "
                    "calibration's ranges are from these activations.")
     worst = sorted(lay, key=lambda r: r.get("kl_alone", r["output_error"]), reverse=True)[:5]

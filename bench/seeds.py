@@ -309,7 +309,9 @@ FINDINGS: dict[str, Finding] = {
         arms={"bf16": {"rollout.precision": "bf16", "learner.is_mode": "none"},
               "fp16": {"rollout.precision": "fp16", "learner.is_mode": "none"},
               "int8": {"rollout.precision": "int8", "learner.is_mode": "none"},
-              "int8+tis": {"rollout.precision": "int8", "learner.is_mode": "token_tis"}},
+              "int8+tis": {"rollout.precision": "int8", "learner.is_mode": "token_tis"},
+              "bf16/master": {"rollout.precision": "bf16", "learner.is_mode": "none",
+                              "learner.served_weights": False}},
         defaults={**recipe("configs/smollm2-math.yaml"), "steps": 10, "queue.max_lag": 0, "eval.every": 10,
                   "eval.size": 128},
         curves=["mismatch_k3_kl", "mismatch_log_ppl_abs_diff", "reward_mean", "is_truncated_fraction",
@@ -333,6 +335,11 @@ FINDINGS: dict[str, Finding] = {
                "end. `int8` is W8A8 with dynamic per-token activations, calibrated once on the task's prompts "
                "(`rlpipe calibrate`) and then quantized on the learner every update; `int8+tis` adds token-level "
                "TIS (`is_cap` 2). `bf16`, `fp16` and `int8` train without any correction.",
+               "`bf16` and `fp16` compute the learner's forwards at the weights as the engines hold them "
+               "(`learner.served_weights`, the default); `bf16/master` is the same arm at the fp32 master "
+               "weights, as rlpipe did before: after its 10 steps at lr 2e-5, 82% of the weights had changed in "
+               "fp32 but 6% in bf16 (KL 0.29 per token from the base model in fp32, 0.005 in bf16), so the "
+               "learner trained a policy the engines never served and read that gap as mismatch. It was run once (seed 001), before the default changed.",
                "Seed 000's training-precision arms (a bf16 or fp16 learner) are not run on the real model: this "
                "CPU has no native bf16/fp16 matmul and the learner trains about 10x slower in them "
                "(docs/bench/learner.md), which would put one run past an hour. The toy's `precision` section "

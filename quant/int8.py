@@ -7,7 +7,15 @@ of Hugging Face decoder layers:
 
     input_layernorm          -> self_attn.q_proj, k_proj, v_proj   (one smoothing vector)
     post_attention_layernorm -> mlp.gate_proj, up_proj             (one smoothing vector)
-    (no norm before them)    -> self_attn.o_proj, mlp.down_proj    (quantized, not smoothed)
+    mlp.up_proj (its rows)   -> mlp.down_proj                      (one smoothing vector)
+    (nothing exact to fold)  -> self_attn.o_proj                   (quantized, not smoothed)
+
+down_proj reads ``act(gate(x)) * up(x)``, so dividing up_proj's output rows by ``s`` divides
+down_proj's input channels by ``s`` exactly, and up_proj's per-row int8 scale absorbs the
+division (its int8 values do not change). Real models need it: SmolLM2-135M's down_proj
+inputs carry channels up to thousands of times the median one (docs/results.md,
+"real-int8"). o_proj's input is attention over v_proj's rows, shared by the query heads of
+a KV group; folding there would tie the vector across heads, and is not done.
 
 Everything else (embeddings, norms, biases, the final norm, ``lm_head``) travels in the
 engine's dtype. The names and dtypes of the output are exactly those of a
@@ -33,14 +41,16 @@ WEIGHT_MAX = {"int8-w8a8": 127.0, "int8-w7a8": 63.0}
 FP8_MAX = 448.0  # float8_e4m3fn
 _LAYER = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.)(?P<proj>self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
 SMOOTHED = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.up_proj": ("mlp.down_proj",)}
 
 
 @dataclass(frozen=True)
 class SmoothGroup:
-    """A norm and the linears that read its output: one smoothing vector serves them all."""
+    """The module whose output the linears read (a norm, or up_proj for down_proj), which
+    absorbs ``1 / s``, and those linears: one smoothing vector serves them all."""
 
-    norm: str  # module name, e.g. model.layers.0.input_layernorm
+    norm: str  # module name, e.g. model.layers.0.input_layernorm or model.layers.0.mlp.up_proj
     linears: tuple[str, ...]  # module names
 
 
@@ -56,7 +66,8 @@ def smooth_groups(names: Iterable[str]) -> list[SmoothGroup]:
     for prefix in sorted({lin.rsplit(".", 2)[0] + "." for lin in linears}):
         for norm, projs in SMOOTHED.items():
             members = tuple(prefix + p for p in projs if prefix + p in linears)
-            if members and f"{prefix}{norm}.weight" in names:
+            # a feeding linear with a bias would need it divided too: none of these layouts has one there
+            if members and f"{prefix}{norm}.weight" in names and f"{prefix}{norm}.bias" not in names:
                 groups.append(SmoothGroup(prefix + norm, members))
     return groups
 
@@ -87,16 +98,17 @@ def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def smoothed_weights(params: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``W' = W * s`` on the input columns of every smoothed linear, ``norm' = norm / s``
-    (fp32); the other quantized linears unchanged. Keys: module names (and norms' weight names)."""
-    groups = smooth_groups(params)
-    out = {}
-    for g in groups:
+    (or, for a linear that feeds them, its output rows ``/ s``), in fp32; the other quantized
+    linears unchanged. Keys: module names of the quantized linears, and norms' weight names."""
+    out = {lin: params[lin + ".weight"].float() for lin in quantized_linears(params)}
+    for g in smooth_groups(params):
         s = smoothing[g.norm].float()
-        out[g.norm + ".weight"] = params[g.norm + ".weight"].float() / s
+        if g.norm in out:  # up_proj's rows (row and column scalings commute)
+            out[g.norm] = out[g.norm] / s[:, None]
+        else:
+            out[g.norm + ".weight"] = params[g.norm + ".weight"].float() / s
         for lin in g.linears:
-            out[lin] = params[lin + ".weight"].float() * s[None, :]
-    for lin in quantized_linears(params):
-        out.setdefault(lin, params[lin + ".weight"].float())
+            out[lin] = out[lin] * s[None, :]
     return out
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 SCHEME = "int8-w8a8"
-FORMAT = 1
+FORMAT = 2  # 2: down_proj is smoothed through up_proj's rows
 
 
 class ProfileError(ValueError):
@@ -41,7 +41,7 @@ class ProfileError(ValueError):
 class QuantProfile:
     activations: str  # "static" (per-tensor scales from calibration) or "dynamic" (per-token)
     alpha: float
-    smoothing: dict[str, torch.Tensor]  # norm module -> (hidden,)
+    smoothing: dict[str, torch.Tensor]  # norm (or up_proj) module -> (its output width,)
     input_scales: dict[str, float]  # linear module -> amax of its smoothed input / 127
     weight_amax: dict[str, torch.Tensor]  # linear module -> (out,) row amax of the smoothed base weights
     base_model: str  # fingerprint of the base model's weights and config

@@ -305,7 +305,7 @@ def test_a_learner_run_serves_metrics_promtool_accepts_each_series_labelled_with
     import httpx
 
     from learner.app import serve_in_thread
-    from learner.metrics import NOT_EXPORTED, METRICS, describe, flatten, read_jsonl
+    from learner.metrics import METRICS, NOT_EXPORTED, describe, flatten, read_jsonl
     from tests.ops_tools import check_metrics, samples_without
 
     learner = make_learner(redis_server, toy_model_path, tmp_path, steps=2, workers=1, **{

@@ -62,6 +62,8 @@ def test_layer_groups_follow_the_decoder_layout(base):
     assert groups["model.layers.0.input_layernorm"] == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
     assert groups["model.layers.1.post_attention_layernorm"] == ("model.layers.1.mlp.gate_proj",
                                                                  "model.layers.1.mlp.up_proj")
+    assert groups["model.layers.1.mlp.up_proj"] == ("model.layers.1.mlp.down_proj",)
+    assert not any(lin.endswith("o_proj") for linears in groups.values() for lin in linears)
 
 
 def test_modelopt_activation_amax_is_the_per_channel_input_max(base, sequences):
@@ -97,8 +99,12 @@ def test_smoothing_fold_preserves_the_function(base, sequences):
     ids, mask = probe_batch(probe)
     torch.testing.assert_close(forward(base, folded, ids, mask), forward(base, params, ids, mask),
                                rtol=1e-4, atol=1e-4)
-    # q/k/v share one vector folded into their norm; o_proj and down_proj are not smoothed
+    # q/k/v share one vector folded into their norm, gate/up another; down_proj's is folded into up_proj's rows;
+    # o_proj is not smoothed
     assert set(profile.smoothing) == {g.norm for g in smooth_groups(params)}
+    assert "model.layers.0.mlp.up_proj" in profile.smoothing and "model.layers.0.self_attn.v_proj" not in profile.smoothing
+    down = "model.layers.0.mlp.down_proj"
+    assert not torch.equal(folded[down + ".weight"], params[down + ".weight"])
 
 
 def test_transfer_reproduces_the_calibrated_checkpoint(base, profile_dir, toy_model_path):
