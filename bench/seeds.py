@@ -298,11 +298,22 @@ FINDINGS: dict[str, Finding] = {
                "cores): the goal, held-out pass@1 up by 5 points beyond both seeds' intervals, was NOT reached. "
                "Held-out pass@1 went 9.8% -> 10.5% and 9.8% -> 9.0% (both within the start's interval); the "
                "training reward rose from 2-4% over the first 3 steps to 10% over the last 5, and the answers "
-               "grew from 35 to 63-86 tokens. The mismatch KL climbs to 0.1-0.3 per token within 6 steps: with "
-               "`queue.max_lag` 1 every group is one version old, and at lr 2e-5 and temperature 0.4 one step "
-               "moves the policy that far (at step 1, with no lag, bf16 vLLM vs the fp32 learner was 0.002-0.005). "
-               "What to try next, not tuned here to flatter the evaluation: a lower LR (5e-6) over more steps, "
-               "`max_lag` 0, more answers per prompt; on a GPU this recipe is minutes, not hours."],
+               "grew from 35 to 63-86 tokens. The mismatch KL climbs to 0.1-0.3 per token within 6 steps. That was first read as "
+               "policy lag (`queue.max_lag` 1); the `real-rollout` section's bf16/master arm shows the same climb "
+               "with no lag at all. The cause is the learner's precision: these runs computed at the fp32 master "
+               "weights, and at lr 2e-5 most of an update is below bf16's resolution (after 10 steps 82% of the "
+               "weights had changed in fp32, 6% in the bf16 copy the engines serve; KL from the base model 0.29 "
+               "per token in fp32, 0.005 in bf16). So the learner trained a policy the engines never served, "
+               "and the held-out evaluation, which the engines run, saw little of it. The learner now computes "
+               "at the served weights (`learner.served_weights`, default on since; these runs predate it). "
+               "What to try next, not tuned here to flatter the evaluation: fp16 rollout (38% of the same "
+               "update visible) or a higher LR, over more steps; on a GPU this recipe is minutes, not hours.",
+               "Seed 001's length trigger, replayed on these runs' response lengths (`schedule.kind: length_surge`'s "
+               "own rule, offline; the runs used a constant LR): at its default 2x it never fires, since real "
+               "answers grew steadily (45 -> 63 and 49 -> 86 tokens over 40 steps) rather than surging. At 1.5x it "
+               "fires at step 16 in seed 1 only, the seed whose held-out accuracy fell and whose mismatch rose "
+               "most (k3 0.23 against 0.13): a plausible early warning, but one run in two is no evidence that "
+               "decaying there would have helped."],
         quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2}),
     "real-rollout": Finding(
         title="Seeds 000 and 002 on the real model: bf16, fp16 and int8 rollout (int8 with and without token TIS)",
