@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from rlpipe.datasets import check_dataset, is_file
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
@@ -28,6 +28,9 @@ IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_ma
                  "bypass"]
 TrainDtype = Literal["fp32", "bf16", "fp16"]
 CPU_LIST = r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$"  # "0", "0-3", "0,2-3" (taskset -c notation); "" = not set
+# Cores or GPUs, as CPU_LIST; a lone number (YAML's `cpus: 0`, `--set learner.gpus=1`) is that one.
+DeviceList = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
+                       Field(pattern=CPU_LIST)]
 
 
 class Section(BaseModel):
@@ -140,7 +143,7 @@ class RolloutConfig(Section):
     fleet: list[Precision] = Field([], description="a mixed fleet: the launcher runs worker i in precision "
                                    "fleet[i % len(fleet)], and the learner syncs each precision on its own")
     max_inflight_groups: int = Field(16, ge=1)
-    cpus: str = Field("", pattern=CPU_LIST, description="cores the workers run on, e.g. '0' or '0-3' (`rlpipe "
+    cpus: DeviceList = Field("", description="cores the workers run on, e.g. '0' or '0-3' (`rlpipe "
                       "demo`/`up` share them out among the workers, each with as many OMP threads as cores); "
                       "'' = every core this machine gives the launcher")
     host: str = "127.0.0.1"
@@ -151,6 +154,12 @@ class RolloutConfig(Section):
     max_num_batched_tokens: int | None = Field(None, ge=8, description="tokens one engine step may schedule "
                                                "(vLLM's token budget; null = vLLM's default): a longer prompt is "
                                                "prefilled in chunks across steps")
+    engine: dict[str, Any] = Field({}, description="more vLLM engine arguments (EngineArgs fields: "
+                                   "gpu_memory_utilization, max_num_seqs, enable_prefix_caching, ...), checked at "
+                                   "launch against vLLM's own (rollout_service/engine_args.py)")
+    gpus: DeviceList = Field("", description="CUDA devices the workers share out (`rlpipe demo`/`up` "
+                      "set each worker's CUDA_VISIBLE_DEVICES to its slice, rlpipe/gpus.py); '' = automatic "
+                      "on a machine with GPUs")
     heartbeat_s: float = Field(2.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     shutdown_deadline_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight groups may "
@@ -282,9 +291,12 @@ class LearnerConfig(Section):
     lease_ttl_s: float = Field(10.0, gt=0, description="one learner per run: a restart waits up to this long "
                                "for a killed learner's lease to expire")
     threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
-    cpus: str = Field("", pattern=CPU_LIST, description="cores the learner runs on, e.g. '1' (its ranks share "
+    cpus: DeviceList = Field("", description="cores the learner runs on, e.g. '1' (its ranks share "
                       "them; OMP threads = its cores, or `threads`), so it never competes with the workers for a "
                       "core; '' = unpinned")
+    gpus: DeviceList = Field("", description="CUDA devices of the learner's ranks, one per rank "
+                      "(its CUDA_VISIBLE_DEVICES in `rlpipe demo`/`up`, rlpipe/gpus.py); '' = automatic on a "
+                      "machine with GPUs")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     read_block_ms: int = Field(200, ge=1)
@@ -565,6 +577,10 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("rollout.fleet: lists more precisions than there are workers")
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
+    if cfg.rollout.engine:
+        from rollout_service.engine_args import engine_args_problems
+
+        problems += engine_args_problems(cfg.rollout.engine)
     if cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp" and learner_quantized(cfg):
         problems.append(f"learner.parallel: fsdp (the default above one rank) cannot quantize for "
                         f"{'/'.join(learner_quantized(cfg))} workers yet, which needs the whole model on rank 0: "

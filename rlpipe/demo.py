@@ -22,6 +22,7 @@ from pathlib import Path
 from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, check_model_path, dump_config, secret_env, validate_run, \
     without_secrets
+from rlpipe.gpus import launch_plan
 from rlpipe.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
 from rlpipe.paths import BUILTIN_NAMES
 from rlpipe.proc import parse_cpus
@@ -117,6 +118,8 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
     model, Redis (embedded unless ``REDIS_URL`` is set), the int8 profile; write the
     config every role reads to ``<run_dir>/config.yaml``, without its secrets."""
     validate_run(cfg)
+    check_cpus(cfg)
+    launch_plan(cfg)  # cores and GPUs that cannot work here fail now, before anything starts
     run_id = cfg.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-s{cfg.seed}"
     run_dir = make_run_dir(runs_dir, run_id)
     say(f"rlpipe: run {run_id} in {run_dir}")
@@ -130,7 +133,6 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
     cfg.run_id, cfg.run_dir, cfg.redis_url, cfg.model.path = run_id, str(run_dir), redis_url, model_path
     if "int8" in (cfg.rollout.fleet or [cfg.rollout.precision]):
         cfg.quant.profile = resolve_quant_profile(cfg, model_path, log=say)
-    check_cpus(cfg)
     if cfg.learner.threads == 0 and not cfg.learner.cpus and cfg.workers >= len(os.sched_getaffinity(0)):
         # Every core already runs a worker: a multi-threaded learner would fight them
         # (OpenMP threads wait on each other at every barrier) and run slower than one.
@@ -150,9 +152,11 @@ def check_cpus(cfg: RunConfig) -> None:
 
 
 def role_envs(cfg: RunConfig) -> tuple[list[dict[str, str]], dict[str, str]]:
-    """The environment of each worker and of the learner: their cores and OMP threads."""
+    """The environment of each worker and of the learner: their cores, OMP threads and GPUs."""
     cores = parse_cpus(cfg.rollout.cpus) or None
-    return [worker_env(i, cfg.workers, cores) for i in range(cfg.workers)], learner_env(cfg)
+    gpus = launch_plan(cfg)
+    return ([{**worker_env(i, cfg.workers, cores), **gpus.worker_env(i)} for i in range(cfg.workers)],
+            {**learner_env(cfg), **gpus.learner_env()})
 
 
 def worker_precision(cfg: RunConfig, index: int) -> str:

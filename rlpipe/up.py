@@ -46,6 +46,7 @@ import yaml
 
 from rlpipe import registry
 from rlpipe.config import RunConfig, secret_env
+from rlpipe.gpus import launch_plan
 from rlpipe.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
 from rlpipe.proc import parse_cpus
 
@@ -94,6 +95,7 @@ class Supervisor:
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.cfg_path = run_dir / "config.yaml"
         self.launcher = Launcher(run_dir, secret_env(cfg))
+        self.gpus = launch_plan(cfg)  # each role's CUDA devices
         self.grace_s = grace_s if grace_s is not None else cfg.rollout.shutdown_deadline_s + 15
         self.roles: dict[str, Role] = {}
         self.restart_seen: dict[str, int] = {"learner": 0, "rollout": 0}
@@ -172,13 +174,14 @@ class Supervisor:
     def _role(self, name: str) -> Role:
         cfg_arg = ["--config", str(self.cfg_path)]
         if name == "learner":
-            return Role(name, ["learner", *cfg_arg], learner_env(self.cfg))
+            return Role(name, ["learner", *cfg_arg], {**learner_env(self.cfg), **self.gpus.learner_env()})
         from rlpipe.demo import worker_precision
 
         i = int(name[1:])
         return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", worker_precision(self.cfg, i),
                            "--address-file", str(self.run_dir / "addresses" / name)],
-                    worker_env(i, max(i + 1, self.cfg.workers), parse_cpus(self.cfg.rollout.cpus) or None))
+                    {**worker_env(i, max(i + 1, self.cfg.workers), parse_cpus(self.cfg.rollout.cpus) or None),
+                     **self.gpus.worker_env(i)})
 
     def _grace(self, role: Role) -> float:
         """How long a stopping role may take before SIGKILL: a worker's drain, or the learner's step and checkpoint."""

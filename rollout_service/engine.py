@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from quant.profiles import PrecisionProfile
-from rlpipe.config import RolloutConfig
+from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
+from rollout_service.engine_args import engine_args_problems
 from rollout_service.worker_ext import EXTENSION_CLS
 from weight_sync.follower import SyncOutcome
 
@@ -93,7 +94,10 @@ class RolloutEngine:
         self.prefix_cache_reset_failures = 0
 
     def engine_kwargs(self) -> dict:
-        """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM)."""
+        """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM): rlpipe's,
+        and the run's ``rollout.engine`` (which may not set rlpipe's, engine_args.py)."""
+        if problems := engine_args_problems(self.cfg.engine):
+            raise ConfigError("; ".join(problems))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         vllm_compat.before_engine_start()
         return dict(
@@ -108,6 +112,7 @@ class RolloutEngine:
             distributed_executor_backend="uni",
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
+            **self.cfg.engine,
         )
 
     async def start(self) -> None:

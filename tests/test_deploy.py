@@ -485,9 +485,15 @@ def test_labels_resources_security(target, tmp_path):
             assert gpus == [labels["app.kubernetes.io/component"]], f"{name}: GPU"
         else:
             assert not gpus, f"{name}: GPUs belong in the gpu overlay only"
-    if target.endswith("gpu"):  # one GPU per learner rank, torchrun inside the pod
+    if target.endswith("gpu"):  # one GPU per learner rank, torchrun inside the pod; a worker's engine's worth
+        from rlpipe.gpus import gpus_per_worker
+
+        cfg = run_config(docs, tmp_path)
         limits = container(workload(docs, "learner"), "learner")["resources"]["limits"]
-        assert int(limits["nvidia.com/gpu"]) == run_config(docs, tmp_path).learner.ranks
+        assert int(limits["nvidia.com/gpu"]) == cfg.learner.ranks
+        limits = container(workload(docs, "rollout"), "rollout")["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) == gpus_per_worker(cfg)
+        assert not cfg.rollout.gpus and not cfg.learner.gpus, "in a pod the device plugin picks the GPUs"
     # vLLM needs a real /dev/shm
     rollout = workload(docs, "rollout")
     (shm,) = [m for m in container(rollout, "rollout")["volumeMounts"] if m["mountPath"] == "/dev/shm"]
