@@ -222,7 +222,7 @@ def _run_learner(args, cfg) -> int:
     from rlpipe.proc import apply_cpu_affinity
 
     apply_cpu_affinity()
-    if cfg.learner.ranks > 1 and "WORLD_SIZE" not in os.environ:
+    if (cfg.learner.ranks > 1 or cfg.learner.nodes > 1) and "WORLD_SIZE" not in os.environ:
         # Several ranks: become `torchrun ... -m rlpipe.cli <these arguments>` (same pid, so the
         # launcher, `rlpipe up` or the kubelet keeps signalling the process it started).
         import shlex
@@ -230,7 +230,7 @@ def _run_learner(args, cfg) -> int:
         from rlpipe.launcher import torchrun_command
 
         cmd, env = torchrun_command(cfg, args.argv)
-        print(f"rlpipe learner: learner.ranks={cfg.learner.ranks}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}: "
+        print(f"rlpipe learner: learner.ranks={cfg.learner.ranks} x nodes={cfg.learner.nodes}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}: "
               f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
         os.execve(sys.executable, cmd, env)
 

@@ -270,6 +270,12 @@ class LearnerConfig(Section):
                        "`rlpipe learner` runs itself under torchrun --standalone --nproc-per-node ranks, each "
                        "rank with `threads` torch threads (0: its share of the cores); rank 0 talks to Redis, "
                        "the workers and the disk")
+    nodes: int = Field(1, ge=1, description="machines the learner spans, each running `rlpipe learner` with "
+                       "`ranks` ranks (rlpipe/launcher.py torchrun_command); above 1 they meet at `rendezvous`")
+    node_rank: int = Field(0, ge=0, description="this machine's index among `nodes` (node 0 holds global rank 0, "
+                           "which talks to Redis, the workers and the disk); on Kubernetes the pod's ordinal")
+    rendezvous: str = Field("", pattern=r"^$|^[^\s:]+:\d+$", description="host:port on node 0 where the nodes "
+                            "meet (torchrun's static rendezvous store); needed when nodes > 1")
     parallel: Literal["auto", "ddp", "fsdp"] = Field("auto", description="several ranks (torchrun): ddp replicates "
                                                      "the model and its Adam state on every rank, fsdp (FSDP2) "
                                                      "shards them; auto = fsdp with more than one rank")
@@ -307,6 +313,14 @@ class LearnerConfig(Section):
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")
+
+    @model_validator(mode="after")
+    def _nodes_meet(self) -> LearnerConfig:
+        if self.nodes > 1 and not self.rendezvous:
+            raise ValueError("learner.rendezvous: host:port on node 0 is needed when learner.nodes > 1")
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"learner.node_rank: {self.node_rank} is not below learner.nodes {self.nodes}")
+        return self
 
 
 class QueueConfig(Section):

@@ -215,10 +215,23 @@ def torchrun_command(cfg, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     --nproc-per-node N -m rlpipe.cli <argv>``. torchrun forwards SIGTERM to every rank (the
     learner's graceful stop) and SIGKILLs what is left after its shutdown timeout. Each rank
     gets ``learner.threads`` threads, or its share of this process's cores, in
-    ``OMP_NUM_THREADS`` (torch's default thread count; torchrun would otherwise give it 1)."""
-    ranks = cfg.learner.ranks
-    threads = cfg.learner.threads or max(1, len(os.sched_getaffinity(0)) // ranks)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+    ``OMP_NUM_THREADS`` (torch's default thread count; torchrun would otherwise give it 1).
+
+    With ``learner.nodes`` above 1, each node's torchrun meets the others at
+    ``learner.rendezvous`` (a TCP store on node 0) through torchrun's *static* rendezvous:
+    global rank = ``node_rank * ranks + local rank``, so rank 0, which holds the lease,
+    Redis and the checkpoints, is always node 0's first process, on every restart (a c10d
+    dynamic rendezvous would number the nodes by arrival). ``--max-restarts 0``: a node
+    that dies fails the others at their next collective, every torchrun exits, and the
+    supervisor (``rlpipe up``, the StatefulSet) restarts the learner from its checkpoint."""
+    lc = cfg.learner
+    threads = lc.threads or max(1, len(os.sched_getaffinity(0)) // lc.ranks)
+    if lc.nodes > 1:
+        meet = ["--nnodes", str(lc.nodes), "--node-rank", str(lc.node_rank), "--rdzv-backend", "static",
+                "--rdzv-endpoint", lc.rendezvous, "--max-restarts", "0"]
+    else:
+        meet = ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *meet, "--nproc-per-node", str(lc.ranks),
            "-m", "rlpipe.cli", *argv]
     return cmd, {**os.environ, "OMP_NUM_THREADS": str(threads)}
 

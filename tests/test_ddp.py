@@ -28,8 +28,8 @@ def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **setting
     run_dir = tmp_path / name
     run_dir.mkdir()
     cfg = build_config({}, environ={}, run_id=free_run_id(name), run_dir=str(run_dir), redis_url=redis_server.url,
-                       steps=2, workers=1, seed=3, **{
-                           "model.path": toy_model_path, "learner.groups_per_step": 4, "learner.minibatches": 2,
+                       workers=1, seed=3, **{
+                           "steps": 2, "model.path": toy_model_path, "learner.groups_per_step": 4, "learner.minibatches": 2,
                            "learner.lr": 1e-3, "learner.threads": 1, "learner.checkpoint_every": 2,
                            "learner.loss_agg": "seq_mean_token_mean", "sync.join_timeout_s": 0.1, "sampling.n": 4,
                            **settings})

@@ -1,0 +1,110 @@
+"""A learner over two "nodes": two `rlpipe learner` processes on this machine, each its
+own torchrun agent (learner.nodes 2, learner.node_rank 0/1), meeting over loopback at
+learner.rendezvous (torchrun's static rendezvous, rlpipe/launcher.py torchrun_command).
+
+They must train what one process trains (to float tolerance, as tests/test_ddp.py's ranks
+on one machine do). A node that dies must stop the job, not hang it, and the restarted
+nodes resume from the last checkpoint and finish with the weights one process reaches.
+On GPUs the same command runs over NCCL between machines; that part is torch's and is not
+run here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from learner import checkpoint
+from learner.policy import load_policy
+from rlpipe.launcher import kill_group
+from rlpipe.queue import TrajectoryQueue, connect
+from tests.test_ddp import prepared_run
+from tests.test_learner import for_run, synthetic_groups
+
+LEARNER = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(run_dir, port: int, log_dir) -> list[subprocess.Popen]:
+    """Node 1 first: it waits at the rendezvous for node 0, whose ranks come first anyway."""
+    procs = []
+    for node in (1, 0):
+        env = {**ENV, "RLPIPE_LEARNER__NODE_RANK": str(node), "RLPIPE_LEARNER__RENDEZVOUS": f"127.0.0.1:{port}"}
+        log = open(log_dir / f"node{node}.log", "a")
+        procs.append(subprocess.Popen([*LEARNER, str(run_dir / "config.yaml")], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs[::-1]  # [node 0, node 1]
+
+
+def latest_step(run_dir) -> int:
+    return int(checkpoint.latest(run_dir / "checkpoints").name.removeprefix("step_"))
+
+
+def weights(run_dir) -> dict:
+    return load_file(checkpoint.latest(run_dir / "checkpoints") / "model.safetensors")
+
+
+def difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_process_and_a_lost_node_stops_the_job_which_resumes(
+        redis_server, toy_model_path, tmp_path):
+    groups = synthetic_groups(load_policy(toy_model_path), 16, seed=5, noise=0.1)
+    common = {"steps": 4, "learner.checkpoint_every": 2, "queue.max_staleness": 100}
+    single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups, **common)
+    subprocess.run([*LEARNER, str(single_dir / "config.yaml")], check=True, env=ENV, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = load_policy(toy_model_path).state_dict()
+    moved = difference(weights(single_dir), base)
+    assert moved > 1e-3, "the steps did not train"
+
+    # Two nodes with only the first 2 steps' groups: they train them, checkpoint, and wait.
+    cfg, run_dir = prepared_run(tmp_path, "nodes", redis_server, toy_model_path, groups[:8], **common,
+                                **{"learner.nodes": 2, "learner.parallel": "ddp",
+                                   "learner.rendezvous": "127.0.0.1:1"})  # each node is given its own below
+    port = free_port()
+    nodes = start_nodes(run_dir, port, tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while checkpoint.latest(run_dir / "checkpoints") is None:
+            assert time.monotonic() < deadline, (tmp_path / "node0.log").read_text()[-3000:]
+            assert all(p.poll() is None for p in nodes), (tmp_path / "node0.log").read_text()[-3000:]
+            time.sleep(0.5)
+        kill_group(nodes[1], signal.SIGKILL)  # node 1 is lost: its agent and its rank (in a session of its own)
+        nodes[1].wait()
+        queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
+        for rec in for_run(groups[8:], cfg):  # the next step's groups: node 0 must now fail, not hang
+            queue.push(rec)
+        t0 = time.monotonic()
+        code = nodes[0].wait(timeout=120)
+        print(f"node 0 stopped {time.monotonic() - t0:.1f}s after the groups came, exit code {code}")
+        assert code != 0
+        assert latest_step(run_dir) == 2
+
+        port = free_port()  # the restarted nodes meet again and resume from step 2
+        nodes = start_nodes(run_dir, port, tmp_path)
+        for p in nodes:
+            assert p.wait(timeout=300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                kill_group(p, signal.SIGKILL)
+    assert latest_step(run_dir) == 4
+    diff = difference(weights(run_dir), weights(single_dir))
+    print(f"max weight change {moved:.3e}, two nodes with a restart vs one process {diff:.3e}")
+    assert diff < 1e-2 * moved
