@@ -34,7 +34,8 @@ from learner.loss import (
     mismatch_metrics,
     sequence_kl,
 )
-from learner.policy import ServedWeights, served_dtype, token_logprobs
+from learner.policy import token_logprobs
+from learner.served import ServedWeights, served_dtype
 
 # Activation memory per token of a decoder forward kept for the backward: about 17 values
 # per hidden unit per layer (Korthikanti et al. 2022: 34 bytes in 16-bit, attention's

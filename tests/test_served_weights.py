@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.policy import ServedWeights, served_dtype
+from learner.served import ServedWeights, served_dtype
 from rlpipe.config import build_config
 from tests.test_learner import params_vector
 from tests.test_microbatch import learner_with, synthetic_groups_cache
