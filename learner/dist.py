@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from learner.policy import DTYPES
+from learner.policy import DTYPES, decoder_layers
 
 # Ranks other than 0 wait in a broadcast while rank 0 waits for rollouts: a long wait is normal.
 IDLE_TIMEOUT = timedelta(hours=6)
@@ -91,7 +91,7 @@ class Ranks:
 
         gathered = None if dtype == "fp32" else DTYPES[dtype]
         layers = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mp_policy=layers)
         # The model's own parameters (embeddings, final norm, LM head); gathered in fp32 when
         # the head must run in fp32 (learner/policy.py token_logprobs calls it directly).

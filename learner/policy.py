@@ -34,6 +34,24 @@ def load_policy(path: str):
     return model
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers, found by the block class Hugging Face says must not
+    be split (``_no_split_modules``: ``LlamaDecoderLayer``, ``GPTNeoXLayer``, ...), not by a
+    path: Llama-style models keep it at ``model.layers``, GPT-NeoX at ``gpt_neox.layers``,
+    others elsewhere. A model that names no block class: its longest ModuleList."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    longest = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module):
+            if type(module[0]).__name__ in blocks:
+                return module
+            if longest is None or len(module) > len(longest):
+                longest = module
+    if longest is None:
+        raise ValueError(f"{type(model).__name__}: no stack of decoder layers found")
+    return longest
+
+
 def enable_activation_checkpointing(model) -> int:
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them (``torch.utils.checkpoint``, non-reentrant): activation memory of one layer
@@ -50,7 +68,7 @@ def enable_activation_checkpointing(model) -> int:
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    layers = model.model.layers
+    layers = decoder_layers(model)
     for layer in layers:
         layer.forward = partial(checkpointed, layer.forward)
     return len(layers)
@@ -62,9 +80,10 @@ def compile_layers(model) -> int:
     shape it sees. Each new shape early in a run costs a compile (tens of seconds for the
     toy model on a CPU), so it pays only over long runs; bench/learner.py measures it.
     Returns how many layers were compiled."""
-    for layer in model.model.layers:
+    layers = decoder_layers(model)
+    for layer in layers:
         layer.compile()
-    return len(model.model.layers)
+    return len(layers)
 
 
 def autocast(dtype: str, device_type: str = "cpu"):
@@ -145,6 +164,11 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     The entropy is of the full (truncated) distribution, in fp32; it carries a gradient only
     with ``entropy_grad`` (``learner.entropy_coef`` > 0), else nothing of it outlives the
     call (learner/loss.py token_entropy keeps no (N, T, V) copy of its own either way).
+
+    ``use_cache=False``: a model whose config enables the KV cache (SmolLM2's, most real
+    ones) would otherwise build one on every learner forward, for nothing, and under
+    activation checkpointing the recomputed layers appended their keys to it a second time
+    (a shape error: tests/test_activation_checkpointing.py, every family).
     """
     device_type = batch.input_ids.device.type
     inner = getattr(model, "module", model)
@@ -152,12 +176,13 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
         if fp32_lm_head and dtype != "fp32":
             # The whole forward still goes through ``model`` (DDP must see it); only the
             # last position's logits are computed there, and thrown away.
-            hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                            output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
             with torch.autocast(device_type=device_type, enabled=False):
                 logits = inner.get_output_embeddings()(hidden[:, :-1].float())
         else:
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           use_cache=False).logits[:, :-1]
     scaled = logits.float() / batch.temperature[:, None, None]  # (N, T-1, V)
     keep = truncation_mask(scaled, batch.top_k, batch.top_p)
     if keep is None:  # no row truncated: the plain softmax over the vocabulary
