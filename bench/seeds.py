@@ -306,8 +306,12 @@ FINDINGS: dict[str, Finding] = {
                "per token in fp32, 0.005 in bf16). So the learner trained a policy the engines never served, "
                "and the held-out evaluation, which the engines run, saw little of it. The learner now computes "
                "at the served weights (`learner.served_weights`, default on since; these runs predate it). "
-               "What to try next, not tuned here to flatter the evaluation: fp16 rollout (38% of the same "
-               "update visible) or a higher LR, over more steps; on a GPU this recipe is minutes, not hours.",
+               "The signal is thin, too: 6.2 and 6.6 of each step's 8 groups had 4 equal rewards (all wrong, "
+               "mostly) and so no advantage, and 8 and 5 of the 40 steps had no gradient at all. "
+               "What to try next, not tuned here to flatter the evaluation: more answers per prompt, or "
+               "resampling until a step has enough groups with a reward spread (DAPO's dynamic sampling); fp16 "
+               "rollout (38% of the same update visible) or a higher LR; more steps. On a GPU this recipe is "
+               "minutes, not hours.",
                "Seed 001's length trigger, replayed on these runs' response lengths (`schedule.kind: length_surge`'s "
                "own rule, offline; the runs used a constant LR): at its default 2x it never fires, since real "
                "answers grew steadily (45 -> 63 and 49 -> 86 tokens over 40 steps) rather than surging. At 1.5x it "
