@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from rlpipe.config import ConfigError, check_model_path, load_config, parse_yaml
+from rlpipe.config import ConfigError, check_model_path, load_config, parse_yaml, validate_run
 
 LEARNER_RANKS_HELP = "run the learner as N data-parallel ranks under torchrun (sets learner.ranks)"
 
@@ -138,6 +138,9 @@ def check_launch(cfg, command: str) -> None:
         check_sync_exposure(cfg.sync.host)
     if command in ("demo", "up", "calibrate", "build-model", "rollout", "learner"):
         check_model_path(cfg.model.path, builds_toy=command not in ("rollout", "learner"))
+    if command == "learner" and "WORLD_SIZE" not in os.environ:
+        # demo and up check these at launch; a learner started on its own (Kubernetes, Slurm) too
+        validate_run(cfg)
     if command == "rollout" or (command in ("demo", "up") and cfg.rollout.port):
         check_listen("rollout", cfg.rollout.host, cfg.rollout.port)
     if (command == "learner" and "WORLD_SIZE" not in os.environ) or (command in ("demo", "up") and cfg.learner.port):

@@ -66,6 +66,12 @@ def test_a_model_path_that_is_no_model_is_named_before_anything_starts(tmp_path)
     assert_usage_error(*rlpipe("learner"), "model.path")  # null: only the launchers build a toy
 
 
+def test_a_learner_started_on_its_own_checks_the_run_as_the_launchers_do(model_dir):
+    """On Kubernetes or Slurm nothing but the learner itself checks the run at launch."""
+    assert_usage_error(*rlpipe("learner", "--set", f"model.path={model_dir}", "--set", "sampling.n=1"),
+                       "sampling.n", "at least 2")
+
+
 def test_a_port_in_use_is_named(model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
