@@ -22,6 +22,7 @@ import copy
 import hashlib
 import json
 import logging
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -148,6 +149,11 @@ def cache_key(base_model: str, calibration_ids: list[list[int]], probe_ids: list
     blob = json.dumps([FORMAT, base_model, token_fingerprint(calibration_ids), token_fingerprint(probe_ids),
                        alpha, activations, scheme])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def log_stderr(message: str) -> None:
+    """ensure_profile's log in a child process (a launcher's own log function may not pickle)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def ensure_profile(model_dir: str | Path, calibration_ids: list[list[int]], probe_ids: list[list[int]], alpha: float,

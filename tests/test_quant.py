@@ -252,3 +252,18 @@ def test_int8_weight_range_follows_the_machine_unless_set():
     vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"}) or torch.cuda.is_available()
     assert int8_scheme("auto") == ("int8-w8a8" if vnni else "int8-w7a8")
     assert WEIGHT_MAX == {"int8-w8a8": 127.0, "int8-w7a8": 63.0}
+
+
+def test_a_launcher_calibrates_apart_to_the_same_profile(toy_model_path, tmp_path):
+    """``rlpipe demo``/``up`` calibrate in a child process, so the launcher, which lives as
+    long as the run, does not keep the model's memory; the profile is the one calibrated
+    in-process."""
+    from quant.profile import QuantProfile
+
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.calibration_samples": 32,
+                                          "quant.probe_samples": 8})
+    here = resolve_quant_profile(cfg, toy_model_path, tmp_path / "here", progress=False, log=lambda m: None)
+    apart = resolve_quant_profile(cfg, toy_model_path, tmp_path / "apart", progress=False, log=lambda m: None,
+                                  apart=True)
+    assert apart == str(tmp_path / "apart")
+    assert QuantProfile.load(apart).hash == QuantProfile.load(here).hash
