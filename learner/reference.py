@@ -4,7 +4,10 @@ The reference is the base model, ``model.path`` as the run started, never update
 learner resumed from a checkpoint still loads the base model here, not the checkpoint).
 It runs only without grad, through the same micro-batches as the pi_old pass and in the
 learner's compute precision (``learner.dtype`` autocast over its fp32 weights, exactly as
-the policy runs, so at step 0 the two are the same function and the KL is 0).
+the policy runs, so at step 0 the two are the same function and the KL is 0). With
+``learner.served_weights`` the policy runs at its weights rounded as the engines hold them
+(learner/served.py), and so does the reference, rounded once here: the KL is between the
+served policy and the base model as an engine would serve it, 0 at step 0 again.
 
 Under DDP and FSDP each rank holds a whole copy (not sharded, not wrapped): its forwards
 need no other rank, so ranks may run different numbers of them. That costs one full fp32
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from learner.policy import load_policy
+from learner.served import served_dtype
 
 
 def load_reference(cfg, device: torch.device):
@@ -26,4 +30,8 @@ def load_reference(cfg, device: torch.device):
         return None
     model = load_policy(cfg.model.path).to(device)
     model.requires_grad_(False)
+    if (dtype := served_dtype(cfg)) is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype))
     return model.eval()

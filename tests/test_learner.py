@@ -81,7 +81,8 @@ def test_a_step_widens_the_margin_of_rewarded_over_unrewarded_responses(learner)
         group["lr"] = 1e-5
     prompt = np.array([1, 5, 6, 14, 7, 8, 17], dtype=np.int32)  # "<bos>12+34="
     good, bad = [9, 10, 2], [8, 9, 2]  # "56" and "45"
-    mu = {tuple(t): learner_logprobs(learner.model, prompt, t).numpy() for t in (good, bad)}  # on-policy: w = 1
+    with learner.ppo.served.rounded():  # on-policy (w = 1): the weights as a bf16 engine holds them
+        mu = {tuple(t): learner_logprobs(learner.model, prompt, t).numpy() for t in (good, bad)}
 
     def group(rewards, name):
         samples = [Sample(np.array(t, dtype=np.int32), mu[tuple(t)], "stop", r)
@@ -166,8 +167,10 @@ def test_kl_penalty_against_the_base_model_starts_at_zero_then_measures_the_drif
     from learner.reference import load_reference
 
     assert load_reference(build_config({}, environ={}), torch.device("cpu")) is None  # kl_coef 0: none loaded
+    # The KL math against a direct computation at the master weights; with served weights
+    # (the default) both sides are rounded: tests/test_served_weights.py.
     learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.kl_coef": 0.1, "learner.lr": 1e-3,
-                                                                      "sampling.n": 4})
+                                                                      "sampling.n": 4, "learner.served_weights": False})
     reference = learner.ppo.reference
     assert not any(p.requires_grad for p in reference.parameters())
     records = for_run(synthetic_groups(base_model, 4, seed=11), learner.cfg)
@@ -187,7 +190,8 @@ def test_kl_penalty_against_the_base_model_starts_at_zero_then_measures_the_drif
 
 def test_kl_in_the_reward_gives_equal_reward_groups_a_signal(redis_server, toy_model_path, tmp_path, base_model):
     learner = make_learner(redis_server, toy_model_path, tmp_path, **{
-        "learner.kl_coef": 0.5, "learner.kl_in": "reward", "learner.lr": 1e-3, "sampling.n": 4})
+        "learner.kl_coef": 0.5, "learner.kl_in": "reward", "learner.lr": 1e-3, "sampling.n": 4,
+        "learner.served_weights": False})  # at the master weights, as the direct computation below
     records = for_run(synthetic_groups(base_model, 2, seed=12), learner.cfg)
     assert learner.ppo.train_step(records)["kl_loss"] == 0  # step 0: the policy is the reference
     flat = [dataclasses.replace(rec, samples=[dataclasses.replace(s, reward=1.0) for s in rec.samples])

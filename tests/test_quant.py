@@ -266,4 +266,7 @@ def test_a_launcher_calibrates_apart_to_the_same_profile(toy_model_path, tmp_pat
     apart = resolve_quant_profile(cfg, toy_model_path, tmp_path / "apart", progress=False, log=lambda m: None,
                                   apart=True)
     assert apart == str(tmp_path / "apart")
-    assert QuantProfile.load(apart).hash == QuantProfile.load(here).hash
+    a, b = QuantProfile.load(apart), QuantProfile.load(here)  # another process: float sums in another order
+    assert a.input_scales == pytest.approx(b.input_scales, rel=1e-4)
+    for name in b.smoothing:
+        torch.testing.assert_close(a.smoothing[name], b.smoothing[name], rtol=1e-4, atol=0)

@@ -74,3 +74,18 @@ def test_the_step_is_the_one_at_the_served_weights_and_the_master_keeps_what_rou
     assert (after - after.to(torch.bfloat16).float()).abs().max() > 0
     assert 0 < steps["served"]["learner_served_visible_fraction"] <= 1
     assert "learner_served_visible_fraction" not in steps["at_master"]
+
+
+def test_the_kl_reference_is_the_base_as_an_engine_serves_it(redis_server, toy_model_path, tmp_path):
+    """With served weights the policy runs rounded, and so does the frozen reference: at step
+    0 the two are the same function (kl_ref 0), as they are without rounding."""
+    from learner.policy import load_policy
+    from tests.test_learner import for_run, synthetic_groups
+
+    learner = learner_with(redis_server, toy_model_path, tmp_path, "kl", **{"learner.kl_coef": 0.1,
+                                                                           "sampling.n": 4})
+    reference = params_vector(learner.ppo.reference)
+    assert torch.equal(reference, reference.to(torch.bfloat16).float())  # on the bf16 grid
+    assert not torch.equal(reference, params_vector(load_policy(toy_model_path)))  # the toy's fp32 weights are not
+    records = for_run(synthetic_groups(load_policy(toy_model_path), 6, seed=11), learner.cfg)
+    assert learner.ppo.train_step(records)["kl_ref"] == pytest.approx(0, abs=1e-9)

@@ -121,7 +121,7 @@ class LogitsModel(torch.nn.Module):
         super().__init__()
         self.logits = torch.nn.Parameter(logits.clone())
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, use_cache=None):
         return SimpleNamespace(logits=self.logits)
 
 
