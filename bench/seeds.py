@@ -339,6 +339,8 @@ FINDINGS: dict[str, Finding] = {
                  "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
                  "IS truncated": mean_of("is_truncated_fraction"),
                  "int8 vs bf16 KL (probe)": mean_of("quant_kl_vs_bf16"),
+                 "update visible to the engines": mean_of("learner_served_visible_fraction"),
+                 "groups without advantage": mean_of("groups_skipped_equal_reward"),
                  "reward start": first("reward_mean"),
                  "reward end": final("reward_mean"),
                  "held-out pass@1 start": held_out("first"),
