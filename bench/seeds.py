@@ -356,14 +356,29 @@ FINDINGS: dict[str, Finding] = {
                "(`learner.served_weights`, the default); `bf16/master` is the same arm at the fp32 master "
                "weights, as rlpipe did before: after its 10 steps at lr 2e-5, 82% of the weights had changed in "
                "fp32 but 6% in bf16 (KL 0.29 per token from the base model in fp32, 0.005 in bf16), so the "
-               "learner trained a policy the engines never served and read that gap as mismatch. It was run once (seed 001), before the default changed.",
+               "learner trained a policy the engines never served and read that gap as mismatch.",
                "Seed 000's training-precision arms (a bf16 or fp16 learner) are not run on the real model: this "
                "CPU has no native bf16/fp16 matmul and the learner trains about 10x slower in them "
                "(docs/bench/learner.md), which would put one run past an hour. The toy's `precision` section "
                "has them.",
                "10 steps move held-out accuracy by less than its interval (the `real` section needed 40 steps to "
                "move the training reward), so the held-out columns say whether an arm broke, not which is better; "
-               "the arms are compared by their mismatch."],
+               "the arms are compared by their mismatch.",
+               "Seen when this part was added: with served weights bf16's mismatch stays where it starts (k3 "
+               "0.0021 over 10 steps in both seeds, 0.0019-0.0031 in every step), where bf16/master climbed to "
+               "0.20 by step 9 (mean 0.076). int8 is 10x bf16 (k3 0.020-0.021 in all three int8 runs, flat over "
+               "the steps; the probe's KL against the bf16 model 0.037-0.055), and token TIS (`is_cap` 2) "
+               "truncates 0.6-0.7% of the tokens. The held-out accuracy does not separate the arms: bf16 went "
+               "11.7% -> 12.5% and 11.7%, int8 12.5% -> 9.4%, int8+tis 12.5% -> 7.8% and 10.2%, each within its "
+               "128-row interval (about +-6 points). All three int8 runs ended lower and neither bf16 run did; "
+               "a hint worth a longer run, not evidence.",
+               "How these runs were made: two at a time on the 2 cores, each run's worker on core 0 and learner "
+               "on core 1. Three runs were killed for memory (two real-model runs need about 18 GB) and are not "
+               "in the table: fp16 in seed 001, int8 in seed 001, a first int8+tis in seed 000; the runs started "
+               "after that (int8 and int8+tis in seed 000) used `learner.activation_memory_gib` 2 (smaller "
+               "micro-batches, the same step). So fp16 has no run here: the `real-int8` section compares the bf16, "
+               "fp16 and int8 engines against the learner on real answers, which is seed 000's rollout question. "
+               "The bf16/master run (seed 001) was trained before `learner.served_weights` existed."],
         quick_arms=["int8+tis"],
         quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2,
                "quant.calibration_samples": 16, "quant.probe_samples": 4}),
