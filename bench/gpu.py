@@ -171,11 +171,14 @@ def real_model(path: str | None):
     installed wheel (converted once, no download); or None and why not (a GPU machine with
     torch alone has neither: copy the converted directory there and pass --real-model)."""
     from learner.policy import load_policy
-    from rlpipe.builtin_models import ensure_builtin_model
-    from rlpipe.paths import SMOLLM2
 
     try:
-        return load_policy(path or str(ensure_builtin_model(SMOLLM2, log=lambda m: print(m, file=sys.stderr)))), ""
+        if not path:  # rlpipe's config stack (pydantic, yaml) is needed only here
+            from rlpipe.builtin_models import ensure_builtin_model
+            from rlpipe.paths import SMOLLM2
+
+            path = str(ensure_builtin_model(SMOLLM2, log=lambda m: print(m, file=sys.stderr)))
+        return load_policy(path), ""
     except (ImportError, OSError, ValueError) as e:  # MissingPackage is a ValueError (ConfigError)
         return None, str(e).splitlines()[0]
 
@@ -481,7 +484,7 @@ def section(res: dict, args) -> Section:
               ["model", "params", "rows x seq", "step s", "tokens/s", "model TFLOP/s", "MFU", "peak GPU memory GiB"],
               [[name, r["params"], f"{r['rows']} x {r['seq']}", r["step_s"], r["tokens_per_second"], r["tflops"],
                 r["mfu"], r["peak_memory_gib"]] for name, r in res["learner"].items()],
-              note=f"{res['device']}; median of {args.steps} steps after a warm-up step; model FLOPs 6 N per token "
+              note=(f"**{SMOKE}** " if smoke else "") + f"{res['device']}; median of {args.steps} steps after a warm-up step; model FLOPs 6 N per token "
                    "(N: the parameters a token multiplies, input embedding excluded; attention's own FLOPs and "
                    f"the recompute not counted); MFU against {peak or 'no known'} TFLOP/s dense bf16"
                    + ("" if peak else " (unknown GPU or CPU: no MFU; --peak-tflops sets it)")
