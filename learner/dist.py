@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from learner.policy import DTYPES, decoder_layers
+from weight_sync.names import served_parameters
 
 # Ranks other than 0 wait in a broadcast while rank 0 waits for rollouts: a long wait is normal.
 IDLE_TIMEOUT = timedelta(hours=6)
@@ -143,8 +144,9 @@ class Ranks:
             raise RuntimeError("rank 0 sent a step after the run ended")
 
     def full_tensors(self, model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named parameters of ``model``, whole (every rank must ask for the same names)."""
-        params = dict(model.named_parameters())
+        """The named parameters of ``model`` (by their served names), whole (every rank must ask for
+        the same names)."""
+        params = served_parameters(model)
         return {n: full(params[n].detach()) for n in names}
 
     def max(self, value: int) -> int:

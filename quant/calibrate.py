@@ -31,6 +31,7 @@ import torch
 
 from quant.int8 import quant_config, quantized_linears, smooth_groups, smoothed_weights, smoothing_vector
 from quant.profile import FORMAT, QuantProfile, model_fingerprint, token_fingerprint, write_checkpoint
+from weight_sync.names import served_parameters
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def calibrate(model, calibration_ids: list[list[int]], probe_ids: list[list[int]
     """One calibration pass over ``model`` (the base model, or the current policy when re-calibrating)."""
     t0 = time.perf_counter()
     amax = activation_amax(model, calibration_ids, alpha, progress)
-    profile = build_profile(dict(model.named_parameters()), amax, alpha, activations, base_model,
+    profile = build_profile(served_parameters(model), amax, alpha, activations, base_model,
                             calibration_ids, probe_ids, parent, calibrated_on, scheme)
     log.info("calibrated profile %s on %s in %.1fs", profile.hash, calibrated_on, time.perf_counter() - t0)
     return profile
@@ -171,7 +172,7 @@ def ensure_profile(model_dir: str | Path, calibration_ids: list[list[int]], prob
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base = model_fingerprint(model_dir)
     profile = calibrate(model, calibration_ids, probe_ids, alpha, activations, base, progress=progress, scheme=scheme)
-    tensors, _ = profile.int8_tensors(dict(model.named_parameters()))
+    tensors, _ = profile.int8_tensors(served_parameters(model))
     write_checkpoint(tensors, model_dir, out_dir / "checkpoint", quant_config("int8", profile.static))
     profile.save(out_dir)
     log_fn(f"[calibrate] profile {profile.hash} written to {out_dir}")

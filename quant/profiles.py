@@ -100,7 +100,8 @@ def fp8_checkpoint(model_path: str) -> Path:
         from transformers import AutoModelForCausalLM
 
         from quant.int8 import fp8_tensors, quant_config
+        from weight_sync.names import served_parameters
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        write_checkpoint(fp8_tensors(dict(model.named_parameters())), model_path, out, quant_config("fp8"))
+        write_checkpoint(fp8_tensors(served_parameters(model)), model_path, out, quant_config("fp8"))
     return out

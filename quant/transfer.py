@@ -25,6 +25,7 @@ import torch
 from quant.int8 import fp8_tensors
 from quant.monitor import monitor
 from quant.profile import QuantProfile, compat_key, load_for_run, model_fingerprint
+from weight_sync.names import served_parameters
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class CastWeights:
         self.cast_to = dtype
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
-        return dict(model.named_parameters()), {}
+        return served_parameters(model), {}
 
 
 class Fp8Weights:
@@ -49,7 +50,7 @@ class Fp8Weights:
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         t0 = time.perf_counter()
-        tensors = fp8_tensors(dict(model.named_parameters()))
+        tensors = fp8_tensors(served_parameters(model))
         return tensors, {"quant_seconds": time.perf_counter() - t0}
 
 
@@ -77,7 +78,7 @@ class Int8Weights:
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         t0 = time.perf_counter()
-        params = {n: t.detach() for n, t in model.named_parameters()}
+        params = {n: t.detach() for n, t in served_parameters(model).items()}
         tensors, smoothed = self._quantize(params)
         metrics = {"quant_seconds": time.perf_counter() - t0}
         if step % self.qcfg.monitor_every == 0 or self.previous is None:  # a monitored update

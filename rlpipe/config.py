@@ -591,6 +591,15 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("rollout.fleet: lists more precisions than there are workers")
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        from weight_sync.names import served_mismatch
+
+        try:  # else every worker refuses every update and the run waits at step 0
+            why = served_mismatch(cfg.model.path)
+        except ValueError as e:
+            why = str(e)
+        if why:
+            problems.append(f"model.path: the learner's weights do not fit the workers' engine: {why}")
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems
 

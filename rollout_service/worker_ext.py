@@ -28,24 +28,13 @@ from rollout_service.vllm_compat import (
     rewind_cpu_generators,
 )
 from weight_sync.manifest import Manifest, incompatibility, shape_mismatch
+from weight_sync.names import checkpoint_shapes
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
 
 EXTENSION_CLS = "rollout_service.worker_ext.RlpipeWorkerExtension"
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a model directory's safetensors (headers only)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for name in st.keys():
-                shapes[name] = tuple(st.get_slice(name).get_shape())
-    return shapes
 
 
 class RlpipeWorkerExtension:

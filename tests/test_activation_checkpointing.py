@@ -8,6 +8,7 @@ import torch
 
 from learner.batch import collate
 from learner.policy import enable_activation_checkpointing, load_policy, token_logprobs
+from tests.families import FAMILIES, LAYERS, tiny_model
 from tests.test_learner import synthetic_groups
 
 
@@ -42,29 +43,7 @@ def test_checkpointed_layers_give_the_same_gradients_and_keep_fewer_activations(
         assert torch.equal(token_logprobs(ckpt, batch, "fp32")[0], token_logprobs(plain, batch, "fp32")[0])
 
 
-ARCHITECTURES = {  # tiny random configs of the decoder families users train (transformers' classes)
-    "llama": ("LlamaConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "mistral": ("MistralConfig", {}),
-    "gemma": ("GemmaConfig", {"head_dim": 16}),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),
-    "gpt_neox": ("GPTNeoXConfig", {}),  # its layers are gpt_neox.layers, its head embed_out
-}
-
-
-def tiny_model(family: str):
-    import transformers
-
-    name, extra = ARCHITECTURES[family]
-    config = getattr(transformers, name)(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                         **extra)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
-
-
-@pytest.mark.parametrize("family", list(ARCHITECTURES))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_decoder_layers_are_found_in_every_family_and_checkpointing_keeps_its_gradients(family):
     """The learner finds the layers by their block class, not at ``model.model.layers``
     (a GPT-NeoX model crashed there with activation checkpointing, restarted forever)."""
@@ -72,8 +51,8 @@ def test_decoder_layers_are_found_in_every_family_and_checkpointing_keeps_its_gr
 
     plain, ckpt = tiny_model(family), tiny_model(family)
     layers = decoder_layers(plain)
-    assert len(layers) == 3 and type(layers[0]).__name__ in plain._no_split_modules
-    assert enable_activation_checkpointing(ckpt) == 3
+    assert len(layers) == LAYERS and type(layers[0]).__name__ in plain._no_split_modules
+    assert enable_activation_checkpointing(ckpt) == LAYERS
     batch = collate(synthetic_groups(plain, 2, seed=1), torch.ones(2, 4), 0)
     backward_with_saved_bytes(plain, batch)
     backward_with_saved_bytes(ckpt, batch)

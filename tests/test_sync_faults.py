@@ -201,8 +201,9 @@ def _worker_without_vllm(redis_url: str, run_id: str, model_dir: str) -> None:
     not fit the model's checkpoint, as a vLLM worker does)."""
     import asyncio
 
-    from rollout_service.worker_ext import RlpipeWorkerExtension, checkpoint_shapes
+    from rollout_service.worker_ext import RlpipeWorkerExtension
     from weight_sync.follower import SyncOutcome, WeightFollower
+    from weight_sync.names import checkpoint_shapes
 
     ext = RlpipeWorkerExtension()
     ext._rlpipe_shapes = checkpoint_shapes(model_dir)  # what rlpipe_init reads, without the vLLM parts

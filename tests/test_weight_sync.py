@@ -282,7 +282,7 @@ def test_no_live_workers_means_no_generation(r):
 
 def test_a_manifest_that_does_not_fit_the_workers_model_is_refused(toy_model_path):
     from learner.policy import load_policy
-    from rollout_service.worker_ext import checkpoint_shapes
+    from weight_sync.names import checkpoint_shapes
     from weight_sync.manifest import incompatibility
 
     expected = checkpoint_shapes(toy_model_path)

@@ -1,0 +1,96 @@
+"""The architecture matrix: every decoder family users train, through the whole loop on a
+real vLLM engine, and the launch check that the learner's tensors are the ones the engine
+loads (a GPT-NeoX run was left out of every sync over ``lm_head.weight``, which its
+checkpoint calls ``embed_out.weight``, and waited at step 0 forever)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlpipe.config import ConfigError, build_config, validate_run
+from rlpipe.queue import connect
+from tests.conftest import WorkerHarness, learner_logprobs, start_worker, stop_worker
+from tests.families import FAMILIES, save_tiny_model, tiny_model
+from weight_sync.names import checkpoint_shapes, served_mismatch, served_names
+
+
+def test_served_names_are_the_checkpoints_for_every_family(tmp_path):
+    """What the learner sends is named as ``save_pretrained`` names it, which is what vLLM loads."""
+    renamed = {}
+    for family in FAMILIES:
+        path = save_tiny_model(family, tmp_path / family)
+        model = tiny_model(family)
+        names = served_names(model)
+        assert set(names.values()) <= set(checkpoint_shapes(path)), family
+        assert served_mismatch(path) is None, family
+        renamed.update({k: v for k, v in names.items() if k != v})
+    assert renamed == {"lm_head.weight": "embed_out.weight"}  # GPT-NeoX's, the one transformers 5 renames
+
+
+def test_a_launch_names_the_first_tensor_the_workers_engine_would_not_load(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "m")
+    cfg = build_config({}, environ={}, **{"model.path": path})
+    validate_run(cfg)  # as saved: fits
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    weights["model.norm.scale"] = weights.pop("model.norm.weight")  # a checkpoint named otherwise
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"model.path: .*'model.norm.weight'"):
+        validate_run(cfg)
+    (tmp_path / "m" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        validate_run(cfg)
+
+
+def engine_gap(model, record) -> float:
+    """The largest difference between the engine's behavior log-probs and the learner's recompute."""
+    return max(float((learner_logprobs(model, record.prompt_tokens, s.tokens) - torch.from_numpy(s.logprobs)).abs().max())
+               for s in record.samples)
+
+
+def grpo_step(model, record) -> int:
+    """One GRPO step on the engine's group with the learner's loss terms; how many tensors moved."""
+    from learner.batch import collate
+    from learner.loss import compute_advantages, ppo_clip_terms
+    from learner.policy import token_logprobs
+
+    rewards = torch.tensor([[float(i % 2) for i in range(len(record.samples))]])
+    advantages, _ = compute_advantages(rewards)
+    batch = collate([record], advantages, 0)
+    pi, _ = token_logprobs(model, batch)
+    per_token, _ = ppo_clip_terms(pi, pi.detach(), batch.advantages, batch.mask, torch.ones_like(pi), 0.2, 0.2)
+    per_token.sum().backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    return sum(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_syncs_steps_and_recomputes_the_engines_logprobs(family, redis_server, tmp_path):
+    """A worker serves the family's checkpoint; the learner syncs new weights, takes a GRPO
+    step on the group it gets back, syncs again; each time the engine's log-probs equal the
+    learner's fp32 recompute (a tensor left out or mis-named would differ by about 0.1)."""
+    from learner.policy import load_policy
+
+    path = save_tiny_model(family, tmp_path / "model")
+    cfg, proc, address = start_worker(redis_server.url, path, tmp_path, **{"sampling.n": 4})
+    worker = WorkerHarness(cfg, proc, address, connect(redis_server.url))
+    try:
+        model = load_policy(path)
+        with torch.no_grad():  # weights the engine has not loaded
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        record = worker.next_group(worker.sync(model))
+        gaps = [engine_gap(model, record)]
+        moved = grpo_step(model, record)
+        gaps.append(engine_gap(model, worker.next_group(worker.sync(model))))
+        print(json.dumps({"family": family, "gaps": gaps, "tensors_moved": moved}))
+        assert moved == len(list(model.parameters()))
+        assert max(gaps) < 1e-4
+    finally:
+        worker.sender.drop()
+        stop_worker(proc)
