@@ -1,13 +1,15 @@
 """deploy/: the Kubernetes manifests and the Dockerfile, checked offline (no cluster, no Docker).
 
-Every kustomize target (base and the three overlays) is rendered with ``kubectl kustomize`` and
+Every kustomize target (base and the four overlays) is rendered with ``kubectl kustomize`` and
 every object validated strictly against the Kubernetes schema (``kubernetes-validate``);
 the Prometheus Operator's kinds, which it has no schema for, are checked here by hand.
 Then the manifests are checked against the code they run: ports and probe paths against
 the routes the FastAPI apps really serve and the ports of the ConfigMap's run.yaml, env
 names against the config schema and the names the code reads, container args against the
 CLI's parser, Secret references against what the README or the demo overlay creates, the
-grace period against the worker's drain, and the Redis probes' shell against LOADING.
+grace period against the worker's drain, and the Redis probes' shell against LOADING. The
+multi-node learner (overlays/gpu-multinode) is checked against torchrun_command and its probe
+script run against stand-in servers.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from rlpipe.config import ConfigError, build_config, load_config, validate_run
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu", "overlays/smollm2-math"]
+TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu", "overlays/smollm2-math", "overlays/gpu-multinode"]
 K8S_VERSION = "1.32"  # the kubectl here; kubernetes-validate's bundled schema for it
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # no bundled schema: checked structurally below
 SOURCES = ["rlpipe", "learner", "rollout_service", "weight_sync", "quant"]
 ROLES = {"learner": ("StatefulSet", "rlpipe-learner"), "rollout": ("Deployment", "rlpipe-rollout")}
 FAKE_POD_IP = "10.1.2.3"
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"  # set by the StatefulSet controller (>= 1.28)
 
 
 def _kubectl() -> str:
@@ -102,14 +105,15 @@ def run_config(docs, tmp_path):
     return load_config(path)
 
 
-def env_of(c: dict, pod_name: str = "rlpipe-rollout-abc-1") -> dict[str, str]:
+def env_of(c: dict, pod_name: str = "rlpipe-rollout-abc-1", pod_index: int = 0) -> dict[str, str]:
     """A container's env as the process would see it (downward API and Secrets faked)."""
     env = {}
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
         elif "fieldRef" in e["valueFrom"]:
-            env[e["name"]] = {"status.podIP": FAKE_POD_IP, "metadata.name": pod_name}[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            fields = {"status.podIP": FAKE_POD_IP, "metadata.name": pod_name, POD_INDEX: str(pod_index)}
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             env[e["name"]] = "secret-from-" + e["valueFrom"]["secretKeyRef"]["name"]
     return env
@@ -157,7 +161,8 @@ def test_monitoring_custom_resources(target, routes):
         role = selector.get("app.kubernetes.io/component")
         assert role in ROLES, f"PodMonitor {pm['metadata']['name']} selects no rlpipe role: {selector}"
         pod = workload(docs, role)["spec"]["template"]
-        assert selector.items() <= pod["metadata"]["labels"].items(), f"PodMonitor {role} selects no pod"
+        pod0_labels = {**pod["metadata"]["labels"], "apps.kubernetes.io/pod-index": "0"}  # pod 0 of a StatefulSet
+        assert selector.items() <= pod0_labels.items(), f"PodMonitor {role} selects no pod"
         ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
         for ep in pm["spec"]["podMetricsEndpoints"]:
             assert ep["port"] in ports, f"PodMonitor {role}: no container port named {ep['port']}"
@@ -203,12 +208,16 @@ def test_ports_and_probes_match_the_apps(target, routes, tmp_path):
         assert list(named.values()) == [port[role]], f"{name}: container ports {named} != run.yaml {port[role]}"
         probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
         assert len(probes) == 3, f"{name}: missing probes"
+        if role == "learner" and cfg.learner.nodes > 1:  # per-node exec probes: test_multinode_learner_probes
+            assert all(set(p) & {"exec", "httpGet"} == {"exec"} for p in probes.values())
+            probes = {}
         for kind_, probe in probes.items():
             get = probe["httpGet"]
             assert get["path"] in routes[role], f"{name} {kind_}: {get['path']} is not a route of the {role} app"
             assert named.get(get["port"], get["port"]) == port[role]
-        assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
-        assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
+        if probes:
+            assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
+            assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
         if role == "rollout":
             assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
         notes = obj["spec"]["template"]["metadata"]["annotations"]
@@ -330,9 +339,9 @@ def test_budgets_cover_drain_and_startup(target, tmp_path):
         c = container(workload(docs, role), role)
         # both roles wait for Redis (redis_wait_s) before they serve /healthz
         assert budget(c["startupProbe"]) > cfg.redis_wait_s + cfg.learner.lease_ttl_s
-    assert budget(container(rollout, "rollout")["startupProbe"]) >= (1200 if target.endswith("gpu") else 600)
+    assert budget(container(rollout, "rollout")["startupProbe"]) >= (1200 if "gpu" in target else 600)
     learner = workload(docs, "learner")
-    assert learner["spec"]["replicas"] == 1
+    assert learner["spec"]["replicas"] == cfg.learner.nodes  # one pod per learner node
     assert learner["spec"]["template"]["spec"].get("restartPolicy", "Always") == "Always"
     assert cfg.learner.on_done == "serve", "an exited learner would be restarted in a loop"
     pdb = one(docs, "PodDisruptionBudget", "rlpipe-rollout")
@@ -481,11 +490,11 @@ def test_labels_resources_security(target, tmp_path):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
         gpus = [c["name"] for c in all_containers(obj) if "nvidia.com/gpu" in c["resources"].get("limits", {})]
-        if target.endswith("gpu") and name != "rlpipe-redis":
+        if "gpu" in target and name != "rlpipe-redis":
             assert gpus == [labels["app.kubernetes.io/component"]], f"{name}: GPU"
         else:
             assert not gpus, f"{name}: GPUs belong in the gpu overlay only"
-    if target.endswith("gpu"):  # one GPU per learner rank, torchrun inside the pod; a worker's engine's worth
+    if "gpu" in target:  # one GPU per learner rank of the pod's node, torchrun inside the pod; a worker's engine's worth
         from rlpipe.gpus import gpus_per_worker
 
         cfg = run_config(docs, tmp_path)
@@ -552,3 +561,142 @@ def test_readme_documents_every_referenced_secret():
     assert set(documented) == {"rlpipe-tokens", "rlpipe-redis"}, textwrap.shorten(str(documented), 200)
     demo = {s["metadata"]["name"].rsplit("-", 1)[0]: set(s["data"]) for s in objects(render("overlays/cpu-demo"), "Secret")}
     assert demo == documented, "the demo overlay's Secrets and the documented ones differ"
+
+
+# -- the multi-node learner (overlays/gpu-multinode) ------------------------------------------
+MULTINODE = "overlays/gpu-multinode"
+
+
+def test_multinode_learner_meets_at_pod_0(tmp_path):
+    """One pod per learner node, all started together; each pod's torchrun gets its node rank
+    from its pod index and meets the others at pod 0's name under the headless Service."""
+    from rlpipe.launcher import torchrun_command
+
+    docs = render(MULTINODE)
+    cfg = run_config(docs, tmp_path)
+    lc = cfg.learner
+    sts = workload(docs, "learner")
+    spec = sts["spec"]
+    assert lc.nodes > 1 and spec["replicas"] == lc.nodes
+    assert spec["podManagementPolicy"] == "Parallel"  # node 0 waits for all nodes; OrderedReady would wait for node 0
+    # the rendezvous host is pod 0 of the StatefulSet's governing Service, which is headless and
+    # publishes pod 0's name before it is ready (it is ready only after the rendezvous)
+    svc = one(docs, "Service", spec["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    host, port = lc.rendezvous.rsplit(":", 1)
+    assert host == f"{sts['metadata']['name']}-0.{svc['metadata']['name']}" and int(port) > 0
+    # the node rank is the pod index, from the downward API
+    c = container(sts, "learner")
+    (rank_env,) = [e for e in c["env"] if e["name"] == "RLPIPE_LEARNER__NODE_RANK"]
+    assert rank_env["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
+    data = yaml.safe_load(run_config_text(docs))
+    assert "node_rank" not in data["learner"], "the node rank must come from the pod, not the shared run.yaml"
+    for index in range(spec["replicas"]):
+        pod_cfg = build_config(data, environ=env_of(c, f"{sts['metadata']['name']}-{index}", index))
+        assert pod_cfg.learner.node_rank == index
+        cmd, _ = torchrun_command(pod_cfg, ["learner", "--config", "/etc/rlpipe/run.yaml"])
+        opts = dict(zip(cmd, cmd[1:]))
+        assert opts["--nnodes"] == str(lc.nodes) and opts["--node-rank"] == str(index)
+        assert opts["--rdzv-backend"] == "static" and opts["--rdzv-endpoint"] == lc.rendezvous
+        assert opts["--nproc-per-node"] == str(lc.ranks)
+    # one GPU per rank of the node, requested and limited
+    resources = c["resources"]
+    assert int(resources["requests"]["nvidia.com/gpu"]) == int(resources["limits"]["nvidia.com/gpu"]) == lc.ranks
+    assert not lc.gpus
+
+
+def _learner_peer_rules(policy: dict, labels: dict) -> list[list[dict]]:
+    """The ports of the ingress rules of ``policy`` that admit pods with ``labels`` (same namespace)."""
+    def selects(sel: dict) -> bool:
+        if not sel.get("matchLabels", {}).items() <= labels.items():
+            return False
+        for e in sel.get("matchExpressions", []):
+            if e["operator"] != "In" or labels.get(e["key"]) not in e["values"]:
+                return False
+        return True
+
+    if not selects(policy["spec"]["podSelector"]):
+        return []
+    return [rule.get("ports", [])
+            for rule in policy["spec"].get("ingress", [])
+            if any("podSelector" in p and "namespaceSelector" not in p and selects(p["podSelector"]) for p in rule["from"])]
+
+
+def test_multinode_network_policy_admits_learner_to_learner(tmp_path):
+    """The nodes reach each other on the rendezvous port and NCCL's ephemeral ports (every TCP
+    port); the base admits only workers and Prometheus to the learner."""
+    docs = render(MULTINODE)
+    labels = workload(docs, "learner")["spec"]["template"]["metadata"]["labels"]
+    port = int(run_config(docs, tmp_path).learner.rendezvous.rsplit(":", 1)[1])
+
+    def admitted(docs) -> list[list[dict]]:
+        return [ports for p in objects(docs, "NetworkPolicy") for ports in _learner_peer_rules(p, labels)]
+
+    rules = admitted(docs)
+    assert [{"protocol": "TCP"}] in rules, f"learner pods may not reach each other on every TCP port: {rules}"
+    assert any(p.get("port") in (None, port) for ports in rules for p in ports)
+    assert not admitted(render("overlays/gpu")), "the one-node learner needs no learner-to-learner rule"
+
+
+def test_multinode_learner_probes(tmp_path):
+    """The probe script, run as the kubelet would (the pod's env, the run.yaml it mounts) against
+    stand-ins: node 0 answers on /healthz; another node only needs node 0's rendezvous store."""
+    import http.server
+    import socket
+    import sys
+    import threading
+
+    docs = render(MULTINODE)
+    sts = workload(docs, "learner")
+    c = container(sts, "learner")
+    commands = {k: c[k]["exec"]["command"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert len({tuple(v) for v in commands.values()}) == 1, "one probe script for all three"
+    for k in commands:
+        assert c[k]["timeoutSeconds"] >= 5, f"{k}: a Python start needs more than the default 1 s"
+    command = commands["livenessProbe"]
+    assert command[0] == "python"
+    (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m.get("subPath") == "run.yaml"]
+    assert mount in command[-1]
+    config = tmp_path / "run.yaml"
+    config.write_text(run_config_text(docs))
+    command = [sys.executable, *command[1:-1], command[-1].replace(mount, str(config))]
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    http_port, store_port = free_port(), free_port()
+    status = {"code": 200}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status["code"] if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def probe(index: int) -> bool:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+        env.update(env_of(c, f"rlpipe-learner-{index}", index))
+        # the stand-ins' addresses instead of the pod's port and pod 0's DNS name
+        env.update(RLPIPE_LEARNER__PORT=str(http_port), RLPIPE_LEARNER__RENDEZVOUS=f"127.0.0.1:{store_port}",
+                   PYTHONPATH=str(ROOT))
+        return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, timeout=30).returncode == 0
+
+    assert not probe(0) and not probe(1), "nothing listening: both fail"
+    server = http.server.HTTPServer(("127.0.0.1", http_port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert probe(0), "node 0 with a healthy /healthz"
+        assert not probe(1), "node 1 needs node 0's rendezvous store, not the HTTP port"
+        status["code"] = 503
+        assert not probe(0), "node 0 whose /healthz fails"
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.create_server(("127.0.0.1", store_port)):  # node 0's torchrun store
+        assert probe(1), "node 1 while node 0's store answers"
+        assert not probe(0), "node 0 without its HTTP server"
