@@ -17,6 +17,8 @@ import torch
 
 from quant.transfer import rollout_weights
 from rlpipe import registry
+from rlpipe.gpus import role_transport
+from weight_sync.nccl import NcclBroadcast
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError
 
@@ -28,9 +30,10 @@ class SyncChannel:
         self.precision = precision
         self.mixed = mixed  # a fleet of several precisions: only workers registered with ours
         self.wire = rollout_weights(precision, cfg.quant, cfg.model.path)
-        self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, int(cfg.sync.bucket_mib * 2**20),
-                                   self.wire.cast_to, channel=precision if mixed else "", gather=gather,
-                                   fence=fence)
+        bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
+        nccl = NcclBroadcast(bucket_bytes, cfg.sync.timeout_s) if role_transport(cfg) == "nccl" else None
+        self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
+                                   channel=precision if mixed else "", gather=gather, fence=fence, nccl=nccl)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:

@@ -337,6 +337,10 @@ class SyncConfig(Section):
     timeout_s: float = Field(60.0, gt=0, description="longest a sync waits on workers: check-in, and every collective")
     bucket_mib: float = Field(256, gt=0, description="size of the packed broadcast buffers")
     join_timeout_s: float = Field(120.0, gt=0, description="how long the first generation waits for the whole fleet")
+    transport: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+        "auto", description="how versions travel: gloo (staged in host memory, any device), nccl (GPU to GPU, "
+        "weight_sync/nccl.py), ipc (not built yet); auto = nccl where CUDA is present and the learner's "
+        "first GPU is no worker's, else gloo")
 
 
 class QuantConfig(Section):
@@ -600,10 +604,18 @@ def validate_run(cfg: RunConfig) -> None:
             why = str(e)
         if why:
             problems.append(f"model.path: the learner's weights do not fit the workers' engine: {why}")
+    from rlpipe.gpus import cuda_devices
+    from weight_sync.nccl import resolve_transport
+
+    try:
+        transport = resolve_transport(cfg.sync.transport, cuda_devices())
+    except ValueError as e:
+        problems.append(str(e))
+        transport = "gloo"
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems
 
-        problems += engine_args_problems(cfg.rollout.engine)
+        problems += engine_args_problems(cfg.rollout.engine, transport)
     if cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp" and learner_quantized(cfg):
         problems.append(f"learner.parallel: fsdp (the default above one rank) cannot quantize for "
                         f"{'/'.join(learner_quantized(cfg))} workers yet, which needs the whole model on rank 0: "

@@ -31,8 +31,16 @@ from rlpipe.proc import parse_cpus
 
 
 def gpus_per_worker(cfg: RunConfig) -> int:
-    engine = cfg.rollout.engine
-    return int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1)
+    from rollout_service.engine_args import engine_processes
+
+    return engine_processes(cfg.rollout.engine)
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices this process sees (0 on a machine without any)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @dataclass(frozen=True)
@@ -40,16 +48,20 @@ class GpuPlan:
     learner: tuple[int, ...] = ()
     workers: tuple[tuple[int, ...], ...] = ()  # worker i runs on workers[i % len(workers)]
     names: tuple[str, ...] = ()  # device i is names[i] in the children's CUDA_VISIBLE_DEVICES
+    transport: str = ""  # sync.transport, resolved once for every role ("" = no GPUs: each resolves gloo)
 
     def learner_env(self) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": self._visible(self.learner)} if self.learner else {}
+        return {"CUDA_VISIBLE_DEVICES": self._visible(self.learner), **self._transport()} if self.learner else {}
 
     def worker_env(self, index: int) -> dict[str, str]:
         """Worker ``index``'s devices; one added by ``rlpipe scale`` beyond the planned slices
         shares one (round robin), as a worker added beyond the cores shares a core."""
         if not self.workers:
             return {}
-        return {"CUDA_VISIBLE_DEVICES": self._visible(self.workers[index % len(self.workers)])}
+        return {"CUDA_VISIBLE_DEVICES": self._visible(self.workers[index % len(self.workers)]), **self._transport()}
+
+    def _transport(self) -> dict[str, str]:
+        return {"RLPIPE_SYNC__TRANSPORT": self.transport} if self.transport else {}
 
     def _visible(self, ids) -> str:
         return ",".join(self.names[i] if self.names else str(i) for i in ids)
@@ -68,6 +80,7 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
         if missing := [i for i in ids if i >= n_devices]:
             raise ConfigError(f"{key}: GPUs {missing} do not exist here (devices 0-{n_devices - 1})")
     if n_devices == 0:
+        _resolve(cfg.sync.transport, 0)  # nccl on a machine without CUDA: refused here
         return GpuPlan()
     if learner and len(learner) != ranks:
         raise ConfigError(f"learner.gpus: {len(learner)} GPUs for learner.ranks {ranks}: one GPU per rank")
@@ -86,12 +99,40 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
         raise ConfigError(f"rollout.gpus: {len(rollout)} GPUs ({rollout}) give {len(slices)} slice(s) of {per} "
                           f"for {cfg.workers} workers; {hint}")
     names = tuple(v.strip() for v in visible.split(",")) if visible.strip() else ()
-    return GpuPlan(tuple(learner), tuple(slices), names[:n_devices] if len(names) >= n_devices else ())
+    return GpuPlan(tuple(learner), tuple(slices), names[:n_devices] if len(names) >= n_devices else (),
+                   plan_transport(cfg.sync.transport, n_devices, learner[0], slices[:cfg.workers]))
+
+
+def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list[tuple[int, ...]]) -> str:
+    """The transport every role of the run uses, decided once here (the children get it in
+    their environment, so a learner and its workers never resolve ``auto`` apart). NCCL
+    cannot place two ranks on one GPU, so a worker on the learner's first GPU (rank 0 sends
+    every update) rules it out: ``auto`` falls back to gloo, and ``nccl`` is refused."""
+    transport = _resolve(requested, n_devices)
+    shared = [i for i, s in enumerate(slices) if sender_gpu in s]
+    if transport == "nccl" and shared:
+        if requested == "auto":
+            return "gloo"
+        raise ConfigError(f"sync.transport: nccl cannot reach worker {shared[0]}, which shares GPU {sender_gpu} "
+                          f"with learner rank 0 (NCCL needs one GPU per rank); give them separate GPUs, or use gloo")
+    return transport
+
+
+def role_transport(cfg: RunConfig) -> str:
+    """The transport this role uses: ``sync.transport`` resolved on this machine (a role that
+    ``rlpipe demo`` or ``up`` started gets their resolution in its environment)."""
+    return _resolve(cfg.sync.transport, cuda_devices())
+
+
+def _resolve(requested: str, n_devices: int) -> str:
+    from weight_sync.nccl import resolve_transport
+
+    try:
+        return resolve_transport(requested, n_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def launch_plan(cfg: RunConfig) -> GpuPlan:
     """The plan for this machine, as ``rlpipe demo`` and ``rlpipe up`` launch."""
-    import torch
-
-    return plan_gpus(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                     os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    return plan_gpus(cfg, cuda_devices(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))

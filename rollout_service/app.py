@@ -256,11 +256,12 @@ def bad_request(field: str, msg: str) -> HTTPException:
 
 
 def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None) -> FastAPI:
+    from rlpipe.gpus import role_transport
     from rollout_service.engine import InvalidRequest, RolloutEngine
     from rollout_service.metrics import RolloutMetrics
 
     profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
-    engine = RolloutEngine(cfg.model.path, profile, cfg.rollout, seed=cfg.seed)
+    engine = RolloutEngine(cfg.model.path, profile, cfg.rollout, seed=cfg.seed, transport=role_transport(cfg))
     metrics = RolloutMetrics(worker_id, profile.precision, cfg.run_id)
     limits = cfg.rollout
     api_share = ApiShare(cfg)

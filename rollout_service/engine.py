@@ -24,7 +24,7 @@ import numpy as np
 from quant.profiles import PrecisionProfile
 from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
-from rollout_service.engine_args import engine_args_problems
+from rollout_service.engine_args import engine_args_problems, engine_processes
 from rollout_service.worker_ext import EXTENSION_CLS
 from weight_sync.follower import SyncOutcome
 
@@ -76,8 +76,13 @@ class _Tracked:
 
 
 class RolloutEngine:
-    def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0):
+    def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0,
+                 transport: str = "gloo"):
+        """``transport``: the run's resolved ``sync.transport``; under nccl updates go through
+        vLLM's own weight-transfer engine (rollout_service/nccl_updates.py)."""
         self.model_path = model_path
+        self.transport = transport
+        self.nccl = None  # the updates over vLLM's nccl engine, once started with transport nccl
         self.profile = profile
         self.cfg = cfg
         self.seed = seed
@@ -96,7 +101,7 @@ class RolloutEngine:
     def engine_kwargs(self) -> dict:
         """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM): rlpipe's,
         and the run's ``rollout.engine`` (which may not set rlpipe's, engine_args.py)."""
-        if problems := engine_args_problems(self.cfg.engine):
+        if problems := engine_args_problems(self.cfg.engine, self.transport):
             raise ConfigError("; ".join(problems))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         vllm_compat.before_engine_start()
@@ -109,7 +114,10 @@ class RolloutEngine:
             max_model_len=self.cfg.max_model_len,
             **({"max_num_batched_tokens": self.cfg.max_num_batched_tokens} if self.cfg.max_num_batched_tokens else {}),
             seed=self.seed,
-            distributed_executor_backend="uni",
+            # one process: the engine's own ("uni"), which keeps rlpipe's gloo follower in it;
+            # tensor/pipeline parallel ranks are processes of their own (nccl transport only)
+            distributed_executor_backend="uni" if engine_processes(self.cfg.engine) == 1 else "mp",
+            **({"weight_transfer_config": {"backend": "nccl"}} if self.transport == "nccl" else {}),
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
             **self.cfg.engine,
@@ -124,6 +132,10 @@ class RolloutEngine:
         for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
+        if self.transport == "nccl":
+            from rollout_service.nccl_updates import NcclUpdates
+
+            self.nccl = NcclUpdates(self)
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
@@ -195,12 +207,17 @@ class RolloutEngine:
 
     async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
                    timeout_s: float) -> SyncOutcome:
+        if self.nccl:
+            return await self.nccl.join(host, port, candidate, generation, manifest_json, timeout_s)
         return _outcome(await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s))
 
     async def update(self, version: int, manifest_json: str) -> SyncOutcome:
         """Receive ``version`` while generating, then load it with generation paused. The
         weights carry their quantization profile (a recalibrated one after a recalibration)."""
-        result = await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
+        if self.nccl:
+            result = await self.nccl.update(version, manifest_json)
+        else:
+            result = await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
         if result.ok:
             from weight_sync.manifest import Manifest
 
@@ -220,15 +237,19 @@ class RolloutEngine:
             staged = await self._in_worker(op, *args)
             return _outcome({**staged, **await self._apply(version, source)} if staged["ok"] else staged)
 
-    async def _apply(self, version: int, source: str) -> dict:
-        """Load the staged weights with generation paused ("keep": running requests are
-        frozen, not aborted) and record the version change in every request in flight."""
+    async def _load_staged(self) -> dict:
+        return (await self.llm.collective_rpc("rlpipe_apply"))[0]
+
+    async def _apply(self, version: int, source: str, load=None) -> dict:
+        """Load new weights with generation paused ("keep": running requests are frozen, not
+        aborted) and record the version change in every request in flight. ``load``: how
+        (default: the weights staged in the engine process; under nccl, the transfer itself)."""
         t0 = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             for _ in range(3):  # let streamed outputs of the last step reach their requests
                 await asyncio.sleep(0)
-            result = (await self.llm.collective_rpc("rlpipe_apply"))[0]
+            result = await (load or self._load_staged)()
         except Exception as e:
             # The model may be half-loaded: never resume generating with it.
             raise WeightsCorrupted(f"loading version {version} failed part-way: {e!r}") from e

@@ -6,12 +6,14 @@ vLLM's ``EngineArgs``, so a typo is an error naming it and vLLM's closest fields
 setting silently ignored; checked at launch (rlpipe.config.validate_run) and when an engine
 starts. Values are vLLM's to check, when the engine starts.
 
-Some fields rlpipe sets itself: the error names the run's key that sets them. Tensor,
-pipeline and data parallelism are refused for now: the weight follower
-(rollout_service/worker_ext.py) receives each update in the one engine process of the
-``uni`` executor, and an engine spread over several processes would need each of them to
-receive its part. That is the GPU-cluster work still open, so a TP engine fails here, at
-launch, not at its first weight sync.
+Some fields rlpipe sets itself: the error names the run's key that sets them.
+
+Tensor and pipeline parallelism need ``sync.transport: nccl``: vLLM's nccl weight-transfer
+engine gives every process of the engine its own rank and loads each its shard
+(weight_sync/nccl.py). Under gloo the weight follower (rollout_service/worker_ext.py)
+receives each update in the one engine process of the ``uni`` executor, so a TP engine is
+refused there, at launch, not at its first weight sync. Data parallelism inside one engine
+is refused under both: run more workers instead (each is its own engine and member).
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ SET_BY_RLPIPE = {
     "logprobs_mode": "nothing: behavior log-probs must be the sampling distribution's (processed_logprobs)",
     "distributed_executor_backend": "nothing: it follows from the parallel sizes",
     "disable_log_stats": "nothing: the worker exports its own metrics",
+    "weight_transfer_config": "sync.transport",
 }
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def engine_processes(engine: dict) -> int:
+    """How many processes (and GPUs) an engine of these arguments runs: tensor x pipeline parallel."""
+    return int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1)
 
 
 @cache
@@ -45,8 +53,9 @@ def engine_fields() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
 
 
-def engine_args_problems(engine: dict) -> list[str]:
-    """What is wrong with ``rollout.engine``, one line per key ([] when nothing)."""
+def engine_args_problems(engine: dict, transport: str = "gloo") -> list[str]:
+    """What is wrong with ``rollout.engine`` under the run's resolved ``transport``, one line
+    per key ([] when nothing)."""
     if not engine:
         return []
     problems = []
@@ -59,7 +68,9 @@ def engine_args_problems(engine: dict) -> list[str]:
             close = difflib.get_close_matches(key, sorted(fields), n=3)
             problems.append(f"{where}: not a vLLM engine argument" + (f" (did you mean {', '.join(close)}?)"
                                                                       if close else ""))
-        elif key in PARALLEL and value not in (None, 1):
-            problems.append(f"{where}: {value}: an engine over several processes is not supported yet (the "
-                            "weight follower receives updates in one engine process); run more workers instead")
+        elif key in PARALLEL and value not in (None, 1) and (transport != "nccl" or key == "data_parallel_size"):
+            why = ("an engine's own data parallelism is not supported" if key == "data_parallel_size" else
+                   "under gloo the weight follower receives updates in one engine process; it needs "
+                   "sync.transport nccl (CUDA)")
+            problems.append(f"{where}: {value}: {why}; run more workers instead")
     return problems

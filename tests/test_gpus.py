@@ -24,7 +24,7 @@ def test_an_8_gpu_node_gives_the_learner_its_ranks_gpus_and_each_worker_its_own(
     cfg = cfg_with(workers=4, **{"learner.ranks": 4})
     assert visible(plan_gpus(cfg, 8), 4) == ("0,1,2,3", ["4", "5", "6", "7"])
     # A worker `rlpipe scale` adds beyond the slices shares one, round robin.
-    assert plan_gpus(cfg, 8).worker_env(4) == {"CUDA_VISIBLE_DEVICES": "4"}
+    assert plan_gpus(cfg, 8).worker_env(4)["CUDA_VISIBLE_DEVICES"] == "4"
     # Explicit lists: the learner's one per rank; the two may overlap (colocated on a GPU).
     cfg = cfg_with(workers=2, **{"learner.ranks": 2, "learner.gpus": "6-7", "rollout.gpus": "0,3"})
     assert visible(plan_gpus(cfg, 8), 2) == ("6,7", ["0", "3"])
@@ -82,8 +82,11 @@ def test_engine_arguments_are_checked_against_vllms_own():
     assert typo.startswith("rollout.engine.max_num_seq: not a vLLM engine argument") and "max_num_seqs" in typo
     (own,) = engine_args_problems({"max_model_len": 4096})
     assert "rlpipe sets this engine argument; set rollout.max_model_len" in own
-    (tp,) = engine_args_problems({"tensor_parallel_size": 2})
-    assert tp.startswith("rollout.engine.tensor_parallel_size: 2: an engine over several processes")
+    (tp,) = engine_args_problems({"tensor_parallel_size": 2})  # under gloo
+    assert tp.startswith("rollout.engine.tensor_parallel_size: 2: under gloo") and "sync.transport nccl" in tp
+    assert engine_args_problems({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "nccl") == []
+    (dp,) = engine_args_problems({"data_parallel_size": 2}, "nccl")
+    assert dp.startswith("rollout.engine.data_parallel_size: 2: an engine's own data parallelism")
     assert engine_args_problems({"tensor_parallel_size": 1}) == []
     with pytest.raises(ConfigError, match="rollout.engine.max_num_seq: not a vLLM engine argument"):
         validate_run(cfg_with(**{"rollout.engine": {"max_num_seq": 8}}))

@@ -51,14 +51,18 @@ class Manifest:
     buckets: tuple[Bucket, ...]
     quant_profile: str = ""  # hash of the quantization profile the tensors were made with ("" = none)
     quant_compat: str = ""  # what an engine must have been started for to load them (quant/profile.py)
+    transport: str = "gloo"  # how versions travel: gloo (in the buckets) or nccl (weight_sync/nccl.py)
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
     def to_json(self) -> str:
-        return json.dumps({"buckets": [asdict(b) for b in self.buckets], "quant_profile": self.quant_profile,
-                           "quant_compat": self.quant_compat}, separators=(",", ":"))
+        data = {"buckets": [asdict(b) for b in self.buckets], "quant_profile": self.quant_profile,
+                "quant_compat": self.quant_compat}
+        if self.transport != "gloo":  # gloo's manifests read as they always did
+            data["transport"] = self.transport
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
@@ -67,7 +71,8 @@ class Manifest:
         for b in data["buckets"]:
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
-        return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""))
+        return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""),
+                   data.get("transport", "gloo"))
 
     @property
     def hash(self) -> str:
@@ -80,7 +85,7 @@ def header_tensor(version: int, manifest_hash: str) -> torch.Tensor:
 
 
 def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, quant_profile: str = "",
-                 quant_compat: str = "") -> Manifest:
+                 quant_compat: str = "", transport: str = "gloo") -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
@@ -102,7 +107,7 @@ def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
             used += nbytes
         if slots:
             buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
-    return Manifest(tuple(buckets), quant_profile, quant_compat)
+    return Manifest(tuple(buckets), quant_profile, quant_compat, transport)
 
 
 def _numel(shape) -> int:
@@ -133,10 +138,15 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
     ]
 
 
-def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]], quant_compat: str = "") -> str | None:
+def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]], quant_compat: str = "",
+                    transport: str = "gloo") -> str | None:
     """Why ``manifest`` cannot load into a model whose tensors have the ``expected``
-    shapes and whose engine was started for quantization ``quant_compat`` (a learner that
-    trains another model, or quantizes for another scheme or base model), or None."""
+    shapes and whose engine was started for quantization ``quant_compat`` and weight
+    ``transport`` (a learner that trains another model, quantizes for another scheme or
+    base model, or sends over another transport), or None."""
+    if manifest.transport != transport:
+        return (f"the learner sends over {manifest.transport}, this worker's engine was started for {transport} "
+                f"(sync.transport must resolve alike on both: set it explicitly)")
     if manifest.quant_compat != quant_compat:
         return (f"the learner sends weights quantized as {manifest.quant_compat or 'unquantized'} "
                 f"(profile {manifest.quant_profile or '-'}), this worker's engine was started for "

@@ -25,6 +25,35 @@ from weight_sync.transport import GlooGroup, SyncError, check_in
 CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 
 
+def join_group(host: str, port: int, slot: int | str, generation: int, timeout_s: float,
+               refuse: str | None = None) -> tuple[GlooGroup, GateClient | None]:
+    """Check in under ``slot`` (or refuse) on the learner's store and build this member's
+    side of the generation's gloo group; returns it and the relay through the gate."""
+    try:
+        store, relay = GlooGroup.connect(host, port, timeout_s, sync_token())
+    except Exception as e:
+        raise SyncError(f"cannot reach the learner's store at {host}:{port}: {e}") from e
+    try:
+        rank, world_size = check_in(store, generation, slot, timeout_s, refuse)
+        return GlooGroup(store, rank, world_size, host, generation, timeout_s, timeout_s), relay
+    except BaseException:
+        if relay is not None:
+            relay.close()
+        raise
+
+
+def expect_header(group: GlooGroup, version: int, manifest: Manifest) -> None:
+    """Receive a version's header and check it is ``version`` of ``manifest``."""
+    header = torch.zeros(2, dtype=torch.int64)
+    group.wait(group.recv(header, 0, 0))
+    _check_header(header, version, manifest)
+
+
+def _check_header(header: torch.Tensor, version: int, manifest: Manifest) -> None:
+    if not torch.equal(header, header_tensor(version, manifest.hash)):
+        raise SyncError(f"expected version {version} with manifest {manifest.hash}, got header {header.tolist()}")
+
+
 class WeightReceiver:
     def __init__(self, group: GlooGroup, generation: int, manifest: Manifest, relay: GateClient | None = None):
         self.group = group
@@ -43,17 +72,7 @@ class WeightReceiver:
         token, from its environment, to the learner's gate), else its candidate number.
         Raises :class:`~weight_sync.transport.LeftOut` when the generation formed without
         this worker, :class:`SyncError` on any other failure, each within ``timeout_s``."""
-        try:
-            store, relay = GlooGroup.connect(host, port, timeout_s, sync_token())
-        except Exception as e:
-            raise SyncError(f"cannot reach the learner's store at {host}:{port}: {e}") from e
-        try:
-            rank, world_size = check_in(store, generation, slot, timeout_s, refuse)
-            group = GlooGroup(store, rank, world_size, host, generation, timeout_s, timeout_s)
-        except BaseException:
-            if relay is not None:
-                relay.close()
-            raise
+        group, relay = join_group(host, port, slot, generation, timeout_s, refuse)
         return cls(group, generation, manifest, relay)
 
     def receive(self, version: int, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
@@ -66,9 +85,7 @@ class WeightReceiver:
         # models); it is only loaded after the header checked out.
         works = [group.recv(self.buffers[0], 0, 1)] if self.buffers else []
         group.wait(header_work)
-        expected = header_tensor(version, manifest.hash)
-        if not torch.equal(header, expected):
-            raise SyncError(f"expected version {version} with manifest {manifest.hash}, got header {header.tolist()}")
+        _check_header(header, version, manifest)
         weights = []
         for i, (bucket, buf) in enumerate(zip(manifest.buckets, self.buffers)):
             if i + 1 < len(self.buffers):

@@ -3,7 +3,9 @@ broadcast every new version as packed buckets.
 
 Each broadcast starts with a small header (version, manifest hash) so a receiver can
 refuse a transfer that is not the one it expects. Packing is pipelined with the
-transfer: bucket i+1 is packed while gloo sends bucket i.
+transfer: bucket i+1 is packed while gloo sends bucket i. Under ``sync.transport: nccl``
+the generation and the headers stay on gloo and the weights go in one NCCL broadcast
+(weight_sync/nccl.py).
 
 Membership: workers are identified by ``id -> incarnation`` (a token each worker
 process draws at start and redraws to ask back in). A worker that does not check in
@@ -39,6 +41,7 @@ from rlpipe.fence import Fence
 from rlpipe.queue import Keys
 from weight_sync.gate import Gate
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
+from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
                                     read_sync)
 from weight_sync.transport import NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot
@@ -62,16 +65,20 @@ class SyncStats:
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
                  wire_dtype: torch.dtype | None, channel: str = "",
-                 gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None):
+                 gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
+                 nccl: NcclBroadcast | None = None):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
         just before packing it, so the whole model is never gathered at once. ``fence``: the
-        learner lease's (rlpipe/fence.py), so a learner that lost its lease publishes nothing."""
+        learner lease's (rlpipe/fence.py), so a learner that lost its lease publishes nothing.
+        ``nccl``: versions travel over it (``sync.transport: nccl``, GPU only), the gloo
+        group carrying only the generation, the handshake and each version's header."""
         self.r, self.keys, self.fence = r, keys, fence
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
         self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
         self.bucket_bytes, self.wire_dtype, self.gather = bucket_bytes, wire_dtype, gather
+        self.nccl = nccl
         self.group: GlooGroup | None = None
         self.gate: Gate | None = None  # the current generation's (with a token)
         self.state = SyncState()
@@ -103,7 +110,7 @@ class WeightSender:
         others (and all, without one) in their own dtype."""
         specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
                   tuple(t.shape)) for name, t in tensors.items()]
-        return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat)
+        return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat, "nccl" if self.nccl else "gloo")
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
              live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> SyncStats:
@@ -177,6 +184,8 @@ class WeightSender:
             # sent), whatever part of the deadline waiting on a missing candidate took.
             self.group = GlooGroup(store, 0, self.state.world_size, self.host, generation, self.timeout_s,
                                    self.timeout_s)
+            if self.nccl:
+                self.nccl.open(self.group)
         except SyncError:
             self.drop()
             raise
@@ -210,6 +219,8 @@ class WeightSender:
                     failed.setdefault(rank, str(e))
 
         in_flight = post(header_tensor(version, self.manifest.hash), 0)
+        if self.nccl:
+            return self._broadcast_nccl(version, tensors, in_flight, finish, failed, t0)
         pack_s = 0.0
         for i, bucket in enumerate(self.manifest.buckets):
             # Two buffers in turn: bucket i-2's send, the last use of this one, has finished.
@@ -231,7 +242,26 @@ class WeightSender:
         return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=self.manifest.nbytes), \
             failed
 
+    def _broadcast_nccl(self, version: int, tensors: dict[str, torch.Tensor], headers: dict, finish: Callable,
+                        failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
+        """The version over NCCL, once every member took its header: one broadcast reaches
+        all of them or none (a member that failed would hang the rest), so a member lost
+        at the header is left out and the generation re-formed before anything is sent."""
+        finish(headers)
+        if failed:
+            members = list(self._members)
+            for rank, why in failed.items():
+                self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
+            raise SyncError(f"version {version}: {len(failed)} member(s) lost before the NCCL broadcast: "
+                            f"{next(iter(failed.values()))}")
+        self.nccl.broadcast(self.manifest, tensors, self.gather)
+        total = time.perf_counter() - t0
+        self.state.version = version
+        return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes), {}
+
     def drop(self) -> None:
+        if self.nccl is not None:
+            self.nccl.close()
         if self.group is not None:
             self.group.close()
         if self.gate is not None:

@@ -36,8 +36,8 @@ Without any token (a local run on a loopback ``sync.host``; the learner refuses 
 reachable one, rlpipe.auth.check_sync_exposure) candidates check in under their number,
 unauthenticated, on a store that listens on ``sync.host`` only.
 
-On CUDA the same interface would be served by NCCL (vLLM's ``PyNcclCommunicator`` over a
-``StatelessProcessGroup``); only gloo is implemented and tested here, on CPU.
+Under ``sync.transport: nccl`` this group stays the control plane (admission, the NCCL
+handshake, each version's header) and the weights travel over NCCL (weight_sync/nccl.py).
 """
 
 from __future__ import annotations

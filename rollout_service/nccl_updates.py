@@ -1,0 +1,108 @@
+"""A rollout engine's weight updates over vLLM's own ``nccl`` weight-transfer engine
+(``sync.transport: nccl``; the protocol is in weight_sync/nccl.py).
+
+The gloo side runs here, in the rollout server's process, not in the engine's worker as
+under gloo: it only checks in, shakes hands and takes each version's header, and an
+engine over several processes (tensor or pipeline parallel) must join once, as one
+member. vLLM's ``AsyncLLM`` then fans the NCCL init and every update out to each of its
+processes, which get their own rank (offset + their rank in the engine) and load whole
+tensors narrowed to their shard.
+
+Unlike gloo's staged updates, generation is paused for the whole transfer (vLLM's nccl
+engine loads chunk by chunk as they arrive), and a transfer that fails part-way leaves a
+mix of old and new layers: that is :class:`WeightsCorrupted`, and the worker exits
+rather than serve it (rollout_service/app.py). Catching up from a checkpoint stays on the
+engine's staged path (rollout_service/worker_ext.py).
+
+GPU only: this module needs CUDA and has never run in this project. What it decides is
+tested on CPU (tests/test_nccl_sync.py); the calls are vLLM's, which its authors test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rollout_service.engine_args import engine_processes
+from weight_sync.follower import SyncOutcome
+from weight_sync.manifest import Manifest, incompatibility
+from weight_sync.names import checkpoint_shapes
+from weight_sync.nccl import update_info, worker_handshake
+from weight_sync.receiver import expect_header, join_group
+from weight_sync.transport import LeftOut, SyncError
+
+log = logging.getLogger(__name__)
+
+
+class NcclUpdates:
+    def __init__(self, engine):
+        self.engine = engine  # the RolloutEngine: its AsyncLLM, and its paused apply
+        self.shapes = checkpoint_shapes(engine.model_dir)
+        self.group = self.relay = None
+        self.manifest: Manifest | None = None
+        self.initialized = False
+
+    async def join(self, host: str, port: int, slot, generation: int, manifest_json: str,
+                   timeout_s: float) -> SyncOutcome:
+        """Check in (or refuse), shake hands, and join the learner's NCCL group."""
+        await self.leave()
+        manifest = Manifest.from_json(manifest_json)
+        refuse = incompatibility(manifest, self.shapes, self.engine.profile.compat, "nccl")
+        try:
+            self.group, self.relay = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s,
+                                                             refuse)
+            info = await asyncio.to_thread(worker_handshake, self.group, engine_processes(self.engine.cfg.engine))
+        except LeftOut as e:
+            return SyncOutcome.failed(str(e), refused=refuse is not None)
+        except SyncError as e:
+            await self.leave()
+            return SyncOutcome.failed(str(e))
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        try:
+            await asyncio.wait_for(self.engine.llm.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=info)), timeout_s)
+        except Exception as e:  # the learner's init failed or timed out: it re-forms without us
+            await self.leave()
+            return SyncOutcome.failed(f"NCCL init: {e!r}")
+        self.initialized, self.manifest = True, manifest
+        return SyncOutcome(True)
+
+    async def update(self, version: int, manifest_json: str) -> SyncOutcome:
+        """Take the version's header over gloo, then receive and load it over NCCL with
+        generation paused."""
+        manifest = Manifest.from_json(manifest_json)
+        if self.group is None or self.manifest is None or manifest.hash != self.manifest.hash:
+            return SyncOutcome.failed("not in this generation")
+        try:
+            await asyncio.to_thread(expect_header, self.group, version, manifest)
+        except SyncError as e:
+            await self.leave()
+            return SyncOutcome.failed(str(e))
+        llm = self.engine.llm
+
+        async def transfer() -> dict:
+            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+            await llm.start_weight_update()
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info(manifest)))
+            await llm.finish_weight_update(weight_version=str(version))
+            return {"ok": True}
+
+        async with self.engine._update_lock:
+            result = await self.engine._apply(version, "learner", transfer)
+        return SyncOutcome(bool(result.get("ok")), result.get("error") or "",
+                           timings={k: v for k, v in result.items() if k.endswith("_s")})
+
+    async def leave(self) -> None:
+        if self.initialized:
+            try:
+                await self.engine.llm.shutdown_weight_transfer_engine()
+            except Exception as e:
+                log.warning("leaving the NCCL group: %r", e)
+            self.initialized = False
+        if self.group is not None:
+            self.group.close()
+        if self.relay is not None:
+            self.relay.close()
+        self.group = self.relay = self.manifest = None

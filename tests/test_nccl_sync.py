@@ -1,0 +1,304 @@
+"""``sync.transport: nccl`` (weight_sync/nccl.py, rollout_service/nccl_updates.py): every
+decision rlpipe makes about it, on CPU. Which transport a run uses and where; the gloo
+handshake that places each engine's processes in the NCCL group; the tensors, order,
+dtypes and shapes a version travels as (the same bytes the gloo path delivers); the
+sender's sequence around the broadcast; the engine arguments. Only vLLM's CUDA calls
+(NCCL's init and packed broadcast) are left out: ``CpuBroadcast`` stands in for them."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from rlpipe.config import ConfigError, build_config
+from rlpipe.gpus import plan_gpus
+from rlpipe.queue import Keys
+from tests.conftest import free_run_id
+from weight_sync.manifest import Manifest, incompatibility, pack_bucket, unpack_bucket
+from weight_sync.nccl import (NcclBroadcast, learner_handshake, rank_offsets, resolve_transport, update_info,
+                              wire_tensors, worker_handshake)
+from weight_sync.receiver import expect_header, join_group
+from weight_sync.sender import WeightSender
+from weight_sync.transport import GlooGroup, SyncError
+
+
+def cfg_with(**settings):
+    return build_config({}, environ={}, **settings)
+
+
+def test_auto_is_nccl_where_cuda_is_and_nccl_is_refused_where_it_is_not():
+    assert resolve_transport("auto", 0) == "gloo" and resolve_transport("auto", 8) == "nccl"
+    assert resolve_transport("gloo", 8) == "gloo" and resolve_transport("nccl", 1) == "nccl"
+    with pytest.raises(ValueError, match="sync.transport: nccl .* this machine has none"):
+        resolve_transport("nccl", 0)
+    with pytest.raises(ValueError, match="sync.transport: ipc .* not built"):
+        resolve_transport("ipc", 8)
+
+
+def test_a_launch_decides_the_transport_once_for_every_role_and_never_nccl_on_a_shared_gpu():
+    plan = plan_gpus(cfg_with(workers=3), 4)  # learner on 0, workers on 1-3
+    assert plan.transport == "nccl"
+    assert plan.learner_env()["RLPIPE_SYNC__TRANSPORT"] == plan.worker_env(2)["RLPIPE_SYNC__TRANSPORT"] == "nccl"
+    # A worker on the learner's first GPU: NCCL cannot place two ranks on one GPU.
+    shared = {"learner.gpus": "0", "rollout.gpus": "0-1"}
+    assert plan_gpus(cfg_with(workers=2, **shared), 2).transport == "gloo"
+    with pytest.raises(ConfigError, match="sync.transport: nccl cannot reach worker 0, which shares GPU 0"):
+        plan_gpus(cfg_with(workers=2, **{**shared, "sync.transport": "nccl"}), 2)
+    assert plan_gpus(cfg_with(workers=1, **{"learner.gpus": "1", "rollout.gpus": "0", "learner.ranks": 1}),
+                     2).transport == "nccl"  # the learner's other ranks may share: only rank 0 sends
+    with pytest.raises(ConfigError, match="sync.transport: nccl moves weights between CUDA devices"):
+        plan_gpus(cfg_with(**{"sync.transport": "nccl"}), 0)
+    assert plan_gpus(cfg_with(), 0).learner_env() == {}  # no GPUs: nothing set, each role resolves gloo
+
+
+def test_each_engine_process_gets_its_own_nccl_rank():
+    assert rank_offsets([1, 1]) == ([1, 2], 3)
+    assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8)  # a TP=2 engine takes ranks 1 and 2
+    with pytest.raises(SyncError):
+        rank_offsets([0])
+
+
+def _gloo_world(size: int, timeout_s: float = 5):
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups, threads = {}, []
+
+    def join(rank):
+        client = store if rank == 0 else TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[rank] = GlooGroup(client, rank, size, "127.0.0.1", 1, timeout_s, timeout_s)
+
+    for rank in range(size):
+        threads.append(threading.Thread(target=join, args=(rank,)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    return [groups[r] for r in range(size)]
+
+
+def test_the_handshake_gives_every_member_its_place_the_id_and_the_buffer_geometry():
+    learner, tp2, single = _gloo_world(3)
+    unique_id = os.urandom(128)
+    answers = {}
+    threads = [threading.Thread(target=lambda g=g, k=k: answers.__setitem__(k, worker_handshake(g, k)))
+               for g, k in ((tp2, 2), (single, 1))]
+    for t in threads:
+        t.start()
+    assert learner_handshake(learner, unique_id, 64 << 20) == 4
+    for t in threads:
+        t.join()
+    for k, offset in ((2, 1), (1, 3)):
+        info = answers[k]
+        assert (info["rank_offset"], info["world_size"]) == (offset, 4)
+        assert base64.b64decode(info["nccl_unique_id_b64"]) == unique_id
+        assert info["packed"] and info["packed_buffer_size_bytes"] == 64 << 20 and info["packed_num_buffers"] == 2
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    NCCLWeightTransferInitInfo(**answers[2])  # vLLM's own engine takes it as its init info
+    for g in (learner, tp2, single):
+        g.close()
+
+
+def test_a_member_that_never_shakes_hands_fails_the_handshake_within_the_timeout():
+    learner, absent = _gloo_world(2, timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(SyncError):
+        learner_handshake(learner, os.urandom(128), 1 << 20)
+    assert time.monotonic() - t0 < 10
+    learner.close()
+    absent.close()
+
+
+def weights():
+    gen = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(50, 16, generator=gen), "layer.q.weight": torch.randn(16, 16, generator=gen),
+            "layer.q.weight_scale": torch.rand(16, 1, generator=gen), "norm": torch.randn(16, generator=gen),
+            "layer.q.qweight": torch.randint(-127, 127, (16, 16), dtype=torch.int8, generator=gen)}
+
+
+def test_a_version_travels_as_the_update_info_says_and_as_the_same_bytes_as_over_gloo():
+    """vLLM's receiver cuts the packed buffers by the update info alone: it must list exactly
+    the tensors sent, in order, with their wire dtype and shape; the values must be what the
+    gloo path delivers (bf16 on the wire here, int8 as it is)."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+
+    tensors = weights()
+    sender = WeightSender(None, Keys("t"), "127.0.0.1", 5, bucket_bytes=2048, wire_dtype=torch.bfloat16,
+                          nccl=NcclBroadcast(2048, 5))
+    manifest = sender.plan(tensors)
+    assert manifest.transport == "nccl" and len(manifest.buckets) > 2
+    info = update_info(manifest)
+    sent = list(wire_tensors(manifest, tensors, "cpu"))
+    assert [n for n, _ in sent] == info["names"] and sorted(info["names"]) == sorted(tensors)
+    assert [str(t.dtype).removeprefix("torch.") for _, t in sent] == info["dtype_names"]
+    assert [list(t.shape) for _, t in sent] == info["shapes"]
+    over_gloo = {}
+    for bucket in manifest.buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        over_gloo.update(unpack_bucket(bucket, pack_bucket(bucket, tensors, buf)))
+    # Packed as vLLM's producer packs, unpacked by the update info as its consumer does.
+    chunk = pack_tensors(iter(sent), lambda item: item[1], 1 << 30)
+    dtypes = [getattr(torch, d) for d in info["dtype_names"]]
+    sizes = [t.numel() * t.element_size() for _, t in sent]
+    received = unpack_tensor(chunk.packed_tensor, info["names"], info["shapes"], dtypes, sizes)
+    for name, t in received:
+        assert t.dtype == over_gloo[name].dtype and torch.equal(t, over_gloo[name]), name
+
+
+def test_a_gloo_engine_refuses_an_nccl_generation_naming_the_setting():
+    tensors = weights()
+    nccl = WeightSender(None, Keys("t"), "127.0.0.1", 5, 1 << 20, None, nccl=NcclBroadcast(1 << 20, 5)).plan(tensors)
+    gloo = WeightSender(None, Keys("t"), "127.0.0.1", 5, 1 << 20, None).plan(tensors)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    assert "transport" not in gloo.to_json()  # gloo's manifests read as they always did
+    assert Manifest.from_json(nccl.to_json()) == nccl
+    assert incompatibility(gloo, shapes) is None and incompatibility(nccl, shapes, transport="nccl") is None
+    why = incompatibility(nccl, shapes)
+    assert why.startswith("the learner sends over nccl, this worker's engine was started for gloo") and \
+        "sync.transport" in why
+    assert "over gloo" in incompatibility(gloo, shapes, transport="nccl")
+
+
+class CpuBroadcast(NcclBroadcast):
+    """The learner's NCCL data plane with vLLM's CUDA calls left out: the handshake is real,
+    the broadcast records what would have been sent."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sent: list[list[tuple[str, torch.Tensor]]] = []
+        self.inits: list[int] = []
+
+    def _unique_id(self):
+        return os.urandom(128)
+
+    def _init(self, unique_id, world):
+        self.inits.append(world)
+        return self  # as the communicator: closing the generation "destroys" it
+
+    def destroy(self):
+        self.destroyed = True
+
+    def _device(self):
+        return torch.device("cpu")
+
+    def _send(self, tensors):
+        self.sent.append(list(tensors))
+
+
+class Member:
+    """A rollout worker's gloo side under nccl, as rollout_service/nccl_updates.py runs it,
+    up to where vLLM's engine would take over: it joins, shakes hands, takes headers."""
+
+    def __init__(self, worker_id: str, engine_ranks: int):
+        self.worker_id, self.engine_ranks = worker_id, engine_ranks
+        self.info, self.versions, self.group, self.version = None, [], None, -1
+
+    async def join(self, host, port, slot, generation, manifest_json, timeout_s):
+        from weight_sync.follower import SyncOutcome
+
+        self.group, _ = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s)
+        self.info = await asyncio.to_thread(worker_handshake, self.group, self.engine_ranks)
+        return SyncOutcome(True)
+
+    async def update(self, version, manifest_json):
+        from weight_sync.follower import SyncOutcome
+
+        await asyncio.to_thread(expect_header, self.group, version, Manifest.from_json(manifest_json))
+        self.versions.append(version)
+        self.version = version
+        return SyncOutcome(True)
+
+
+def follow(redis_url, run_id, member: Member, stopping: threading.Event):
+    from rlpipe.queue import connect
+    from weight_sync.follower import WeightFollower
+
+    async def run():
+        stop = asyncio.Event()
+
+        async def watch():
+            while not stopping.is_set():
+                await asyncio.sleep(0.05)
+            stop.set()
+
+        async def published(_):
+            pass
+
+        watcher = asyncio.create_task(watch())
+        follower = WeightFollower(connect(redis_url), Keys(run_id).sync, member.worker_id, member, 5.0,
+                                  lambda: None, lambda s: None, lambda e: None, published)
+        await follower.run(stop, poll_s=0.02)
+        await watcher
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after_its_headers(redis_server, r):
+    """And a member lost before a version is left out before anything goes over NCCL (one
+    broadcast reaches all or hangs on the missing one); the next generation forms without it."""
+    run_id = free_run_id("nccl")
+    members = [Member("w0", 2), Member("w1", 1)]
+    stops = [threading.Event() for _ in members]
+    threads = [follow(redis_server.url, run_id, m, stop) for m, stop in zip(members, stops)]
+    plane = CpuBroadcast(1 << 20, 10)
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1 << 20, torch.bfloat16, nccl=plane)
+    tensors = weights()
+    live = {m.worker_id: "" for m in members}  # without a sync token a candidate checks in under its number
+    try:
+        stats = sender.sync(1, lambda: tensors.items(), live)
+        assert stats.members == 2 and plane.inits == [4]  # 1 learner + a TP=2 engine + a single one
+        assert [m.info["rank_offset"] for m in members] == [1, 3]
+        assert [n for n, _ in plane.sent[0]] == update_info(sender.manifest)["names"]
+        sender.sync(2, lambda: tensors.items(), live)
+        assert plane.inits == [4] and len(plane.sent) == 2  # the generation (and NCCL group) reused
+        deadline = time.monotonic() + 10
+        while any(m.versions != [1, 2] for m in members) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [m.versions for m in members] == [[1, 2], [1, 2]]  # each took both headers first
+        stops[1].set()  # w1 dies
+        threads[1].join(10)
+        members[1].group.close()
+        with pytest.raises(SyncError, match="lost before the NCCL broadcast"):
+            sender.sync(3, lambda: tensors.items(), live)
+        assert len(plane.sent) == 2 and sender.excluded == {"w1": ""} and plane.comm is None
+        stats = sender.sync(4, lambda: tensors.items(), live)  # still registered: its heartbeat lingers
+        assert stats.members == 1 and plane.inits == [4, 3] and len(plane.sent) == 3
+    finally:
+        for stop in stops:
+            stop.set()
+        sender.drop()
+        for t in threads:
+            t.join(10)
+
+
+def test_a_launch_refuses_nccl_without_cuda_and_a_tp_engine_without_nccl():
+    from rlpipe.config import validate_run
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    with pytest.raises(ConfigError, match="sync.transport: nccl moves weights between CUDA devices"):
+        validate_run(cfg_with(**{"sync.transport": "nccl"}))
+    with pytest.raises(ConfigError, match="rollout.engine.tensor_parallel_size: 2: under gloo"):
+        validate_run(cfg_with(**{"rollout.engine": {"tensor_parallel_size": 2}}))
+
+
+def test_an_nccl_engine_is_started_for_vllms_transfer_engine_and_its_parallel_sizes(toy_model_path):
+    from quant.profiles import profile_for
+    from rollout_service.engine import RolloutEngine
+
+    tp = cfg_with(**{"rollout.engine": {"tensor_parallel_size": 2}}).rollout
+    kwargs = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), tp, transport="nccl").engine_kwargs()
+    assert kwargs["weight_transfer_config"] == {"backend": "nccl"}
+    assert kwargs["distributed_executor_backend"] == "mp" and kwargs["tensor_parallel_size"] == 2
+    plain = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout).engine_kwargs()
+    assert "weight_transfer_config" not in plain and plain["distributed_executor_backend"] == "uni"
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2: under gloo"):
+        RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), tp).engine_kwargs()
