@@ -251,7 +251,8 @@ class Learner:
         the background and the acknowledgements follow at a later step boundary
         (:meth:`_finish_checkpoint`). Either way nothing is acknowledged before it is durable,
         so a learner killed mid-write restarts from the previous checkpoint and trains the
-        rest again."""
+        rest again. Sharded (``learner.checkpoint_format``), every rank writes its optimizer
+        shard into the same temporary directory (:meth:`_stage_shards`) before rank 0 renames it."""
         self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
         t0 = time.perf_counter()
         state = {

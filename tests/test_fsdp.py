@@ -2,7 +2,7 @@
 taking the same steps as one process (tests/test_ddp.py):
 
 - a checkpoint saved by the sharded ranks resumes in one process, and one saved by one
-  process resumes on the sharded ranks; either way the weights after 4 steps are those
+  process resumes on the sharded ranks, and the ranks resume their own; every way the weights after 4 steps are those
   of 4 steps in one process (so the Adam moments, saved keyed by parameter name, came
   back where they belong), with the optimizer state gathered whole on rank 0
   (``checkpoint_format: full``) or written by each rank as its own shard (``auto``: DCP
@@ -71,7 +71,7 @@ def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server,
     settings = {"learner.parallel": "fsdp", "learner.checkpoint_every": 1,
                 "learner.checkpoint_format": checkpoint_format}
     runs = {name: prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **settings)[1]
-            for name in ("straight", "fsdp_then_one", "one_then_fsdp")}
+            for name in ("straight", "fsdp_then_one", "one_then_fsdp", "fsdp_then_fsdp")}
     fsdp_format = "full" if checkpoint_format == "full" else "sharded"
     train(runs["straight"], 1, 4)
     train(runs["fsdp_then_one"], 2, 2)
@@ -82,11 +82,13 @@ def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server,
     assert optimizer_format(runs["one_then_fsdp"]) == "full"
     train(runs["one_then_fsdp"], 2, 4)
     assert optimizer_format(runs["one_then_fsdp"]) == fsdp_format
+    train(runs["fsdp_then_fsdp"], 2, 2)
+    train(runs["fsdp_then_fsdp"], 2, 4)
     straight = final_weights(runs["straight"])
     base = load_policy(toy_model_path).state_dict()
     moved = max((straight[k] - base[k]).abs().max().item() for k in straight)
     assert moved > 1e-3, "the steps did not train"
-    for name in ("fsdp_then_one", "one_then_fsdp"):
+    for name in ("fsdp_then_one", "one_then_fsdp", "fsdp_then_fsdp"):
         got = final_weights(runs[name])
         diff = max((got[k] - straight[k]).abs().max().item() for k in straight)
         print(f"{name}: max difference from 4 steps in one process {diff:.2e} (moved {moved:.2e})")
