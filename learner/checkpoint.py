@@ -96,14 +96,10 @@ def snapshot_weights(model, keep: bool = True) -> dict[str, torch.Tensor]:
 def host_copy(obj, whole: bool = True):
     """``obj`` (tensors in dicts, lists and tuples) with every tensor copied to host memory:
     whole (a sharded tensor gathered, a collective), or with ``whole`` false a sharded
-    tensor's local shard only, still a DTensor so DCP knows where it belongs."""
+    tensor's local shard only, still a DTensor so DCP knows where it belongs (a DTensor's
+    ``to`` copies its local shard, as DCP's own async staging does)."""
     if isinstance(obj, torch.Tensor):
-        if not whole and hasattr(obj, "to_local"):
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(obj.detach().to_local().to("cpu", copy=True), obj.device_mesh, obj.placements,
-                                      run_check=False, shape=obj.shape, stride=obj.stride())
-        return full(obj.detach()).to("cpu", copy=True)
+        return (full(obj.detach()) if whole else obj.detach()).to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: host_copy(v, whole) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
