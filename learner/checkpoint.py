@@ -7,11 +7,23 @@ as is), for each quantized rollout precision the tensors its workers load
 returning int8 worker catches up on the learner's own quantization) plus ``trainer_state.pt`` (optimizer, LR schedule, loss scaler, RNG states,
 counters, and the group ids trained since the previous checkpoint) and ``meta.json``.
 
+The optimizer state is in one of two formats (``learner.checkpoint_format``). Full: inside
+``trainer_state.pt``, gathered whole on rank 0 (the only one with one process). Sharded:
+``optimizer/``, a ``torch.distributed.checkpoint`` (DCP) directory in which every rank
+writes its own shard, so under FSDP no rank ever holds the whole Adam state (for a 7B
+model about 56 GB in fp32); its ``trainer_state.pt`` holds the rest. Either loads on any
+number of ranks (:func:`load_optimizer`). The weights are consolidated into the Hugging
+Face directory in both, as rollout workers and vLLM load them from there.
+
 It is written to a hidden temporary directory, every file and the directory are
 fsynced, and only then is the directory renamed into place (``rename`` is atomic on
 POSIX filesystems) and the parent fsynced. A crash at any point leaves either the
 previous checkpoints or the new one, never half of one; leftover temporaries are
-removed by the next save. The newest ``keep`` checkpoints are kept.
+removed by the next save. The newest ``keep`` checkpoints are kept. Sharded, every rank
+writes and fsyncs its shard files into rank 0's temporary directory, and DCP's save only
+returns on rank 0 once every rank has reported its writes done (it gathers their results
+before writing ``optimizer/.metadata``): rank 0 renames after that, so the shards are
+durable before the directory appears.
 """
 
 from __future__ import annotations
@@ -53,6 +65,9 @@ class RunCounters:
             setattr(self, f.name, state[f.name])
 
 
+SHARDS = "optimizer"  # the sharded format's DCP directory inside a checkpoint
+
+
 def snapshot(model, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Copies in host memory of the model's weights and of the trainer state (the optimizer's
     tensors included), so a checkpoint can be written in the background while the next
@@ -61,24 +76,69 @@ def snapshot(model, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     A sharded (FSDP) model's tensors are gathered whole, which is a collective: every rank
     must take the snapshot, of states with their sharded tensors in the same order; only
     rank 0 writes it."""
+    return snapshot_weights(model), host_copy(state)
+
+
+def snapshot_weights(model, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The weights part of :func:`snapshot`. Under FSDP a collective on every rank; a rank
+    that does not write them (``keep`` false) drops each tensor once gathered, so it never
+    holds the whole model."""
     copies: dict[int, torch.Tensor] = {}
     weights = {}
     for name, t in model.state_dict(keep_vars=True).items():  # tied weights: one object
         if id(t) not in copies:
-            copies[id(t)] = host_copy(t)
+            whole = full(t.detach())  # under FSDP a collective, on every rank
+            copies[id(t)] = whole.to("cpu", copy=True) if keep else None
         weights[name] = copies[id(t)]
-    return weights, host_copy(state)
+    return weights if keep else {}
 
 
-def host_copy(obj):
-    """``obj`` (tensors in dicts, lists and tuples) with every tensor copied whole to host memory."""
+def host_copy(obj, whole: bool = True):
+    """``obj`` (tensors in dicts, lists and tuples) with every tensor copied to host memory:
+    whole (a sharded tensor gathered, a collective), or with ``whole`` false a sharded
+    tensor's local shard only, still a DTensor so DCP knows where it belongs (a DTensor's
+    ``to`` copies its local shard, as DCP's own async staging does)."""
     if isinstance(obj, torch.Tensor):
-        return full(obj.detach()).to("cpu", copy=True)
+        return (full(obj.detach()) if whole else obj.detach()).to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
+        return {k: host_copy(v, whole) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
+        return type(obj)(host_copy(v, whole) for v in obj)
     return copy.deepcopy(obj)
+
+
+def optimizer_shards(model, opt) -> dict:
+    """This rank's part of the optimizer state in host memory, for :func:`save_shards`: under
+    FSDP each state tensor's local shard (nothing is gathered), keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return host_copy(get_optimizer_state_dict(model, opt), whole=False)
+
+
+def save_shards(path: Path, shards: dict, group=None) -> None:
+    """Write :func:`optimizer_shards` as a DCP directory: every rank calls this with its own
+    shards at once (a collective on ``group``); each writes and fsyncs its own files, and
+    rank 0 returns only after every rank has (it then writes the ``.metadata`` file)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({SHARDS: shards}, checkpoint_id=path, process_group=group)
+
+
+def load_optimizer(path: str | Path, state: dict, model, opt) -> None:
+    """Load the optimizer state of checkpoint ``path`` (its ``trainer_state.pt`` is ``state``)
+    into ``opt``, whichever format it was saved in and on however many ranks: DCP reshards
+    the sharded format into this process's layout (the whole tensors in one process)."""
+    path = Path(path)
+    if "optimizer" in state:
+        load_optimizer_state(model, opt, state["optimizer"])
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # The layout to load into; Adam's state, created lazily, is created here (a step at lr 0).
+    target = get_optimizer_state_dict(model, opt)
+    dcp.load({SHARDS: target}, checkpoint_id=path / SHARDS)
+    set_optimizer_state_dict(model, opt, target)
 
 
 def optimizer_state(model, opt) -> dict:
@@ -130,18 +190,28 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def begin(root: str | Path, step: int) -> Path:
+    """A new, empty temporary directory for checkpoint ``step`` (one left by this process
+    before is cleared): what :func:`save` fills, and where sharded ranks write their shards."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_dir: str | Path | None = None,
          keep: int = 2, before_publish: Callable[[], None] | None = None,
          rollout: dict[str, tuple[str, dict[str, torch.Tensor]]] | None = None,
-         weights: dict[str, torch.Tensor] | None = None) -> Path:
+         weights: dict[str, torch.Tensor] | None = None, tmp: Path | None = None) -> Path:
     """Write checkpoint ``step`` atomically; returns its directory. ``rollout`` maps a
     precision to ``(quant profile hash, tensors)`` of its workers' quantized weights;
-    ``weights``, a :func:`snapshot` of the model's (default: the model's own tensors)."""
+    ``weights``, a :func:`snapshot` of the model's (default: the model's own tensors);
+    ``tmp``, the :func:`begin` directory the optimizer's shards were written into (default: a new one)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = tmp or begin(root, step)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if tokenizer_dir:
         # The tokenizer and the like; never the base model's weights (a shard named like one
@@ -161,7 +231,7 @@ def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_
         _fsync(sub)
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-    for f in tmp.iterdir():
+    for f in tmp.rglob("*"):  # the shards and their directory too (already fsynced by each rank)
         _fsync(f)
     _fsync(tmp)
     if before_publish:

@@ -20,7 +20,9 @@ Under FSDP, whatever needs whole tensors outside a training step (weight sync, a
 checkpoint) is a collective: rank 0 sends a :class:`Command` that the other ranks,
 waiting for their next step in :meth:`Ranks.exchange`, carry out beside it. Weight
 sync gathers one bucket's parameters at a time (weight_sync/sender.py), so no rank
-ever holds the whole model for it.
+ever holds the whole model for it. A sharded checkpoint (learner/checkpoint.py) gathers
+only the weights; each rank writes its own optimizer shard, over a process group of
+their own (:attr:`Ranks.checkpoint_group`) as the writes run in the background.
 
 Without ``WORLD_SIZE`` in the environment (a plain ``rlpipe learner``) every method here
 is a no-op. Tested on CPU only (2 gloo ranks, tests/test_ddp.py, tests/test_fsdp.py); the
@@ -70,6 +72,10 @@ class Ranks:
         if self.world > 1 and not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=IDLE_TIMEOUT)
+        # Sharded checkpoints' collectives (learner/checkpoint.py save_shards) run in each rank's
+        # background writer while the next steps train: a group of their own keeps them from
+        # interleaving with the training's, and gloo carries the host-memory copies they write.
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if self.world > 1 else None
 
     @property
     def is_main(self) -> bool:

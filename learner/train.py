@@ -107,8 +107,14 @@ class Learner:
             compile_layers(self.model)
         self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
         # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
-        # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint.
-        self._commands = {"gather": partial(self.ranks.full_tensors, self.model), "snapshot": self._snapshot}
+        # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint
+        # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
+        self._commands = {"gather": partial(self.ranks.full_tensors, self.model), "snapshot": self._snapshot,
+                          "shards": self._write_shards}
+        # Auto: sharded under FSDP on one node. Across nodes every rank writes into rank 0's
+        # directory, so their checkpoint_dir must be one shared filesystem: say so with sharded.
+        fmt = lc.checkpoint_format
+        self.sharded_checkpoints = fmt == "sharded" or (fmt == "auto" and self.ranks.sharded and lc.nodes == 1)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
@@ -141,6 +147,7 @@ class Learner:
         # written (future, when it was taken), acknowledged once durable.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if lc.async_checkpoint else None
         self._writing: tuple[Future, dict] | None = None
+        self._shards_writing: Future | None = None  # ranks other than 0: their shards of the last checkpoint
         self.checkpoint_blocking_s = 0.0  # this step's time spent on checkpoints (the critical path)
         self._last_membership_check = 0.0
         if resume:
@@ -205,6 +212,8 @@ class Learner:
             self.fleet.drop()
             self.lease.release()
         self.ranks.release(self._commands)
+        if self._shards_writing is not None:  # durable before this rank exits (rank 0 has renamed already)
+            self._shards_writing.result()
 
     def request_stop(self) -> None:
         """Finish the step in hand, checkpoint, acknowledge, and return from ``run``."""
@@ -242,11 +251,11 @@ class Learner:
         the background and the acknowledgements follow at a later step boundary
         (:meth:`_finish_checkpoint`). Either way nothing is acknowledged before it is durable,
         so a learner killed mid-write restarts from the previous checkpoint and trains the
-        rest again."""
+        rest again. Sharded (``learner.checkpoint_format``), every rank writes its optimizer
+        shard into the same temporary directory (:meth:`_stage_shards`) before rank 0 renames it."""
         self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
         t0 = time.perf_counter()
         state = {
-            "optimizer": checkpoint.optimizer_state(self.model, self.opt),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": torch.get_rng_state(),
@@ -258,14 +267,27 @@ class Learner:
                 "trained_digest": str(self.run_counters.trained_digest), "time": time.time()}
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.version)
-        weights = None
-        if self._writer is not None or self.ranks.sharded:
-            if self.ranks.sharded:
-                self.ranks.command("snapshot")
-            weights, state = self._snapshot(state)
-        write = partial(checkpoint.save, self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
-                        self.cfg.learner.checkpoint_keep, before_publish=partial(self._before_publish, self.step),
-                        rollout=rollout, weights=weights)
+        weights, tmp, write_shards = None, None, None
+        if self.sharded_checkpoints:  # every rank writes its optimizer shard into rank 0's temporary directory
+            tmp = checkpoint.begin(self.ckpt_root, self.step)
+            self.ranks.command("shards", str(tmp))
+            weights, write_shards = self._stage_shards(tmp)
+            state = checkpoint.host_copy(state)
+        else:
+            state["optimizer"] = checkpoint.optimizer_state(self.model, self.opt)
+            if self._writer is not None or self.ranks.sharded:
+                if self.ranks.sharded:
+                    self.ranks.command("snapshot")
+                weights, state = self._snapshot(state)
+        save = partial(checkpoint.save, self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
+                       self.cfg.learner.checkpoint_keep, before_publish=partial(self._before_publish, self.step),
+                       rollout=rollout, weights=weights, tmp=tmp)
+
+        def write():
+            if write_shards is not None:
+                write_shards()  # returns once every rank's shards are durable
+            return save()
+
         started = {"step": self.step, "version": self.version, "started": time.perf_counter()}
         self.ledger.checkpoint_started()
         if self._writer is None:
@@ -280,6 +302,24 @@ class Learner:
         """Weights and trainer state copied to host memory (under FSDP gathered whole: every
         rank runs this, rank 0 for its checkpoint and the others on its command)."""
         return checkpoint.snapshot(self.model, state or {"optimizer": checkpoint.optimizer_state(self.model, self.opt)})
+
+    def _stage_shards(self, tmp: str | Path):
+        """A sharded checkpoint's collectives, on every rank (rank 0 for its checkpoint, the
+        others on its command): the weights gathered whole (kept by rank 0 alone, for the
+        Hugging Face directory) and this rank's optimizer shard copied to host memory, with
+        the function that writes it, a collective on the checkpoint group that every rank
+        runs at once (in its background writer with ``learner.async_checkpoint``)."""
+        weights = checkpoint.snapshot_weights(self.model, keep=self.ranks.is_main)
+        shards = checkpoint.optimizer_shards(self.model, self.opt)
+        return weights, partial(checkpoint.save_shards, Path(tmp) / checkpoint.SHARDS, shards,
+                                self.ranks.checkpoint_group)
+
+    def _write_shards(self, tmp: str) -> None:
+        """Ranks other than 0, on its command: write this rank's shards of its checkpoint."""
+        if self._shards_writing is not None:
+            self._shards_writing.result()  # one at a time (a failed write stops this rank, and the job)
+        _, write = self._stage_shards(tmp)
+        self._shards_writing = self._writer.submit(write) if self._writer is not None else _done(write())
 
     def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Rank 0 under FSDP: the named parameters whole, gathered with every rank (weight sync, one bucket)."""
@@ -311,7 +351,7 @@ class Learner:
 
     def _restore(self, path: Path) -> None:
         state = checkpoint.load_state(path)
-        checkpoint.load_optimizer_state(self.model, self.opt, state["optimizer"])
+        checkpoint.load_optimizer(path, state, self.model, self.opt)  # either format, any number of ranks
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])

@@ -3,7 +3,8 @@
 The learner writes them (``learner/checkpoint.py``); rollout workers read the newest one
 to catch up after they missed weight syncs (a restart, a timeout), so the layout is
 shared here. A checkpoint is ``<root>/step_00000010/`` holding a Hugging Face model
-directory plus ``trainer_state.pt`` and ``meta.json`` (with the weights' ``version``).
+directory plus ``trainer_state.pt`` and ``meta.json`` (with the weights' ``version``), and
+in the sharded format the optimizer state's per-rank shards under ``optimizer/``.
 """
 
 from __future__ import annotations

@@ -293,6 +293,12 @@ class LearnerConfig(Section):
                                    "background; entries are still acknowledged only once durable")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
     checkpoint_keep: int = Field(2, ge=1)
+    checkpoint_format: Literal["auto", "full", "sharded"] = Field(
+        "auto", description="how the optimizer state is saved: full = one trainer_state.pt that rank 0 gathers "
+        "whole; sharded = each rank writes its own shard (torch.distributed.checkpoint) under optimizer/, so no "
+        "rank ever holds the whole Adam state; auto = sharded under fsdp with more than one rank on one node (across "
+        "nodes, sharded needs checkpoint_dir on a filesystem every node shares). The weights are always "
+        "consolidated into the Hugging Face model directory, and either format resumes on any number of ranks")
     checkpoint_dir: str = Field("", description="default: <run_dir>/checkpoints")
     lease_ttl_s: float = Field(10.0, gt=0, description="one learner per run: a restart waits up to this long "
                                "for a killed learner's lease to expire")

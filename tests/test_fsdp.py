@@ -2,9 +2,11 @@
 taking the same steps as one process (tests/test_ddp.py):
 
 - a checkpoint saved by the sharded ranks resumes in one process, and one saved by one
-  process resumes on the sharded ranks; either way the weights after 4 steps are those
+  process resumes on the sharded ranks, and the ranks resume their own; every way the weights after 4 steps are those
   of 4 steps in one process (so the Adam moments, saved keyed by parameter name, came
-  back where they belong);
+  back where they belong), with the optimizer state gathered whole on rank 0
+  (``checkpoint_format: full``) or written by each rank as its own shard (``auto``: DCP
+  under FSDP, whole in one process, so both directions cross formats);
 - the weight sync of a sharded model gathers one bucket at a time: rank 0's resident
   memory rises by a few buckets during the sync, far less than gathering the model, and
   the worker receives exactly the whole model;
@@ -52,21 +54,41 @@ def final_weights(run_dir):
     return load_file(path / "model.safetensors")
 
 
-def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server, toy_model_path, tmp_path):
+def optimizer_format(run_dir) -> str:
+    """How the newest checkpoint of ``run_dir`` holds the optimizer state: sharded (a DCP
+    directory, nothing in trainer_state.pt) or full."""
+    path = checkpoint.latest(run_dir / "checkpoints")
+    sharded = (path / checkpoint.SHARDS / ".metadata").is_file()
+    assert sharded != ("optimizer" in checkpoint.load_state(path)), path
+    assert not list((run_dir / "checkpoints").glob(".tmp-*")), "a temporary directory was left behind"
+    return "sharded" if sharded else "full"
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "auto"])
+def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server, toy_model_path, tmp_path,
+                                                                   checkpoint_format):
     groups = synthetic_groups(load_policy(toy_model_path), 16, seed=5, noise=0.1)
-    settings = {"learner.parallel": "fsdp", "learner.checkpoint_every": 1}
+    settings = {"learner.parallel": "fsdp", "learner.checkpoint_every": 1,
+                "learner.checkpoint_format": checkpoint_format}
     runs = {name: prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **settings)[1]
-            for name in ("straight", "fsdp_then_one", "one_then_fsdp")}
+            for name in ("straight", "fsdp_then_one", "one_then_fsdp", "fsdp_then_fsdp")}
+    fsdp_format = "full" if checkpoint_format == "full" else "sharded"
     train(runs["straight"], 1, 4)
     train(runs["fsdp_then_one"], 2, 2)
+    assert optimizer_format(runs["fsdp_then_one"]) == fsdp_format
     train(runs["fsdp_then_one"], 1, 4)
+    assert optimizer_format(runs["fsdp_then_one"]) == "full"
     train(runs["one_then_fsdp"], 1, 2)
+    assert optimizer_format(runs["one_then_fsdp"]) == "full"
     train(runs["one_then_fsdp"], 2, 4)
+    assert optimizer_format(runs["one_then_fsdp"]) == fsdp_format
+    train(runs["fsdp_then_fsdp"], 2, 2)
+    train(runs["fsdp_then_fsdp"], 2, 4)
     straight = final_weights(runs["straight"])
     base = load_policy(toy_model_path).state_dict()
     moved = max((straight[k] - base[k]).abs().max().item() for k in straight)
     assert moved > 1e-3, "the steps did not train"
-    for name in ("fsdp_then_one", "one_then_fsdp"):
+    for name in ("fsdp_then_one", "one_then_fsdp", "fsdp_then_fsdp"):
         got = final_weights(runs[name])
         diff = max((got[k] - straight[k]).abs().max().item() for k in straight)
         print(f"{name}: max difference from 4 steps in one process {diff:.2e} (moved {moved:.2e})")
@@ -122,3 +144,20 @@ def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(
     assert back_to_steady(before, after, settings["queue.max_lag"]), (before, after)
     assert parts[-1][-1]["step"] == settings["steps"]
     assert books["lost"] == 0 and books["trained_twice"] == 0, books
+
+
+def test_a_sharded_checkpoint_never_holds_the_whole_adam_state_on_rank_0(tmp_path):
+    """bench/checkpoint_memory.py on 2 FSDP ranks (a 70 MB random Qwen2, 140 MB of Adam
+    state): with the full format rank 0 holds the whole Adam state for the write, with the
+    sharded one only its half, and its resident memory rises less; the weights saved agree."""
+    out = tmp_path / "mem.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "checkpoint_memory.py"), "--out", str(out)], env=ENV,
+                         timeout=300, capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    print(run.stdout)
+    full, sharded = (json.loads(out.read_text())["arms"][f] for f in ("full", "sharded"))
+    adam = full["optimizer_bytes"]
+    assert full["held_optimizer_bytes"] >= adam
+    assert sharded["held_optimizer_bytes"] < 0.51 * adam
+    assert full["held_weights_bytes"] == sharded["held_weights_bytes"] == full["model_bytes"]
+    assert sharded["peak_rise_kib"] * 1024 < full["peak_rise_kib"] * 1024 - adam / 4

@@ -118,16 +118,22 @@ def test_sigkill_at_random_moments_trains_each_group_exactly_once(run):
     check_exactly_once(cfg, queue, ids)
 
 
-@pytest.mark.parametrize("async_checkpoint", [True, False], ids=["background-write", "blocking-write"])
-def test_a_learner_killed_while_its_checkpoint_is_written_resumes_from_the_previous_one(run, async_checkpoint):
+@pytest.mark.parametrize(("async_checkpoint", "ranks"), [(True, 1), (False, 1), (True, 2)],
+                         ids=["background-write", "blocking-write", "fsdp-sharded-write"])
+def test_a_learner_killed_while_its_checkpoint_is_written_resumes_from_the_previous_one(run, async_checkpoint, ranks):
     """Killed with checkpoint 4 written but not yet in place (with async checkpoints, while
     the background write runs and the steps go on): the restart resumes from checkpoint 2,
-    acknowledges nothing early, and the lineage ends with every group exactly once."""
+    acknowledges nothing early, and the lineage ends with every group exactly once. With 2
+    FSDP ranks each writes its optimizer shard (learner.checkpoint_format auto: sharded) and
+    rank 0, killed after they are durable, never renames the directory into place."""
     cfg, queue, ids, start, no_loss = run
-    if not async_checkpoint:
-        cfg.learner.async_checkpoint = False
-        dump_config(cfg, Path(cfg.run_dir) / "config.yaml")
-    assert start("checkpoint_written:4").wait(timeout=180) == -signal.SIGKILL
+    cfg.learner.async_checkpoint = async_checkpoint
+    cfg.learner.ranks = ranks
+    dump_config(cfg, Path(cfg.run_dir) / "config.yaml")
+    killed = start("checkpoint_written:4").wait(timeout=180)
+    assert killed == -signal.SIGKILL if ranks == 1 else killed != 0  # torchrun ends the job
+    if ranks > 1:
+        assert (Path(cfg.run_dir) / "checkpoints/step_00000002" / checkpoint.SHARDS / ".metadata").is_file()
     no_loss()
     assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP  # only what checkpoint 2 covers
     assert [p.name for p in checkpoint.complete(f"{cfg.run_dir}/checkpoints")] == ["step_00000002"]
@@ -206,3 +212,28 @@ def test_a_checkpoint_takes_the_tokenizer_but_never_the_base_weights(toy_model_p
     name, param = next(iter(model.named_parameters()))
     assert torch.equal(saved[name], param.detach())
     assert checkpoint.latest(tmp_path / "ckpt") == path and checkpoint.load_state(path) == {"x": 1}
+
+
+def test_a_sharded_optimizer_state_round_trips_in_one_process(toy_model_path, tmp_path):
+    """The sharded format's optimizer directory (DCP, learner.checkpoint_format: sharded),
+    written and read by one process: the Adam moments come back exactly, keyed by name, and
+    trainer_state.pt holds no optimizer. (Across ranks: tests/test_fsdp.py.)"""
+    model = load_policy(toy_model_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    tmp = checkpoint.begin(tmp_path / "ckpt", 1)
+    checkpoint.save_shards(tmp / checkpoint.SHARDS, checkpoint.optimizer_shards(model, opt))
+    path = checkpoint.save(tmp_path / "ckpt", 1, model, {"x": 1}, {"version": 1}, tmp=tmp)
+    assert checkpoint.latest(tmp_path / "ckpt") == path and not list((tmp_path / "ckpt").glob(".tmp-*"))
+    assert (path / checkpoint.SHARDS / ".metadata").is_file()
+
+    fresh = load_policy(str(path))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    checkpoint.load_optimizer(path, checkpoint.load_state(path), fresh, fresh_opt)
+    want, got = checkpoint.optimizer_state(model, opt), checkpoint.optimizer_state(fresh, fresh_opt)
+    assert want["state"].keys() == got["state"].keys() and want["state"]
+    for name, s in want["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, got["state"][name][k]), (name, k)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
