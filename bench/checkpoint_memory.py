@@ -6,8 +6,8 @@ gathered, for the Hugging Face directory).
 Each format runs in fresh processes: 2 gloo ranks under torchrun shard a randomly
 initialised Qwen2 (``--layers``, about 4.3 MB of fp32 weights a layer plus 2 MB of
 embeddings and head) with the learner's ``Ranks.wrap``, take one AdamW step (so the Adam
-moments exist, twice the weights' size), and checkpoint once, synchronously, through the
-same calls as ``Learner.checkpoint`` (learner/train.py): rank 0 leads and rank 1 serves
+moments exist, twice the weights' size), and checkpoint once, synchronously, with the
+learner's own ``Checkpointer`` (learner/checkpointer.py): rank 0 leads and rank 1 serves
 its command. Rank 0 records how far its resident memory rose above where it was before
 the checkpoint, at its peak (VmHWM, reset through /proc/self/clear_refs), and the bytes of
 tensors it gathered whole. The checkpoints' weights must agree bit for bit.
@@ -50,12 +50,11 @@ def measure(work) -> tuple[object, int]:
 
 def rank_main(fmt: str, layers: int, root: str, out_path: str) -> None:
     """One rank's part (under torchrun)."""
-    from functools import partial
-
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner import checkpoint
+    from learner.checkpointer import Checkpointer
     from learner.dist import Ranks, exit_rank
 
     torch.manual_seed(0)
@@ -79,32 +78,32 @@ def rank_main(fmt: str, layers: int, root: str, out_path: str) -> None:
         values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
         return sum(tensor_bytes(v) for v in values)
 
-    def stage_shards(tmp):  # Learner._stage_shards
-        weights = checkpoint.snapshot_weights(model, keep=ranks.is_main)
-        return weights, partial(checkpoint.save_shards, Path(tmp) / checkpoint.SHARDS,
-                                checkpoint.optimizer_shards(model, opt), ranks.checkpoint_group)
+    # What rank 0 hands the writes: recorded on the way through, the writes themselves unchanged.
+    save, save_shards = checkpoint.save, checkpoint.save_shards
 
-    def full_snapshot():  # Learner._snapshot
-        return checkpoint.snapshot(model, {"optimizer": checkpoint.optimizer_state(model, opt)})
+    def recording_save(*args, weights=None, **kwargs):
+        held["weights"] = tensor_bytes(weights)
+        held["optimizer"] = held.get("optimizer", 0) + tensor_bytes(args[3].get("optimizer", {}))
+        return save(*args, weights=weights, **kwargs)
 
-    handlers = {"snapshot": full_snapshot, "shards": lambda tmp: stage_shards(tmp)[1]()}
+    def recording_save_shards(path, shards, group):
+        if ranks.is_main:
+            held["optimizer"] = held.get("optimizer", 0) + tensor_bytes(shards)
+        return save_shards(path, shards, group)
+
+    checkpoint.save, checkpoint.save_shards = recording_save, recording_save_shards
+    checkpoints = Checkpointer(Path(root), model, opt, ranks, sharded=fmt == "sharded", async_write=False,
+                               base_model="", keep=2)
+    handlers = {"snapshot": checkpoints.snapshot, "shards": checkpoints.write_shards}
     if not ranks.is_main:
         ranks.release(handlers)  # serve rank 0's command until it lets go
+        checkpoints.close()
         ranks.close()
         exit_rank(0)
 
     def take_checkpoint() -> Path:  # Learner.checkpoint with learner.async_checkpoint false
-        if fmt == "sharded":
-            tmp = checkpoint.begin(root, 1)
-            ranks.command("shards", str(tmp))
-            weights, write_shards = stage_shards(tmp)
-            held["weights"], held["optimizer"] = tensor_bytes(weights), tensor_bytes(write_shards.args[1])
-            write_shards()
-            return checkpoint.save(root, 1, model, {}, {"version": 1}, weights=weights, tmp=tmp)
-        ranks.command("snapshot")
-        weights, state = full_snapshot()
-        held["weights"], held["optimizer"] = tensor_bytes(weights), tensor_bytes(state)
-        return checkpoint.save(root, 1, model, state, {"version": 1}, weights=weights)
+        checkpoints.start(1, 1, {}, {"version": 1}, {}, lambda: None)
+        return checkpoints.durable()[0]
 
     t0 = time.perf_counter()
     path, peak = measure(take_checkpoint)

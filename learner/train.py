@@ -25,7 +25,6 @@ import logging
 import os
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from learner import checkpoint
 from learner.batch import collate
 from learner.channels import FleetSync
 from learner.checkpoint import RunCounters
+from learner.checkpointer import Checkpointer
 from learner.dist import Ranks
 from learner.evals import Evals
 from learner.ledger import Ledger
@@ -59,12 +59,6 @@ CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 # For the poison tests: a group whose prompt_id is this SIGKILLs the learner whenever it is
 # forwarded, as a record that crashes the process would. Unset in normal runs.
 CRASH_ON_PROMPT = os.environ.get("RLPIPE_CRASH_ON_PROMPT", "")
-
-
-def _done(value) -> Future:
-    future = Future()
-    future.set_result(value)
-    return future
 
 
 class Learner:
@@ -106,16 +100,18 @@ class Learner:
         if lc.compile:
             compile_layers(self.model)
         self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
-        # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
-        # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint
-        # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
-        self._commands = {"gather": partial(self.ranks.full_tensors, self.model), "snapshot": self._snapshot,
-                          "shards": self._write_shards}
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         # Auto: sharded under FSDP on one node. Across nodes every rank writes into rank 0's
         # directory, so their checkpoint_dir must be one shared filesystem: say so with sharded.
         fmt = lc.checkpoint_format
-        self.sharded_checkpoints = fmt == "sharded" or (fmt == "auto" and self.ranks.sharded and lc.nodes == 1)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        sharded = fmt == "sharded" or (fmt == "auto" and self.ranks.sharded and lc.nodes == 1)
+        self.checkpoints = Checkpointer(self.ckpt_root, self.model, self.opt, self.ranks, sharded, lc.async_checkpoint,
+                                        cfg.model.path, lc.checkpoint_keep)
+        # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
+        # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint
+        # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
+        self._commands = {"gather": partial(self.ranks.full_tensors, self.model),
+                          "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards}
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
@@ -143,12 +139,6 @@ class Learner:
         self.status = "starting"
         self.stop_requested = False
         self.started_at = time.time()
-        # Background checkpoint writes (learner.async_checkpoint): one at a time; the one being
-        # written (future, when it was taken), acknowledged once durable.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if lc.async_checkpoint else None
-        self._writing: tuple[Future, dict] | None = None
-        self._shards_writing: Future | None = None  # ranks other than 0: their shards of the last checkpoint
-        self.checkpoint_blocking_s = 0.0  # this step's time spent on checkpoints (the critical path)
         self._last_membership_check = 0.0
         if resume:
             self._restore(resume)
@@ -212,8 +202,7 @@ class Learner:
             self.fleet.drop()
             self.lease.release()
         self.ranks.release(self._commands)
-        if self._shards_writing is not None:  # durable before this rank exits (rank 0 has renamed already)
-            self._shards_writing.result()
+        self.checkpoints.close()
 
     def request_stop(self) -> None:
         """Finish the step in hand, checkpoint, acknowledge, and return from ``run``."""
@@ -245,16 +234,13 @@ class Learner:
 
     # -- checkpoints --------------------------------------------------------------------
     def checkpoint(self) -> None:
-        """Checkpoint the state after this step; once it is durable, acknowledge every entry
-        it covers. With ``learner.async_checkpoint`` the step only waits for a copy in host
-        memory (and for the previous write, if still going); the write and its fsyncs run in
+        """Checkpoint the state after this step (learner/checkpointer.py); once it is durable,
+        acknowledge every entry it covers. With ``learner.async_checkpoint`` the write runs in
         the background and the acknowledgements follow at a later step boundary
         (:meth:`_finish_checkpoint`). Either way nothing is acknowledged before it is durable,
         so a learner killed mid-write restarts from the previous checkpoint and trains the
-        rest again. Sharded (``learner.checkpoint_format``), every rank writes its optimizer
-        shard into the same temporary directory (:meth:`_stage_shards`) before rank 0 renames it."""
+        rest again."""
         self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
-        t0 = time.perf_counter()
         state = {
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -267,59 +253,10 @@ class Learner:
                 "trained_digest": str(self.run_counters.trained_digest), "time": time.time()}
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.version)
-        weights, tmp, write_shards = None, None, None
-        if self.sharded_checkpoints:  # every rank writes its optimizer shard into rank 0's temporary directory
-            tmp = checkpoint.begin(self.ckpt_root, self.step)
-            self.ranks.command("shards", str(tmp))
-            weights, write_shards = self._stage_shards(tmp)
-            state = checkpoint.host_copy(state)
-        else:
-            state["optimizer"] = checkpoint.optimizer_state(self.model, self.opt)
-            if self._writer is not None or self.ranks.sharded:
-                if self.ranks.sharded:
-                    self.ranks.command("snapshot")
-                weights, state = self._snapshot(state)
-        save = partial(checkpoint.save, self.ckpt_root, self.step, self.model, state, meta, self.cfg.model.path,
-                       self.cfg.learner.checkpoint_keep, before_publish=partial(self._before_publish, self.step),
-                       rollout=rollout, weights=weights, tmp=tmp)
-
-        def write():
-            if write_shards is not None:
-                write_shards()  # returns once every rank's shards are durable
-            return save()
-
-        started = {"step": self.step, "version": self.version, "started": time.perf_counter()}
         self.ledger.checkpoint_started()
-        if self._writer is None:
-            self._writing = (_done(write()), started)
-        else:
-            self._writing = (self._writer.submit(write), started)
-        self.checkpoint_blocking_s += time.perf_counter() - t0
-        if self._writer is None:
+        self.checkpoints.start(self.step, self.version, state, meta, rollout, partial(self._before_publish, self.step))
+        if not self.checkpoints.background:
             self._finish_checkpoint()
-
-    def _snapshot(self, state: dict | None = None):
-        """Weights and trainer state copied to host memory (under FSDP gathered whole: every
-        rank runs this, rank 0 for its checkpoint and the others on its command)."""
-        return checkpoint.snapshot(self.model, state or {"optimizer": checkpoint.optimizer_state(self.model, self.opt)})
-
-    def _stage_shards(self, tmp: str | Path):
-        """A sharded checkpoint's collectives, on every rank (rank 0 for its checkpoint, the
-        others on its command): the weights gathered whole (kept by rank 0 alone, for the
-        Hugging Face directory) and this rank's optimizer shard copied to host memory, with
-        the function that writes it, a collective on the checkpoint group that every rank
-        runs at once (in its background writer with ``learner.async_checkpoint``)."""
-        weights = checkpoint.snapshot_weights(self.model, keep=self.ranks.is_main)
-        shards = checkpoint.optimizer_shards(self.model, self.opt)
-        return weights, partial(checkpoint.save_shards, Path(tmp) / checkpoint.SHARDS, shards,
-                                self.ranks.checkpoint_group)
-
-    def _write_shards(self, tmp: str) -> None:
-        """Ranks other than 0, on its command: write this rank's shards of its checkpoint."""
-        if self._shards_writing is not None:
-            self._shards_writing.result()  # one at a time (a failed write stops this rank, and the job)
-        _, write = self._stage_shards(tmp)
-        self._shards_writing = self._writer.submit(write) if self._writer is not None else _done(write())
 
     def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Rank 0 under FSDP: the named parameters whole, gathered with every rank (weight sync, one bucket)."""
@@ -328,21 +265,16 @@ class Learner:
 
     def _finish_checkpoint(self, block: bool = True) -> None:
         """Once the checkpoint being written is durable: acknowledge what it covers."""
-        if self._writing is None:
-            return
-        future, started = self._writing
-        if not block and not future.done():
-            return
-        t0 = time.perf_counter()
         try:
-            path = future.result()  # a failed write raises here: the learner stops, its supervisor restarts it
+            done = self.checkpoints.durable(block)  # a failed write raises: the learner stops, its supervisor restarts it
         except Exception:
             # A paused learner's write may fail because its successor cleared the half-written
             # directory: then the loss of the lease is the error to report (exit 3), not the disk.
             self.queue.fence.check()
             raise
-        self.checkpoint_blocking_s += time.perf_counter() - t0 if block else 0.0
-        self._writing = None
+        if done is None:
+            return
+        path, started = done
         self._crash_point("checkpointed", started["step"])
         self.ledger.durable()
         self.last_checkpoint = {"path": str(path), "step": started["step"], "version": started["version"],
@@ -446,7 +378,7 @@ class Learner:
             "learner_ranks": self.ranks.world,
             "learner_parallel": self.ranks.parallel,  # none, ddp or fsdp
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,
-            "checkpoint_blocking_seconds": self.checkpoint_blocking_s,  # of this step: snapshot + waiting for a write
+            "checkpoint_blocking_seconds": self.checkpoints.blocking_s,  # of this step: snapshot + waiting for a write
             # how long this process took from its start (a restart) to its first trained step
             **({"learner_start_to_first_step_seconds": process_age_s()}
                if not self.last_metrics else {}),
@@ -456,7 +388,7 @@ class Learner:
             "time": now - self.started_at,
         })
         self.last_metrics = m
-        self.checkpoint_blocking_s = 0.0
+        self.checkpoints.blocking_s = 0.0
         self.metrics.record(m)
         self._publish_state()
         log.info("step %d: reward %.3f, kl %.2e, lr %.2e, %.2fs", self.step, m["reward_mean"], m["mismatch_kl"],

@@ -1,0 +1,121 @@
+"""How the learner takes its checkpoints: what each rank copies, who writes what, one write
+at a time, and when one is durable. The format itself is learner/checkpoint.py's.
+
+- ``full``: rank 0 gathers the weights and the whole optimizer state (under FSDP the other
+  ranks join on its command, :meth:`Checkpointer.snapshot`) and writes them.
+- ``sharded`` (``learner.checkpoint_format``): the weights are gathered to rank 0 alone, for
+  the Hugging Face directory, and every rank copies and writes its own optimizer shard
+  into rank 0's temporary directory (:meth:`Checkpointer.write_shards` on the others),
+  before rank 0 renames it into place.
+
+With ``learner.async_checkpoint`` the step only waits for the copies in host memory (and
+for the previous write, if still going); the writes and their fsyncs run in a background
+thread, and :meth:`Checkpointer.durable` says when the checkpoint is durable, so that the
+learner acknowledges what it covers then and not before.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+from learner import checkpoint
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+class Checkpointer:
+    def __init__(self, root: Path, model, opt, ranks, sharded: bool, async_write: bool, base_model: str, keep: int):
+        self.root, self.model, self.opt, self.ranks = root, model, opt, ranks
+        self.sharded, self.base_model, self.keep = sharded, base_model, keep
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_write else None
+        self._writing: tuple[Future, dict] | None = None  # rank 0: the write in progress, and what it holds
+        self._shards_writing: Future | None = None  # ranks other than 0: their shards of the last checkpoint
+        self.blocking_s = 0.0  # time the caller spent on checkpoints since it last reset this (the critical path)
+
+    @property
+    def background(self) -> bool:
+        return self._writer is not None
+
+    def start(self, step: int, version: int, state: dict, meta: dict, rollout: dict,
+              before_publish: Callable[[], None]) -> None:
+        """Rank 0: take checkpoint ``step`` of the trainer ``state`` (the optimizer's is added
+        here) and write it, in the background when asynchronous. The caller first waits for
+        the previous one with :meth:`durable`."""
+        t0 = time.perf_counter()
+        weights, tmp, write_shards = None, None, None
+        if self.sharded:  # every rank writes its optimizer shard into this temporary directory
+            tmp = checkpoint.begin(self.root, step)
+            self.ranks.command("shards", str(tmp))
+            weights, write_shards = self._stage_shards(tmp)
+            state = checkpoint.host_copy(state)
+        else:
+            state["optimizer"] = checkpoint.optimizer_state(self.model, self.opt)
+            if self.background or self.ranks.sharded:
+                if self.ranks.sharded:
+                    self.ranks.command("snapshot")
+                weights, state = self.snapshot(state)
+        save = partial(checkpoint.save, self.root, step, self.model, state, meta, self.base_model, self.keep,
+                       before_publish=before_publish, rollout=rollout, weights=weights, tmp=tmp)
+
+        def write() -> Path:
+            if write_shards is not None:
+                write_shards()  # returns once every rank's shards are durable
+            return save()
+
+        started = {"step": step, "version": version, "started": time.perf_counter()}
+        self._writing = (self._writer.submit(write) if self.background else _done(write()), started)
+        self.blocking_s += time.perf_counter() - t0
+
+    def durable(self, block: bool = True) -> tuple[Path, dict] | None:
+        """The checkpoint being written, ``(path, {step, version, started})``, once it is
+        durable (waiting for it when ``block``); None when there is none or it is still being
+        written. A failed write raises here."""
+        if self._writing is None:
+            return None
+        future, started = self._writing
+        if not block and not future.done():
+            return None
+        t0 = time.perf_counter()
+        try:
+            path = future.result()
+        finally:
+            self.blocking_s += time.perf_counter() - t0 if block else 0.0
+        self._writing = None
+        return path, started
+
+    # -- every rank ----------------------------------------------------------------------
+    def snapshot(self, state: dict | None = None):
+        """Weights and trainer state copied to host memory (under FSDP gathered whole: every
+        rank runs this, rank 0 for its checkpoint and the others on its command)."""
+        return checkpoint.snapshot(self.model, state or {"optimizer": checkpoint.optimizer_state(self.model, self.opt)})
+
+    def _stage_shards(self, tmp: str | Path):
+        """A sharded checkpoint's collectives, on every rank (rank 0 for its checkpoint, the
+        others on its command): the weights gathered whole (kept by rank 0 alone, for the
+        Hugging Face directory) and this rank's optimizer shard copied to host memory, with
+        the function that writes it, a collective on the checkpoint group that every rank
+        runs at once (in its background writer with ``learner.async_checkpoint``)."""
+        weights = checkpoint.snapshot_weights(self.model, keep=self.ranks.is_main)
+        shards = checkpoint.optimizer_shards(self.model, self.opt)
+        return weights, partial(checkpoint.save_shards, Path(tmp) / checkpoint.SHARDS, shards,
+                                self.ranks.checkpoint_group)
+
+    def write_shards(self, tmp: str) -> None:
+        """Ranks other than 0, on its command: write this rank's shards of its checkpoint."""
+        if self._shards_writing is not None:
+            self._shards_writing.result()  # one at a time (a failed write stops this rank, and the job)
+        _, write = self._stage_shards(tmp)
+        self._shards_writing = self._writer.submit(write) if self.background else _done(write())
+
+    def close(self) -> None:
+        """Before this rank exits: its shards durable (rank 0 has renamed the directory already)."""
+        if self._shards_writing is not None:
+            self._shards_writing.result()
