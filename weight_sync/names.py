@@ -68,7 +68,10 @@ def served_mismatch(model_path: str | Path) -> str | None:
     on the meta device: no weights are read, so it is quick for any size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None  # not a config transformers reads: loading the model says so, not this check
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = checkpoint_shapes(model_path)
