@@ -610,12 +610,11 @@ def validate_run(cfg: RunConfig) -> None:
             why = str(e)
         if why:
             problems.append(f"model.path: the learner's weights do not fit the workers' engine: {why}")
-    from rlpipe.gpus import cuda_devices
-    from weight_sync.nccl import resolve_transport
+    from rlpipe.gpus import role_transport
 
     try:
-        transport = resolve_transport(cfg.sync.transport, cuda_devices())
-    except ValueError as e:
+        transport = role_transport(cfg)
+    except ConfigError as e:
         problems.append(str(e))
         transport = "gloo"
     if cfg.rollout.engine:

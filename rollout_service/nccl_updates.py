@@ -89,10 +89,10 @@ class NcclUpdates:
             await llm.finish_weight_update(weight_version=str(version))
             return {"ok": True}
 
+        from rollout_service.engine import _outcome
+
         async with self.engine._update_lock:
-            result = await self.engine._apply(version, "learner", transfer)
-        return SyncOutcome(bool(result.get("ok")), result.get("error") or "",
-                           timings={k: v for k, v in result.items() if k.endswith("_s")})
+            return _outcome(await self.engine._apply(version, "learner", transfer))
 
     async def leave(self) -> None:
         if self.initialized:

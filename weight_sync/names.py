@@ -49,10 +49,7 @@ def served_names(model: torch.nn.Module) -> dict[str, str]:
             raise ValueError(f"{type(model).__name__}: {name} is converted (not only renamed) when saved; "
                              f"rlpipe cannot send it to vLLM tensor by tensor")
         mapping[name] = saved_as[id(placeholders[name])]
-    try:
-        model._rlpipe_served_names = mapping
-    except AttributeError:
-        pass
+    model._rlpipe_served_names = mapping
     return mapping
 
 

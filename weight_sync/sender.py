@@ -135,12 +135,17 @@ class WeightSender:
         except SyncError:
             self.drop()
             raise
-        for rank, why in failed.items():
-            self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
+        self._leave_out_ranks(failed)
         if failed:
             self.drop()  # the next sync forms a generation without them
         stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
         return stats
+
+    def _leave_out_ranks(self, failed: dict[int, str]) -> None:
+        """Leave out the members of the current generation whose transfer failed (rank -> why)."""
+        members = list(self._members)
+        for rank, why in failed.items():
+            self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
 
     def _leave_out(self, worker: str, incarnation: str, why: str) -> None:
         self.excluded[worker] = incarnation
@@ -249,9 +254,7 @@ class WeightSender:
         at the header is left out and the generation re-formed before anything is sent."""
         finish(headers)
         if failed:
-            members = list(self._members)
-            for rank, why in failed.items():
-                self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
+            self._leave_out_ranks(failed)
             raise SyncError(f"version {version}: {len(failed)} member(s) lost before the NCCL broadcast: "
                             f"{next(iter(failed.values()))}")
         self.nccl.broadcast(self.manifest, tensors, self.gather)
