@@ -19,7 +19,6 @@ tensors it gathered whole. The checkpoints' weights must agree bit for bit.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -31,21 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field}")
-
-
-def measure(work) -> tuple[object, int]:
-    """``work()``, and how far resident memory rose above where it was before, at its peak (KiB)."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident size
-    before = status_kib("VmRSS")
-    out = work()
-    return out, status_kib("VmHWM") - before
+from bench.peak_memory import peak_rise_kib  # noqa: E402
 
 
 def rank_main(fmt: str, layers: int, root: str, out_path: str) -> None:
@@ -106,7 +91,7 @@ def rank_main(fmt: str, layers: int, root: str, out_path: str) -> None:
         return checkpoints.durable()[0]
 
     t0 = time.perf_counter()
-    path, peak = measure(take_checkpoint)
+    path, peak = peak_rise_kib(take_checkpoint)
     seconds = time.perf_counter() - t0
     ranks.release(handlers)
     ranks.close()

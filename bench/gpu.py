@@ -41,7 +41,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.peak_memory import peak_rise_kib  # noqa: E402
 from quant.int8 import FP8_MAX, INT8_MAX, fp8_tensors, quantized_linears, smooth_groups, smoothing_vector  # noqa: E402
 from quant.profile import QuantProfile  # noqa: E402
 from rlpipe.results import Section  # noqa: E402
@@ -355,37 +355,6 @@ def numeric_check(shape_name: str, tokens: int, device: str, use_kernels: bool) 
 
 
 # -- checkpoint save ------------------------------------------------------------------------------
-class PeakRss:
-    """The process's resident memory sampled every few milliseconds in a thread: the peak
-    above the value at the start. (tracemalloc sees only Python's allocations, not torch's.)"""
-
-    def __init__(self, every_s: float = 0.005):
-        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        self.start = self.peak = self.rss()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(self.every_s):
-            self.peak = max(self.peak, self.rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def delta(self) -> int:
-        return self.peak - self.start
-
-
 def checkpoint_save(model, label: str) -> dict:
     """Seconds and peak host memory of ``torch.distributed.checkpoint.save`` of ``model``'s
     state dict, one process in a gloo group of one (the learner's single-rank case), into a
@@ -398,15 +367,14 @@ def checkpoint_save(model, label: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-gpu-") as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
         try:
-            with PeakRss() as mem:
-                t0 = time.perf_counter()
-                dcp.save(state, checkpoint_id=f"{tmp}/ckpt")
-                seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _, rise_kib = peak_rise_kib(lambda: dcp.save(state, checkpoint_id=f"{tmp}/ckpt"))
+            seconds = time.perf_counter() - t0
             on_disk = sum(f.stat().st_size for f in Path(tmp, "ckpt").rglob("*") if f.is_file())
         finally:
             dist.destroy_process_group()
     return {"model": label, "state_dict_gib": nbytes / 2**30, "on_disk_gib": on_disk / 2**30, "save_s": seconds,
-            "peak_rss_delta_gib": mem.delta / 2**30, "tensors_on": str(next(iter(state.values())).device)}
+            "peak_rss_delta_gib": rise_kib / 2**20, "tensors_on": str(next(iter(state.values())).device)}
 
 
 # -- the section ----------------------------------------------------------------------------------
