@@ -203,6 +203,12 @@ def learner_logprobs(model, prompt_tokens, response_tokens, temperature: float =
     return logp[0][batch.mask[0].bool()]
 
 
+def max_diff(model, rec) -> float:
+    """The largest difference between a group's behavior log-probs and the learner's recompute."""
+    return max(float((learner_logprobs(model, rec.prompt_tokens, s.tokens) - torch.from_numpy(s.logprobs)).abs().max())
+               for s in rec.samples)
+
+
 class VerifierHandler(BaseHTTPRequestHandler):
     """Scores each response by its length; ``server.plan`` lists how to misbehave on the next requests."""
 

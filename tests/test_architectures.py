@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from rlpipe.config import ConfigError, build_config, validate_run
 from rlpipe.queue import connect
-from tests.conftest import WorkerHarness, learner_logprobs, start_worker, stop_worker
+from tests.conftest import WorkerHarness, max_diff, start_worker, stop_worker
 from tests.families import FAMILIES, save_tiny_model, tiny_model
 from weight_sync.names import checkpoint_shapes, served_mismatch, served_names
 
@@ -43,12 +43,6 @@ def test_a_launch_names_the_first_tensor_the_workers_engine_would_not_load(tmp_p
     (tmp_path / "m" / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
         validate_run(cfg)
-
-
-def engine_gap(model, record) -> float:
-    """The largest difference between the engine's behavior log-probs and the learner's recompute."""
-    return max(float((learner_logprobs(model, record.prompt_tokens, s.tokens) - torch.from_numpy(s.logprobs)).abs().max())
-               for s in record.samples)
 
 
 def grpo_step(model, record) -> int:
@@ -85,9 +79,9 @@ def test_every_family_syncs_steps_and_recomputes_the_engines_logprobs(family, re
             for p in model.parameters():
                 p.add_(0.02 * torch.randn_like(p))
         record = worker.next_group(worker.sync(model))
-        gaps = [engine_gap(model, record)]
+        gaps = [max_diff(model, record)]
         moved = grpo_step(model, record)
-        gaps.append(engine_gap(model, worker.next_group(worker.sync(model))))
+        gaps.append(max_diff(model, worker.next_group(worker.sync(model))))
         print(json.dumps({"family": family, "gaps": gaps, "tensors_moved": moved}))
         assert moved == len(list(model.parameters()))
         assert max(gaps) < 1e-4

@@ -16,20 +16,17 @@ import time
 import pytest
 import torch
 
-from rlpipe.config import ConfigError, build_config
+from rlpipe.config import ConfigError
 from rlpipe.gpus import plan_gpus
 from rlpipe.queue import Keys
 from tests.conftest import free_run_id
+from tests.test_gpus import cfg_with
 from weight_sync.manifest import Manifest, incompatibility, pack_bucket, unpack_bucket
 from weight_sync.nccl import (NcclBroadcast, learner_handshake, rank_offsets, resolve_transport, update_info,
                               wire_tensors, worker_handshake)
 from weight_sync.receiver import expect_header, join_group
 from weight_sync.sender import WeightSender
 from weight_sync.transport import GlooGroup, SyncError
-
-
-def cfg_with(**settings):
-    return build_config({}, environ={}, **settings)
 
 
 def test_auto_is_nccl_where_cuda_is_and_nccl_is_refused_where_it_is_not():

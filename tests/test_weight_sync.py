@@ -282,8 +282,8 @@ def test_no_live_workers_means_no_generation(r):
 
 def test_a_manifest_that_does_not_fit_the_workers_model_is_refused(toy_model_path):
     from learner.policy import load_policy
-    from weight_sync.names import checkpoint_shapes
     from weight_sync.manifest import incompatibility
+    from weight_sync.names import checkpoint_shapes
 
     expected = checkpoint_shapes(toy_model_path)
     named = [(n, p.dtype, tuple(p.shape)) for n, p in load_policy(toy_model_path).named_parameters()]

@@ -12,7 +12,7 @@ import torch
 
 from learner.policy import load_policy
 from rlpipe import registry
-from tests.conftest import learner_logprobs, wait_for
+from tests.conftest import learner_logprobs, max_diff, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,6 @@ def perturbed(path: str, seed: int, scale: float = 0.05):
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
     return model
-
-
-def max_diff(model, rec) -> float:
-    return max(float((learner_logprobs(model, rec.prompt_tokens, s.tokens) - torch.from_numpy(s.logprobs)).abs().max())
-               for s in rec.samples)
 
 
 def test_worker_group_logprobs_equal_learner_fp32(worker, toy_model_path):
