@@ -130,7 +130,7 @@ async def receive_version(group: GlooGroup, manifest: Manifest, load: Callable[[
         await asyncio.to_thread(lambda: group.wait(group.recv(message, 0, _HANDLE)))
         try:
             await load(bucket_update_info(bucket, decode_handle(message)))
-        except BaseException:
+        except Exception:
             try:
                 await asyncio.to_thread(_ack, group, index, False)
             except SyncError:
