@@ -208,7 +208,7 @@ class IpcMember(Member):
         if self.fail == "raise":
             raise RuntimeError("the engine could not load it")
         if self.fail == "hang":
-            await asyncio.sleep(3)
+            await asyncio.sleep(4)
         self.handles.append(consume(info, self.received))
 
 
@@ -279,8 +279,8 @@ def test_a_member_that_fails_a_bucket_or_never_acks_is_left_out_and_the_others_g
     run_id = free_run_id("ipcfail")
     members = [IpcMember("w0"), IpcMember("w1", fail="raise"), IpcMember("w2", fail="hang")]
     stops, threads = run_members(redis_server.url, run_id, members)
-    plane = CpuIpc(1.5)
-    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 1.5, 1024, torch.bfloat16, device=plane)
+    plane = CpuIpc(2)
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 2, 1024, torch.bfloat16, device=plane)
     tensors = weights()
     live = {m.worker_id: "" for m in members}
     try:
