@@ -18,6 +18,7 @@ import torch
 from quant.transfer import rollout_weights
 from rlpipe import registry
 from rlpipe.gpus import role_transport
+from weight_sync.ipc import IpcBroadcast
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError
@@ -31,9 +32,11 @@ class SyncChannel:
         self.mixed = mixed  # a fleet of several precisions: only workers registered with ours
         self.wire = rollout_weights(precision, cfg.quant, cfg.model.path)
         bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
-        nccl = NcclBroadcast(bucket_bytes, cfg.sync.timeout_s) if role_transport(cfg) == "nccl" else None
+        transport = role_transport(cfg)
+        device = (NcclBroadcast(bucket_bytes, cfg.sync.timeout_s) if transport == "nccl" else
+                  IpcBroadcast(cfg.sync.timeout_s) if transport == "ipc" else None)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
-                                   channel=precision if mixed else "", gather=gather, fence=fence, nccl=nccl)
+                                   channel=precision if mixed else "", gather=gather, fence=fence, device=device)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:

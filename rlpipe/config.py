@@ -345,8 +345,9 @@ class SyncConfig(Section):
     join_timeout_s: float = Field(120.0, gt=0, description="how long the first generation waits for the whole fleet")
     transport: Literal["auto", "gloo", "nccl", "ipc"] = Field(
         "auto", description="how versions travel: gloo (staged in host memory, any device), nccl (GPU to GPU, "
-        "weight_sync/nccl.py), ipc (not built yet); auto = nccl where CUDA is present and the learner's "
-        "first GPU is no worker's, else gloo")
+        "weight_sync/nccl.py), ipc (CUDA IPC to engines on the learner's first GPU, weight_sync/ipc.py); "
+        "auto = where CUDA is present, nccl when the learner's first GPU is no worker's, ipc when it is every "
+        "worker's, else gloo")
 
 
 class QuantConfig(Section):

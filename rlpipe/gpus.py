@@ -105,16 +105,23 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
 
 def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list[tuple[int, ...]]) -> str:
     """The transport every role of the run uses, decided once here (the children get it in
-    their environment, so a learner and its workers never resolve ``auto`` apart). NCCL
-    cannot place two ranks on one GPU, so a worker on the learner's first GPU (rank 0 sends
-    every update) rules it out: ``auto`` falls back to gloo, and ``nccl`` is refused."""
+    their environment, so a learner and its workers never resolve ``auto`` apart). Learner
+    rank 0 sends every update. NCCL cannot place two ranks on one GPU, so it reaches only
+    workers off rank 0's GPU; CUDA IPC only those on it. A run has one transport, so
+    ``auto`` is nccl when no worker shares rank 0's GPU, ipc when every one does, and gloo
+    for a fleet of both; ``nccl`` or ``ipc`` that cannot reach a worker is refused."""
     transport = _resolve(requested, n_devices)
     shared = [i for i, s in enumerate(slices) if sender_gpu in s]
+    apart = [i for i, s in enumerate(slices) if sender_gpu not in s]
+    if requested == "auto" and transport == "nccl" and shared:
+        return "ipc" if not apart else "gloo"
     if transport == "nccl" and shared:
-        if requested == "auto":
-            return "gloo"
         raise ConfigError(f"sync.transport: nccl cannot reach worker {shared[0]}, which shares GPU {sender_gpu} "
-                          f"with learner rank 0 (NCCL needs one GPU per rank); give them separate GPUs, or use gloo")
+                          f"with learner rank 0 (NCCL needs one GPU per rank); give them separate GPUs, or use ipc "
+                          f"or gloo")
+    if transport == "ipc" and apart:
+        raise ConfigError(f"sync.transport: ipc cannot reach worker {apart[0]}, which is not on GPU {sender_gpu} "
+                          f"with learner rank 0 (CUDA IPC shares memory on one GPU); use nccl or gloo")
     return transport
 
 

@@ -27,6 +27,7 @@ from rollout_service import vllm_compat
 from rollout_service.engine_args import engine_args_problems, engine_processes
 from rollout_service.worker_ext import EXTENSION_CLS
 from weight_sync.follower import SyncOutcome
+from weight_sync.nccl import DEVICE_TRANSPORTS
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,11 @@ class _Tracked:
 class RolloutEngine:
     def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0,
                  transport: str = "gloo"):
-        """``transport``: the run's resolved ``sync.transport``; under nccl updates go through
-        vLLM's own weight-transfer engine (rollout_service/nccl_updates.py)."""
+        """``transport``: the run's resolved ``sync.transport``; under nccl or ipc updates go
+        through vLLM's own weight-transfer engine (rollout_service/device_updates.py)."""
         self.model_path = model_path
         self.transport = transport
-        self.nccl = None  # the updates over vLLM's nccl engine, once started with transport nccl
+        self.device_updates = None  # the updates over vLLM's nccl or ipc engine, once started with one
         self.profile = profile
         self.cfg = cfg
         self.seed = seed
@@ -117,7 +118,7 @@ class RolloutEngine:
             # one process: the engine's own ("uni"), which keeps rlpipe's gloo follower in it;
             # tensor/pipeline parallel ranks are processes of their own (nccl transport only)
             distributed_executor_backend="uni" if engine_processes(self.cfg.engine) == 1 else "mp",
-            **({"weight_transfer_config": {"backend": "nccl"}} if self.transport == "nccl" else {}),
+            **({"weight_transfer_config": {"backend": self.transport}} if self.transport in DEVICE_TRANSPORTS else {}),
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
             **self.cfg.engine,
@@ -132,10 +133,10 @@ class RolloutEngine:
         for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
-        if self.transport == "nccl":
-            from rollout_service.nccl_updates import NcclUpdates
+        if self.transport in DEVICE_TRANSPORTS:
+            from rollout_service.device_updates import DeviceUpdates
 
-            self.nccl = NcclUpdates(self)
+            self.device_updates = DeviceUpdates(self, self.transport)
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
@@ -207,15 +208,15 @@ class RolloutEngine:
 
     async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
                    timeout_s: float) -> SyncOutcome:
-        if self.nccl:
-            return await self.nccl.join(host, port, candidate, generation, manifest_json, timeout_s)
+        if self.device_updates:
+            return await self.device_updates.join(host, port, candidate, generation, manifest_json, timeout_s)
         return _outcome(await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s))
 
     async def update(self, version: int, manifest_json: str) -> SyncOutcome:
         """Receive ``version`` while generating, then load it with generation paused. The
         weights carry their quantization profile (a recalibrated one after a recalibration)."""
-        if self.nccl:
-            result = await self.nccl.update(version, manifest_json)
+        if self.device_updates:
+            result = await self.device_updates.update(version, manifest_json)
         else:
             result = await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
         if result.ok:
@@ -243,7 +244,7 @@ class RolloutEngine:
     async def _apply(self, version: int, source: str, load=None) -> dict:
         """Load new weights with generation paused ("keep": running requests are frozen, not
         aborted) and record the version change in every request in flight. ``load``: how
-        (default: the weights staged in the engine process; under nccl, the transfer itself)."""
+        (default: the weights staged in the engine process; under nccl or ipc, the transfer itself)."""
         t0 = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:

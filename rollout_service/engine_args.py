@@ -14,6 +14,8 @@ engine gives every process of the engine its own rank and loads each its shard
 receives each update in the one engine process of the ``uni`` executor, so a TP engine is
 refused there, at launch, not at its first weight sync. Data parallelism inside one engine
 is refused under both: run more workers instead (each is its own engine and member).
+Under ``sync.transport: ipc`` an engine must be one process: the learner's buffer is
+exported from one GPU, and vLLM's ipc engine maps it only on that GPU (weight_sync/ipc.py).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ def engine_args_problems(engine: dict, transport: str = "gloo") -> list[str]:
                                                                       if close else ""))
         elif key in PARALLEL and value not in (None, 1) and (transport != "nccl" or key == "data_parallel_size"):
             why = ("an engine's own data parallelism is not supported" if key == "data_parallel_size" else
+                   "under ipc the learner's buffer is shared from its one GPU, which the engine's other "
+                   "processes are not on; it needs sync.transport nccl" if transport == "ipc" else
                    "under gloo the weight follower receives updates in one engine process; it needs "
                    "sync.transport nccl (CUDA)")
             problems.append(f"{where}: {value}: {why}; run more workers instead")

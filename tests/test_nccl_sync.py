@@ -1,4 +1,4 @@
-"""``sync.transport: nccl`` (weight_sync/nccl.py, rollout_service/nccl_updates.py): every
+"""``sync.transport: nccl`` (weight_sync/nccl.py, rollout_service/device_updates.py): every
 decision rlpipe makes about it, on CPU. Which transport a run uses and where; the gloo
 handshake that places each engine's processes in the NCCL group; the tensors, order,
 dtypes and shapes a version travels as (the same bytes the gloo path delivers); the
@@ -34,8 +34,9 @@ def test_auto_is_nccl_where_cuda_is_and_nccl_is_refused_where_it_is_not():
     assert resolve_transport("gloo", 8) == "gloo" and resolve_transport("nccl", 1) == "nccl"
     with pytest.raises(ValueError, match="sync.transport: nccl .* this machine has none"):
         resolve_transport("nccl", 0)
-    with pytest.raises(ValueError, match="sync.transport: ipc .* not built"):
-        resolve_transport("ipc", 8)
+    assert resolve_transport("ipc", 1) == "ipc"
+    with pytest.raises(ValueError, match="sync.transport: ipc shares the learner's CUDA memory .* this machine has none"):
+        resolve_transport("ipc", 0)
 
 
 def test_a_launch_decides_the_transport_once_for_every_role_and_never_nccl_on_a_shared_gpu():
@@ -127,7 +128,7 @@ def test_a_version_travels_as_the_update_info_says_and_as_the_same_bytes_as_over
 
     tensors = weights()
     sender = WeightSender(None, Keys("t"), "127.0.0.1", 5, bucket_bytes=2048, wire_dtype=torch.bfloat16,
-                          nccl=NcclBroadcast(2048, 5))
+                          device=NcclBroadcast(2048, 5))
     manifest = sender.plan(tensors)
     assert manifest.transport == "nccl" and len(manifest.buckets) > 2
     info = update_info(manifest)
@@ -150,7 +151,7 @@ def test_a_version_travels_as_the_update_info_says_and_as_the_same_bytes_as_over
 
 def test_a_gloo_engine_refuses_an_nccl_generation_naming_the_setting():
     tensors = weights()
-    nccl = WeightSender(None, Keys("t"), "127.0.0.1", 5, 1 << 20, None, nccl=NcclBroadcast(1 << 20, 5)).plan(tensors)
+    nccl = WeightSender(None, Keys("t"), "127.0.0.1", 5, 1 << 20, None, device=NcclBroadcast(1 << 20, 5)).plan(tensors)
     gloo = WeightSender(None, Keys("t"), "127.0.0.1", 5, 1 << 20, None).plan(tensors)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     assert "transport" not in gloo.to_json()  # gloo's manifests read as they always did
@@ -189,7 +190,7 @@ class CpuBroadcast(NcclBroadcast):
 
 
 class Member:
-    """A rollout worker's gloo side under nccl, as rollout_service/nccl_updates.py runs it,
+    """A rollout worker's gloo side under nccl, as rollout_service/device_updates.py runs it,
     up to where vLLM's engine would take over: it joins, shakes hands, takes headers."""
 
     def __init__(self, worker_id: str, engine_ranks: int):
@@ -212,7 +213,9 @@ class Member:
         return SyncOutcome(True)
 
 
-def follow(redis_url, run_id, member: Member, stopping: threading.Event):
+def follow(redis_url, run_id, member, stopping: threading.Event, worker_id: str = ""):
+    """``member`` followed as a rollout worker follows the learner (``worker_id``: its
+    own, unless given), in a thread of its own until ``stopping``."""
     from rlpipe.queue import connect
     from weight_sync.follower import WeightFollower
 
@@ -228,7 +231,7 @@ def follow(redis_url, run_id, member: Member, stopping: threading.Event):
             pass
 
         watcher = asyncio.create_task(watch())
-        follower = WeightFollower(connect(redis_url), Keys(run_id).sync, member.worker_id, member, 5.0,
+        follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id or member.worker_id, member, 5.0,
                                   lambda: None, lambda s: None, lambda e: None, published)
         await follower.run(stop, poll_s=0.02)
         await watcher
@@ -246,7 +249,7 @@ def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after
     stops = [threading.Event() for _ in members]
     threads = [follow(redis_server.url, run_id, m, stop) for m, stop in zip(members, stops)]
     plane = CpuBroadcast(1 << 20, 10)
-    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1 << 20, torch.bfloat16, nccl=plane)
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1 << 20, torch.bfloat16, device=plane)
     tensors = weights()
     live = {m.worker_id: "" for m in members}  # without a sync token a candidate checks in under its number
     try:
@@ -263,7 +266,7 @@ def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after
         stops[1].set()  # w1 dies
         threads[1].join(10)
         members[1].group.close()
-        with pytest.raises(SyncError, match="lost before the NCCL broadcast"):
+        with pytest.raises(SyncError, match="lost before the nccl transfer"):
             sender.sync(3, lambda: tensors.items(), live)
         assert len(plane.sent) == 2 and sender.excluded == {"w1": ""} and plane.comm is None
         stats = sender.sync(4, lambda: tensors.items(), live)  # still registered: its heartbeat lingers

@@ -51,7 +51,7 @@ class Manifest:
     buckets: tuple[Bucket, ...]
     quant_profile: str = ""  # hash of the quantization profile the tensors were made with ("" = none)
     quant_compat: str = ""  # what an engine must have been started for to load them (quant/profile.py)
-    transport: str = "gloo"  # how versions travel: gloo (in the buckets) or nccl (weight_sync/nccl.py)
+    transport: str = "gloo"  # how versions travel: gloo (in the buckets), nccl or ipc (weight_sync/nccl.py, ipc.py)
 
     @property
     def nbytes(self) -> int:

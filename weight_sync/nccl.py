@@ -13,12 +13,13 @@ travels as one packed NCCL broadcast from the learner's GPU to every engine rank
 of which loads whole tensors and narrows them to its shard (vLLM's weight loaders).
 
 The worker side is vLLM's own ``nccl`` weight-transfer engine, driven through
-``AsyncLLM``'s lifecycle (rollout_service/nccl_updates.py); the learner side is vLLM's
+``AsyncLLM``'s lifecycle (rollout_service/device_updates.py); the learner side is vLLM's
 ``uid_init_process_group`` and ``packed_nccl_broadcast_producer``
 (:class:`NcclBroadcast`). What rlpipe decides (the handshake, the ranks, which tensors
 travel in which order under which dtype and shape, which transport a run uses) is tested
 on CPU (tests/test_nccl_sync.py). The NCCL calls themselves need CUDA and have never run
-in this project: they are vLLM's code, which its authors test.
+in this project: they are vLLM's code, which its authors test. ``sync.transport: ipc``
+(weight_sync/ipc.py) shares this module's transport choice and update-info helpers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from weight_sync.transport import GlooGroup, SyncError
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
+DEVICE_TRANSPORTS = ("nccl", "ipc")  # vLLM's weight-transfer engines (rollout_service/device_updates.py), CUDA only
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 NUM_BUFFERS = 2  # packed broadcast buffers in flight (vLLM's default), on both ends
 _ASK, _ANSWER = 1001, 1002  # gloo tags of the handshake, apart from a version's (0 and up)
@@ -43,18 +45,17 @@ _ASK, _ANSWER = 1001, 1002  # gloo tags of the handshake, apart from a version's
 
 def resolve_transport(requested: str, cuda_devices: int) -> str:
     """The transport a process uses for ``sync.transport``: ``auto`` is NCCL where CUDA is
-    present and gloo (staged in host memory) where it is not. Raises ValueError, naming
+    present and gloo (staged in host memory) where it is not (a launch that knows where
+    every role runs refines it: rlpipe.gpus.plan_transport). Raises ValueError, naming
     the key, for a transport this machine cannot run."""
     if requested not in TRANSPORTS:
         raise ValueError(f"sync.transport: {requested!r} is not one of {', '.join(TRANSPORTS)}")
-    if requested == "ipc":
-        raise ValueError("sync.transport: ipc (CUDA IPC, for a learner and an engine on one GPU) is not built "
-                         "yet; use nccl with separate GPUs, or gloo")
     if requested == "auto":
         return "nccl" if cuda_devices else "gloo"
-    if requested == "nccl" and not cuda_devices:
-        raise ValueError("sync.transport: nccl moves weights between CUDA devices and this machine has none "
-                         "(use auto or gloo)")
+    if requested in DEVICE_TRANSPORTS and not cuda_devices:
+        what = ("moves weights between CUDA devices" if requested == "nccl" else
+                "shares the learner's CUDA memory with an engine on its GPU")
+        raise ValueError(f"sync.transport: {requested} {what} and this machine has none (use auto or gloo)")
     return requested
 
 
@@ -107,7 +108,13 @@ def update_info(manifest: Manifest) -> dict:
     """vLLM's ``NCCLWeightTransferUpdateInfo`` for a version: every tensor's name, dtype and
     shape in the order :func:`wire_tensors` sends them (the receiver cuts the packed
     buffers by these, so they must describe exactly the bytes sent)."""
-    slots = [(slot, bucket.dtype) for bucket in manifest.buckets for slot in bucket.tensors]
+    return describe(manifest.buckets)
+
+
+def describe(buckets) -> dict:
+    """The names, dtype names and shapes of these buckets' tensors, in order: what every
+    vLLM update info starts with (the nccl one for a whole version, the ipc one per bucket)."""
+    slots = [(slot, bucket.dtype) for bucket in buckets for slot in bucket.tensors]
     return {"names": [s.name for s, _ in slots], "dtype_names": [d for _, d in slots],
             "shapes": [list(s.shape) for s, _ in slots]}
 
@@ -126,7 +133,10 @@ def wire_tensors(manifest: Manifest, tensors: Mapping[str, torch.Tensor], device
 
 
 class NcclBroadcast:
-    """Learner rank 0's NCCL data plane for one generation. GPU only: never run here."""
+    """Learner rank 0's NCCL data plane for one generation (the sender's ``device`` seam,
+    as weight_sync/ipc.py's ``IpcBroadcast`` is). GPU only: never run here."""
+
+    transport = "nccl"
 
     def __init__(self, buffer_bytes: int, timeout_s: float):
         self.buffer_bytes, self.timeout_s = buffer_bytes, timeout_s
@@ -140,11 +150,12 @@ class NcclBroadcast:
         self.comm = _within(self.timeout_s, "NCCL init", lambda: self._init(unique_id, world))
 
     def broadcast(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor],
-                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None) -> None:
+                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None) -> dict[int, str]:
         """One version, in the manifest's order and dtypes, from this rank's GPU to every
-        engine rank."""
+        engine rank. It reaches all or raises, so no member failed alone: ``{}``."""
         device = self._device()
         _within(self.timeout_s, "NCCL broadcast", lambda: self._send(wire_tensors(manifest, tensors, device, gather)))
+        return {}
 
     # -- the CUDA calls (vLLM's), the only part the CPU tests replace -----------------------
     def _unique_id(self) -> bytes:

@@ -4,8 +4,9 @@ broadcast every new version as packed buckets.
 Each broadcast starts with a small header (version, manifest hash) so a receiver can
 refuse a transfer that is not the one it expects. Packing is pipelined with the
 transfer: bucket i+1 is packed while gloo sends bucket i. Under ``sync.transport: nccl``
-the generation and the headers stay on gloo and the weights go in one NCCL broadcast
-(weight_sync/nccl.py).
+or ``ipc`` the generation and the headers stay on gloo and the weights go over a device
+data plane: one NCCL broadcast (weight_sync/nccl.py), or CUDA IPC handles of a buffer on
+learner rank 0's GPU (weight_sync/ipc.py).
 
 Membership: workers are identified by ``id -> incarnation`` (a token each worker
 process draws at start and redraws to ask back in). A worker that does not check in
@@ -40,6 +41,7 @@ from rlpipe.auth import check_sync_exposure, sync_token
 from rlpipe.fence import Fence
 from rlpipe.queue import Keys
 from weight_sync.gate import Gate
+from weight_sync.ipc import IpcBroadcast
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
@@ -66,19 +68,20 @@ class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
                  wire_dtype: torch.dtype | None, channel: str = "",
                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
-                 nccl: NcclBroadcast | None = None):
+                 device: NcclBroadcast | IpcBroadcast | None = None):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
         just before packing it, so the whole model is never gathered at once. ``fence``: the
         learner lease's (rlpipe/fence.py), so a learner that lost its lease publishes nothing.
-        ``nccl``: versions travel over it (``sync.transport: nccl``, GPU only), the gloo
-        group carrying only the generation, the handshake and each version's header."""
+        ``device``: versions travel over it (``sync.transport: nccl`` or ``ipc``, GPU only),
+        the gloo group carrying only the generation, its control messages and each
+        version's header; it names the manifest's transport."""
         self.r, self.keys, self.fence = r, keys, fence
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
         self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
         self.bucket_bytes, self.wire_dtype, self.gather = bucket_bytes, wire_dtype, gather
-        self.nccl = nccl
+        self.device = device
         self.group: GlooGroup | None = None
         self.gate: Gate | None = None  # the current generation's (with a token)
         self.state = SyncState()
@@ -110,7 +113,8 @@ class WeightSender:
         others (and all, without one) in their own dtype."""
         specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
                   tuple(t.shape)) for name, t in tensors.items()]
-        return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat, "nccl" if self.nccl else "gloo")
+        return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat,
+                            self.device.transport if self.device else "gloo")
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
              live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> SyncStats:
@@ -189,8 +193,8 @@ class WeightSender:
             # sent), whatever part of the deadline waiting on a missing candidate took.
             self.group = GlooGroup(store, 0, self.state.world_size, self.host, generation, self.timeout_s,
                                    self.timeout_s)
-            if self.nccl:
-                self.nccl.open(self.group)
+            if self.device:
+                self.device.open(self.group)
         except SyncError:
             self.drop()
             raise
@@ -224,8 +228,8 @@ class WeightSender:
                     failed.setdefault(rank, str(e))
 
         in_flight = post(header_tensor(version, self.manifest.hash), 0)
-        if self.nccl:
-            return self._broadcast_nccl(version, tensors, in_flight, finish, failed, t0)
+        if self.device:
+            return self._broadcast_device(version, tensors, in_flight, finish, failed, t0)
         pack_s = 0.0
         for i, bucket in enumerate(self.manifest.buckets):
             # Two buffers in turn: bucket i-2's send, the last use of this one, has finished.
@@ -247,24 +251,28 @@ class WeightSender:
         return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=self.manifest.nbytes), \
             failed
 
-    def _broadcast_nccl(self, version: int, tensors: dict[str, torch.Tensor], headers: dict, finish: Callable,
-                        failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
-        """The version over NCCL, once every member took its header: one broadcast reaches
-        all of them or none (a member that failed would hang the rest), so a member lost
-        at the header is left out and the generation re-formed before anything is sent."""
+    def _broadcast_device(self, version: int, tensors: dict[str, torch.Tensor], headers: dict, finish: Callable,
+                          failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
+        """The version over the device data plane, once every member took its header. One
+        NCCL broadcast reaches all of them or none (a member that failed would hang the
+        rest), so a member lost at the header is left out and the generation re-formed
+        before anything is sent; IPC, member by member, keeps the rule (one rule for both)
+        and reports a member that fails during the transfer, which is left out after it."""
         finish(headers)
         if failed:
             self._leave_out_ranks(failed)
-            raise SyncError(f"version {version}: {len(failed)} member(s) lost before the NCCL broadcast: "
-                            f"{next(iter(failed.values()))}")
-        self.nccl.broadcast(self.manifest, tensors, self.gather)
+            raise SyncError(f"version {version}: {len(failed)} member(s) lost before the {self.device.transport} "
+                            f"transfer: {next(iter(failed.values()))}")
+        failed = self.device.broadcast(self.manifest, tensors, self.gather)
+        if len(failed) == self.group.world_size - 1:
+            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
         total = time.perf_counter() - t0
         self.state.version = version
-        return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes), {}
+        return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes), failed
 
     def drop(self) -> None:
-        if self.nccl is not None:
-            self.nccl.close()
+        if self.device is not None:
+            self.device.close()
         if self.group is not None:
             self.group.close()
         if self.gate is not None:

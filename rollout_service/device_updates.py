@@ -1,21 +1,25 @@
-"""A rollout engine's weight updates over vLLM's own ``nccl`` weight-transfer engine
-(``sync.transport: nccl``; the protocol is in weight_sync/nccl.py).
+"""A rollout engine's weight updates over vLLM's own weight-transfer engines: ``nccl``
+(``sync.transport: nccl``; the protocol is in weight_sync/nccl.py) and ``ipc`` (an engine
+on learner rank 0's GPU; weight_sync/ipc.py). One lifecycle for both; only the engine's
+init info and how a version's bytes arrive differ (:meth:`DeviceUpdates._init_info`,
+:meth:`DeviceUpdates._receive`).
 
 The gloo side runs here, in the rollout server's process, not in the engine's worker as
-under gloo: it only checks in, shakes hands and takes each version's header, and an
-engine over several processes (tensor or pipeline parallel) must join once, as one
-member. vLLM's ``AsyncLLM`` then fans the NCCL init and every update out to each of its
-processes, which get their own rank (offset + their rank in the engine) and load whole
-tensors narrowed to their shard.
+under gloo: it only checks in, shakes hands (nccl) and takes each version's header (and,
+under ipc, each bucket's handle), and an engine over several processes (tensor or
+pipeline parallel, nccl only) must join once, as one member. vLLM's ``AsyncLLM`` then
+fans the init and every update out to each of its processes, which under nccl get their
+own rank (offset + their rank in the engine) and load whole tensors narrowed to their shard.
 
-Unlike gloo's staged updates, generation is paused for the whole transfer (vLLM's nccl
-engine loads chunk by chunk as they arrive), and a transfer that fails part-way leaves a
-mix of old and new layers: that is :class:`WeightsCorrupted`, and the worker exits
-rather than serve it (rollout_service/app.py). Catching up from a checkpoint stays on the
-engine's staged path (rollout_service/worker_ext.py).
+Unlike gloo's staged updates, generation is paused for the whole transfer (vLLM's engines
+load chunk by chunk as they arrive), and a transfer that fails part-way leaves a mix of
+old and new layers: that is :class:`WeightsCorrupted`, and the worker exits rather than
+serve it (rollout_service/app.py). Catching up from a checkpoint stays on the engine's
+staged path (rollout_service/worker_ext.py).
 
 GPU only: this module needs CUDA and has never run in this project. What it decides is
-tested on CPU (tests/test_nccl_sync.py); the calls are vLLM's, which its authors test.
+tested on CPU (tests/test_nccl_sync.py, tests/test_ipc_sync.py); the calls are vLLM's,
+which its authors test.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 
 from rollout_service.engine_args import engine_processes
 from weight_sync.follower import SyncOutcome
+from weight_sync.ipc import INIT_INFO, receive_version
 from weight_sync.manifest import Manifest, incompatibility
 from weight_sync.names import checkpoint_shapes
 from weight_sync.nccl import update_info, worker_handshake
@@ -34,9 +39,10 @@ from weight_sync.transport import LeftOut, SyncError
 log = logging.getLogger(__name__)
 
 
-class NcclUpdates:
-    def __init__(self, engine):
+class DeviceUpdates:
+    def __init__(self, engine, transport: str):
         self.engine = engine  # the RolloutEngine: its AsyncLLM, and its paused apply
+        self.transport = transport  # nccl or ipc: vLLM's weight_transfer_config backend
         self.shapes = checkpoint_shapes(engine.model_dir)
         self.group = self.relay = None
         self.manifest: Manifest | None = None
@@ -44,14 +50,14 @@ class NcclUpdates:
 
     async def join(self, host: str, port: int, slot, generation: int, manifest_json: str,
                    timeout_s: float) -> SyncOutcome:
-        """Check in (or refuse), shake hands, and join the learner's NCCL group."""
+        """Check in (or refuse), take the init info, and init vLLM's transfer engine."""
         await self.leave()
         manifest = Manifest.from_json(manifest_json)
-        refuse = incompatibility(manifest, self.shapes, self.engine.profile.compat, "nccl")
+        refuse = incompatibility(manifest, self.shapes, self.engine.profile.compat, self.transport)
         try:
             self.group, self.relay = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s,
                                                              refuse)
-            info = await asyncio.to_thread(worker_handshake, self.group, engine_processes(self.engine.cfg.engine))
+            info = await self._init_info()
         except LeftOut as e:
             return SyncOutcome.failed(str(e), refused=refuse is not None)
         except SyncError as e:
@@ -64,13 +70,20 @@ class NcclUpdates:
                 WeightTransferInitRequest(init_info=info)), timeout_s)
         except Exception as e:  # the learner's init failed or timed out: it re-forms without us
             await self.leave()
-            return SyncOutcome.failed(f"NCCL init: {e!r}")
+            return SyncOutcome.failed(f"{self.transport} init: {e!r}")
         self.initialized, self.manifest = True, manifest
         return SyncOutcome(True)
 
+    async def _init_info(self) -> dict:
+        """vLLM's init info: nccl's place in the learner's NCCL group, from the handshake;
+        ipc's needs no rendezvous."""
+        if self.transport == "ipc":
+            return dict(INIT_INFO)
+        return await asyncio.to_thread(worker_handshake, self.group, engine_processes(self.engine.cfg.engine))
+
     async def update(self, version: int, manifest_json: str) -> SyncOutcome:
-        """Take the version's header over gloo, then receive and load it over NCCL with
-        generation paused."""
+        """Take the version's header over gloo, then receive and load it with generation
+        paused."""
         manifest = Manifest.from_json(manifest_json)
         if self.group is None or self.manifest is None or manifest.hash != self.manifest.hash:
             return SyncOutcome.failed("not in this generation")
@@ -82,10 +95,8 @@ class NcclUpdates:
         llm = self.engine.llm
 
         async def transfer() -> dict:
-            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
             await llm.start_weight_update()
-            await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info(manifest)))
+            await self._receive(manifest)
             await llm.finish_weight_update(weight_version=str(version))
             return {"ok": True}
 
@@ -94,12 +105,25 @@ class NcclUpdates:
         async with self.engine._update_lock:
             return _outcome(await self.engine._apply(version, "learner", transfer))
 
+    async def _receive(self, manifest: Manifest) -> None:
+        """The version's bytes into the engine: nccl's in one packed broadcast described by
+        the manifest; ipc's a bucket at a time, each handle taken and acked over gloo."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async def load(info: dict) -> None:
+            await self.engine.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+        if self.transport == "ipc":
+            await receive_version(self.group, manifest, load)
+        else:
+            await load(update_info(manifest))
+
     async def leave(self) -> None:
         if self.initialized:
             try:
                 await self.engine.llm.shutdown_weight_transfer_engine()
             except Exception as e:
-                log.warning("leaving the NCCL group: %r", e)
+                log.warning("leaving the %s transfer: %r", self.transport, e)
             self.initialized = False
         if self.group is not None:
             self.group.close()

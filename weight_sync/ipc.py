@@ -1,0 +1,248 @@
+"""Weight sync over CUDA IPC (``sync.transport: ipc``): for engines on learner rank 0's GPU,
+which NCCL cannot reach (it puts one rank on a GPU). Design: docs/design/vllm-weight-transfer.md.
+
+The generation and each version's header travel over gloo exactly as under nccl
+(weight_sync/nccl.py, weight_sync/sender.py); no handshake follows, since vLLM's ``ipc``
+engine needs no rendezvous, only to know that updates come packed (:data:`INIT_INFO`).
+Then, per version, rank 0 packs one manifest bucket at a time into a GPU buffer (the
+gloo path's layout, which is vLLM's packed one: each tensor's bytes after the last) and
+sends each member, over gloo, a CUDA IPC handle of that buffer; the member's engine
+(vLLM's ``ipc`` engine, driven by rollout_service/device_updates.py) maps it, loads the
+bucket from it and acks, and only once every member acked (or failed) is the buffer
+packed again. A member that fails or does not ack within ``sync.timeout_s`` is left out;
+the others go on.
+
+Each member gets its own export of the buffer per version: torch pairs one export with
+one importer's release, and vLLM's importer keeps one mapping across a version's buckets
+and releases it at ``finish_weight_update``; one export shared by several engines would
+be released once per engine and never reclaimed. Until every importer has released it,
+torch keeps a freed exported buffer alive, so dropping a generation cannot pull the memory
+from under a late member.
+
+The handle is vLLM's ``{gpu uuid: torch's rebuild_cuda_tensor args}``, written as JSON
+(:func:`encode_handle`) rather than pickled, so a member never unpickles what the network
+brought. There is one GPU uuid in it: an engine whose processes sit on other GPUs (tensor
+or pipeline parallel) cannot map it, which is why a launch refuses them under ipc
+(rollout_service/engine_args.py).
+
+GPU only: the CUDA calls (:meth:`IpcBroadcast._alloc`, ``_export``, ``_synchronize``) and
+vLLM's engine have never run in this project. What rlpipe decides (the transport, the
+update info per bucket, the handle's encoding, the sequence of buckets and acks, who is
+left out) is tested on CPU (tests/test_ipc_sync.py) with those calls stood in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from typing import Awaitable, Callable, Mapping
+
+import torch
+
+from weight_sync.manifest import Bucket, Manifest, pack_bucket
+from weight_sync.nccl import describe
+from weight_sync.transport import GlooGroup, SyncError
+
+log = logging.getLogger(__name__)
+
+INIT_INFO = {"packed": True}  # vLLM's IPCWeightTransferInitInfo: every bucket travels packed
+HANDLE_BYTES = 4096  # an encoded handle's room on the wire (one is well under 1 KiB)
+_HANDLE, _ACK = 1003, 1004  # gloo tags, apart from a version's header (0) and nccl's handshake
+
+
+def bucket_update_info(bucket: Bucket, handle: dict[str, tuple]) -> dict:
+    """vLLM's ``IPCWeightTransferUpdateInfo`` (packed) for one bucket in the shared buffer:
+    its tensors' names, dtypes and shapes in the manifest's order, each one's bytes (the
+    consumer cuts the buffer by these) and the buffer's handle."""
+    return {**describe([bucket]), "tensor_sizes": [slot.nbytes for slot in bucket.tensors], "ipc_handles": handle}
+
+
+# -- the handle on the wire: JSON, each non-JSON value of torch's args tagged ----------------
+_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "TypedStorage": torch.storage.TypedStorage,
+            "UntypedStorage": torch.UntypedStorage}
+
+
+def encode_handle(handle: dict[str, tuple]) -> torch.Tensor:
+    """``{gpu uuid: rebuild_cuda_tensor args}`` as a gloo message of :data:`HANDLE_BYTES`."""
+    data = json.dumps({uuid: [_encode(a) for a in args] for uuid, args in handle.items()}).encode()
+    if len(data) + 8 > HANDLE_BYTES:
+        raise ValueError(f"an IPC handle of {len(data)} bytes does not fit {HANDLE_BYTES}")
+    out = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
+    out[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    out[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def decode_handle(message: torch.Tensor) -> dict[str, tuple]:
+    n = int(message[:8].view(torch.int64).item())
+    if not 0 < n <= HANDLE_BYTES - 8:
+        raise SyncError(f"an IPC handle message claims {n} bytes")
+    data = json.loads(message[8:8 + n].numpy().tobytes())
+    return {uuid: tuple(_decode(a) for a in args) for uuid, args in data.items()}
+
+
+def _encode(value):
+    if isinstance(value, bytes):
+        return {"bytes": base64.b64encode(value).decode()}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, type):
+        name = next((k for k, cls in _CLASSES.items() if cls is value), None)
+        if name is None:
+            raise ValueError(f"an IPC handle names class {value!r}")
+        return {"class": name}
+    if isinstance(value, tuple):  # torch.Size, strides
+        return {"tuple": list(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"an IPC handle holds {type(value).__name__}")
+
+
+def _decode(value):
+    if not isinstance(value, dict):
+        return value
+    if "bytes" in value:
+        return base64.b64decode(value["bytes"])
+    if "dtype" in value:
+        dtype = getattr(torch, value["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise SyncError(f"an IPC handle names dtype {value['dtype']!r}")
+        return dtype
+    if "class" in value:
+        if value["class"] not in _CLASSES:
+            raise SyncError(f"an IPC handle names class {value['class']!r}")
+        return _CLASSES[value["class"]]
+    if "tuple" in value:
+        return torch.Size(value["tuple"]) if all(isinstance(d, int) for d in value["tuple"]) else tuple(value["tuple"])
+    raise SyncError(f"an IPC handle holds {value!r}")
+
+
+# -- a member's half -------------------------------------------------------------------------
+async def receive_version(group: GlooGroup, manifest: Manifest, load: Callable[[dict], Awaitable]) -> None:
+    """After a version's header: for each bucket, take the handle, ``load`` the bucket's
+    update info (vLLM's ``update_weights``) and ack. A load that raises is acked as failed,
+    so the learner leaves this member out at once instead of at its timeout, and raises on."""
+    for index, bucket in enumerate(manifest.buckets):
+        message = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
+        await asyncio.to_thread(lambda: group.wait(group.recv(message, 0, _HANDLE)))
+        try:
+            await load(bucket_update_info(bucket, decode_handle(message)))
+        except Exception:
+            try:
+                await asyncio.to_thread(_ack, group, index, False)
+            except SyncError:
+                pass
+            raise
+        await asyncio.to_thread(_ack, group, index, True)
+
+
+def _ack(group: GlooGroup, index: int, ok: bool) -> None:
+    """``[bucket index + 1, ok]``: never all zeros, which the learner watches for (IpcBroadcast._round)."""
+    group.wait(group.send(torch.tensor([index + 1, int(ok)], dtype=torch.int64), 0, _ACK))
+
+
+# -- the learner's half ----------------------------------------------------------------------
+class IpcBroadcast:
+    """Learner rank 0's IPC data plane for one generation, the sender's ``device`` seam as
+    :class:`~weight_sync.nccl.NcclBroadcast` is. GPU only: never run here."""
+
+    transport = "ipc"
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.group: GlooGroup | None = None
+        self.buffer: torch.Tensor | None = None
+
+    def open(self, group: GlooGroup) -> None:
+        """After the gloo generation formed: nothing to rendezvous (vLLM's ipc engine needs
+        none), the group carries the handles and acks."""
+        self.group = group
+
+    def broadcast(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor],
+                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None) -> dict[int, str]:
+        """One version, a bucket at a time through the shared buffer; returns the members
+        that failed (rank -> why), who got no bucket after their failure."""
+        assert self.group is not None
+        group, failed = self.group, {}
+        largest = max((b.nbytes for b in manifest.buckets), default=0)
+        if self.buffer is None or self.buffer.numel() < largest:
+            self.buffer = None  # the smaller one goes before the larger one is made
+            self.buffer = self._alloc(largest)
+        members = range(1, group.world_size)
+        handles = {rank: encode_handle(self._export(self.buffer)) for rank in members}
+        for index, bucket in enumerate(manifest.buckets):
+            live = [rank for rank in members if rank not in failed]
+            if not live:
+                break
+            source = gather([slot.name for slot in bucket.tensors]) if gather else tensors
+            pack_bucket(bucket, source, self.buffer[:bucket.nbytes])  # the last bucket's acks are in: free to reuse
+            del source
+            self._synchronize()  # the bytes are in before a member maps them
+            self._round(group, index, {rank: handles[rank] for rank in live}, failed)
+        return failed
+
+    def _round(self, group: GlooGroup, index: int, handles: dict[int, torch.Tensor], failed: dict[int, str]) -> None:
+        """Send each member the handle and take its ack; a member whose send, load or ack
+        failed goes into ``failed``.
+
+        The acks are not waited on with gloo's timeout: a wait that times out closes every
+        pair of the group, which would fail the members that did ack part-way through
+        their version. gloo receives into the ack tensor in place (an ack is never all
+        zeros), so its arrival is watched there until ``timeout_s``; a member past it is
+        failed and its receive abandoned, and one that arrived is then waited on (at once)."""
+        sends, acks = {}, {}
+        for rank, message in handles.items():
+            try:
+                sends[rank] = group.send(message, rank, _HANDLE)
+                ack = torch.zeros(2, dtype=torch.int64)
+                acks[rank] = (ack, group.recv(ack, rank, _ACK))
+            except SyncError as e:
+                failed[rank] = str(e)
+        for rank, work in sends.items():
+            try:
+                group.wait(work)
+            except SyncError as e:
+                failed.setdefault(rank, str(e))
+        pending = {rank: a for rank, a in acks.items() if rank not in failed}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            for rank, (ack, work) in list(pending.items()):
+                if ack[0].item() == 0:
+                    continue
+                del pending[rank]
+                try:
+                    group.wait(work)
+                except SyncError as e:
+                    failed[rank] = f"bucket {index}: {e}"
+                    continue
+                got, ok = ack.tolist()
+                if got != index + 1 or not ok:
+                    failed[rank] = (f"bucket {index}: the engine failed to load it" if got == index + 1 else
+                                    f"bucket {index}: acked bucket {got - 1}")
+            if pending and time.monotonic() > deadline:
+                for rank in pending:
+                    failed[rank] = f"bucket {index}: no ack within {self.timeout_s:.0f} s"
+                break
+            time.sleep(0.001)
+
+    # -- the CUDA calls, the only part the CPU tests replace -------------------------------
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+
+    def _export(self, buffer: torch.Tensor) -> dict[str, tuple]:
+        """A fresh export of ``buffer`` as vLLM's ipc engine takes it: ``{gpu uuid: args}``."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(buffer.device.index).uuid)
+        return {uuid: reduce_tensor(buffer)[1]}
+
+    def _synchronize(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        self.group = self.buffer = None  # torch keeps an exported buffer until its importers let go
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
