@@ -174,7 +174,7 @@ class RolloutConfig(Section):
                                          "else it is closed (slow-header clients would hold sockets forever)")
     loop_share: float = Field(0.5, gt=0, le=1, description="the part of max_inflight_groups the rollout loop "
                               "keeps while /v1/generate is busy; the API may hold the rest (in sequences, "
-                              "sampling.n to a group) and a request beyond it gets 429 (rollout_service/app.py "
+                              "sampling.n to a group) and a request beyond it gets 429 (rollout_service/worker.py "
                               "ApiShare); a worker without Redis gives the API all of it")
 
 

@@ -12,172 +12,34 @@
 (rlpipe/auth.py). Every limit (prompt length, n, max_tokens, body size) comes from the
 ``rollout`` config section; a request over one gets a 4xx naming the field, and so does any
 malformed request (NaN or an infinity in a number, a lone surrogate in text): never a 5xx.
-The schema states the ranges the engine really takes (vLLM's ``SamplingParams`` checks).
-Generation through the API holds at most its share of the engine (``ApiShare``); beyond it
-a request gets 429 with ``Retry-After``.
+The schema states the ranges the engine really takes (vLLM's ``SamplingParams`` checks;
+rollout_service/api_models.py). Generation through the API holds at most its share of the
+engine (``ApiShare``); beyond it a request gets 429 with ``Retry-After``.
 
-With a Redis URL in the config the app also runs the rollout loop (a *worker*); without
-one it only serves ``/v1/generate`` (a plain sampling server, as the tests use it).
+Each route is a few lines over the app's one ``Worker`` (rollout_service/worker.py), which
+holds the engine and, with a Redis URL in the config, runs the rollout loop; without one it
+only serves ``/v1/generate`` (a plain sampling server, as the tests use it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import math
-import os
-import signal
-from contextlib import asynccontextmanager, contextmanager
+import types
+from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator,
-                      model_validator)
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
-from quant.profiles import profile_for
 from rlpipe.auth import api_token, require_token
 from rlpipe.config import RunConfig
-
-log = logging.getLogger(__name__)
-
-
-def _integral(value):
-    """JSON Schema's ``integer`` includes ``19.0``: take it as 19 (strict mode alone would
-    refuse what the schema allows). ``19.5``, NaN and the infinities stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _unicode(text: str) -> str:
-    """JSON's ``"\\ud800"`` decodes to a lone surrogate, which is no character (the tokenizer
-    raised TypeError on it: a 500), and so do bytes that are not UTF-8 (``TextRoute``).
-    Refused here, naming the field."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid UTF-8 text: a lone surrogate or undecodable byte at character {e.start}") from None
-    return text
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-Text = Annotated[str, AfterValidator(_unicode)]
-Float = Annotated[float, Field(allow_inf_nan=False)]
-MIN_TEMPERATURE = 0.01  # vLLM raises any temperature in (0, 0.01) to 0.01 (SamplingParams._MAX_TEMP)
-
-
-class GenerateRequest(BaseModel):
-    # strict: the types the schema states, no coercion (lax mode would take `true` as 1).
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]})
-
-    # Typed without None so the schema says what the service accepts; absent = None.
-    # The ranges are vLLM's own (SamplingParams._verify_args), so the engine never refuses
-    # what the schema allows; request_model() narrows n, max_tokens and min_tokens further.
-    prompt_token_ids: list[Int] = Field(None, description="prompt as token ids (exactly one of this and prompt)")
-    prompt: Text = Field(None, description="prompt as text, tokenized by the worker")
-    temperature: Float = Field(1.0, ge=0, le=2, description="0 = greedy; else at least 0.01 (vLLM would raise "
-                               "a lower one to 0.01, and the log-probs would not be of the temperature asked for)",
-                               json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
-    n: Int = Field(1, ge=1)
-    top_p: Float = Field(1.0, gt=0, le=1)
-    top_k: Int = Field(-1, ge=-1, le=2**31 - 1, description="-1 or 0: off")
-    max_tokens: Int = Field(16, ge=1)
-    min_tokens: Int = Field(0, ge=0, description="no end-of-sequence before this many tokens; at most max_tokens")
-    seed: Int | None = Field(None, ge=0, lt=2**31)
-    stop: list[Annotated[Text, Field(min_length=1)]] | None = Field(None, max_length=16)
-
-    @field_validator("temperature")
-    @classmethod
-    def _no_silent_clamp(cls, t):
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: vLLM would sample at "
-                             f"{MIN_TEMPERATURE} instead")
-        return t
-
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
-        return self
-
-    @field_validator("n")
-    @classmethod
-    def _greedy_is_single(cls, n, info):
-        if n > 1 and info.data.get("temperature", 1.0) == 0:
-            raise ValueError("greedy sampling (temperature 0) gives one distinct sample: n must be 1")
-        return n
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_within_max(cls, min_tokens, info):
-        if "max_tokens" in info.data and min_tokens > info.data["max_tokens"]:
-            raise ValueError(f"must not exceed max_tokens ({info.data['max_tokens']})")
-        return min_tokens
-
-
-def request_model(limits, api_sequences: int) -> type[GenerateRequest]:
-    """``GenerateRequest`` with this worker's configured limits in its schema, so the
-    served OpenAPI document states them: ``n`` within ``max_n`` and the sequences the API
-    may hold at all (``ApiShare``), ``max_tokens`` within ``max_new_tokens`` and the model
-    length (vLLM refuses a prompt that leaves no room for one token). (Rules that span
-    fields, such as prompt plus max_tokens within the model length, are checked in the
-    handler.)"""
-    max_tokens = min(limits.max_new_tokens, limits.max_model_len - 1)
-    return create_model(
-        "GenerateRequest", __base__=GenerateRequest,
-        prompt_token_ids=(list[Annotated[Int, Field(ge=0, lt=2**31)]], Field(
-            None, min_length=1, max_length=limits.max_prompt_tokens,
-            description="prompt as token ids (exactly one of this and prompt)")),
-        n=(Int, Field(1, ge=1, le=max(1, min(limits.max_n, api_sequences)))),
-        max_tokens=(Int, Field(16, ge=1, le=max_tokens)),
-        min_tokens=(Int, Field(0, ge=0, le=max_tokens,
-                               description="no end-of-sequence before this many tokens; at most max_tokens")),
-    )
-
-
-class ApiShare:
-    """How much of the engine ``/v1/generate`` may hold, so an API burst cannot starve training.
-
-    The engine's in-flight budget is what the rollout loop alone runs: ``max_inflight_groups``
-    group slots of ``sampling.n`` sequences. The loop reserves ``ceil(loop_share * slots)``
-    of them; API requests may hold the other slots' sequences between them (a request costs
-    its ``n``), and one that does not fit now gets 429. The loop in turn starts a group only
-    while its groups in flight plus ``slots()``, the API's sequences rounded up to whole
-    groups, fit in ``max_inflight_groups`` (rollout_service/loop.py). As the API holds at
-    most the unreserved slots, the loop can always keep its reserved groups in flight,
-    whatever the API does, and all of them once the API is idle; and the engine runs at most
-    the budget, plus the API's part while the loop's older groups finish. Every running
-    sequence gets one token per engine step, so the loop's share of the sequences is its
-    share of the engine's tokens. A worker without Redis runs no loop: the API may hold the
-    whole budget. (Refusing at once, not queueing, keeps a burst from piling up requests
-    whose clients have long given up.)"""
-
-    def __init__(self, cfg: RunConfig):
-        slots, self.group_size = cfg.rollout.max_inflight_groups, cfg.sampling.n
-        reserved = math.ceil(cfg.rollout.loop_share * slots) if cfg.redis_url else 0
-        self.capacity = (slots - reserved) * self.group_size  # sequences
-        self.sequences = 0  # held by API requests now
-
-    def slots(self) -> int:
-        """Group slots the API holds now (its sequences, rounded up to whole groups)."""
-        return -(-self.sequences // self.group_size)
-
-    @contextmanager
-    def hold(self, n: int):
-        """Hold ``n`` sequences while generating; 429 if they do not fit now."""
-        if self.sequences + n > self.capacity:
-            raise HTTPException(429, f"busy: API requests hold {self.sequences} of the {self.capacity} sequences "
-                                f"this worker gives /v1/generate (rollout.loop_share keeps the rest for training); "
-                                f"retry later", headers={"Retry-After": "1"})
-        self.sequences += n
-        try:
-            yield
-        finally:
-            self.sequences -= n
+from rollout_service.api_models import GenerateRequest, GenerateResponse, request_model
+from rollout_service.worker import Worker
 
 
 def json_safe(value):
@@ -222,23 +84,6 @@ class TextRoute(APIRoute):
         return route
 
 
-class Choice(BaseModel):
-    tokens: list[int] = Field(description="the response token ids exactly as sampled (never re-tokenized)")
-    logprobs: list[float] = Field(description="behavior log-prob of each token, after temperature/top-p/top-k")
-    versions: list[int] | None = Field(description="weights version of each token; only when an update "
-                                       "happened during this request")
-    finish_reason: str = Field(description="stop, length or abort")
-    text: str = Field(description="the tokens decoded, for reading; train on the tokens")
-
-
-class GenerateResponse(BaseModel):
-    prompt_token_ids: list[int]
-    choices: list[Choice]
-    policy_version: int = Field(description="weights version when generation started")
-    policy_version_end: int = Field(description="weights version when the last token was sampled")
-    precision: str
-
-
 class Problem(BaseModel):
     detail: str | list
 
@@ -250,216 +95,104 @@ ERRORS = {code: {"model": Problem, "description": why} for code, why in (
     (503, "not ready, draining, or engine down"))}
 
 
-def bad_request(field: str, msg: str) -> HTTPException:
-    """A 422 in FastAPI's own error shape, naming the offending field."""
-    return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg, "type": "value_error"}])
+async def the_worker(request: Request) -> Worker:
+    """The app's worker (a dependency of every route)."""
+    return request.app.state.worker
+
+
+TheWorker = Annotated[Worker, Depends(the_worker)]
+probes = APIRouter()  # open: probes and Prometheus need no secret
+api = APIRouter()  # the token's, when there is one (create_app)
+
+
+@probes.get("/healthz", responses={503: ERRORS[503]})
+async def healthz(worker: TheWorker):
+    """The process is alive and its engine has not died."""
+    health = worker.health()
+    return health if health["status"] == "ok" else JSONResponse(health, status_code=503)
+
+
+@probes.get("/readyz", responses={503: ERRORS[503]})
+async def readyz(worker: TheWorker):
+    """Ready to serve: engine up, weights of a known version, not draining."""
+    readiness = worker.readiness()
+    return readiness if readiness["ready"] else JSONResponse(readiness, status_code=503)
+
+
+@probes.get("/metrics", response_class=Response)
+async def prometheus(worker: TheWorker):
+    """Prometheus text format."""
+    return Response(worker.prometheus(), media_type=CONTENT_TYPE_LATEST)
+
+
+@api.get("/v1/status", responses={401: ERRORS[401]})
+async def status(worker: TheWorker):
+    """Version, precision profile, in-flight work and how far the stream is ahead."""
+    return worker.status()
+
+
+async def generate(req: GenerateRequest, worker: TheWorker):
+    """Sample ``n`` responses to one prompt (token ids, or text the worker tokenizes).
+
+    For multi-turn use, send the whole conversation as ``prompt_token_ids`` built from
+    earlier responses' ``tokens``: re-tokenizing their text can give other ids."""
+    return await worker.generate(req)
+
+
+def with_body(endpoint, model: type[BaseModel]):
+    """A copy of ``endpoint`` taking its ``req`` as ``model``. FastAPI reads a body's model from
+    the endpoint's annotations, and ``/v1/generate``'s states this worker's limits
+    (``request_model``), known only with its config: so each app registers its own copy."""
+    route = types.FunctionType(endpoint.__code__, endpoint.__globals__, endpoint.__name__, endpoint.__defaults__,
+                               endpoint.__closure__)
+    route.__annotations__ = {**endpoint.__annotations__, "req": model}  # a class, not a string: FastAPI reads it as is
+    route.__doc__, route.__qualname__ = endpoint.__doc__, endpoint.__qualname__
+    return route
+
+
+async def invalid_request(request: Request, exc: RequestValidationError):
+    """FastAPI's own 422, rendered so that no input can break it (``json_safe``)."""
+    return JSONResponse({"detail": json_safe(exc.errors())}, status_code=422)
+
+
+async def limit_body(request: Request, call_next):
+    """411 without a Content-Length, 413 over ``rollout.max_body_bytes``; every refusal counted."""
+    worker = request.app.state.worker
+    max_body_bytes, metrics = worker.limits.max_body_bytes, worker.metrics
+    length = request.headers.get("content-length")
+    if request.method in ("POST", "PUT", "PATCH") and length is None:
+        return JSONResponse({"detail": "Content-Length required"}, status_code=411)
+    if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+        return JSONResponse({"detail": f"body larger than {max_body_bytes} bytes"}, status_code=413)
+    response = await call_next(request)
+    if response.status_code >= 400:
+        metrics.requests_rejected.labels(**metrics.labels, code=str(response.status_code)).inc()
+    return response
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """The worker starts before the app serves and stops after it has."""
+    worker = app.state.worker
+    await worker.start()
+    try:
+        yield
+    finally:
+        await worker.stop()
 
 
 def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None) -> FastAPI:
-    from rlpipe.gpus import role_transport
-    from rollout_service.engine import InvalidRequest, RolloutEngine
-    from rollout_service.metrics import RolloutMetrics
-
-    profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
-    engine = RolloutEngine(cfg.model.path, profile, cfg.rollout, seed=cfg.seed, transport=role_transport(cfg))
-    metrics = RolloutMetrics(worker_id, profile.precision, cfg.run_id)
-    limits = cfg.rollout
-    api_share = ApiShare(cfg)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        from transformers import AutoTokenizer
-
-        from rlpipe.config import ConfigError
-        from rollout_service.tasks import PromptEncoder
-
-        app.state.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        try:  # task.chat_template with a tokenizer that has none: refused before the engine starts
-            PromptEncoder(cfg.task, app.state.tokenizer, cfg.model.path)  # (rlpipe rollout checks it even earlier)
-        except ConfigError as e:
-            log.critical("worker %s cannot start: %s", worker_id, e)
-            raise
-        await engine.start()
-        metrics.version.set(engine.version)
-        app.state.loop = app.state.evals = None
-        if cfg.redis_url:
-            from rlpipe.queue import TrajectoryQueue, connect
-            from rollout_service.loop import RolloutLoop
-            from rollout_service.tasks import make_task
-
-            def on_fatal(reason: str) -> None:
-                # Exit (non-zero, see rollout_service.server) so a supervisor restarts us.
-                log.critical("worker %s cannot continue: %s", worker_id, reason)
-                app.state.fatal = reason
-                os.kill(os.getpid(), signal.SIGTERM)
-
-            queue = TrajectoryQueue(redis_client or connect(cfg.redis_url, cfg.redis_wait_s), cfg.run_id)
-            app.state.loop = RolloutLoop(cfg, worker_id, address, engine, queue, make_task(cfg.task),
-                                         app.state.tokenizer, metrics, on_fatal, api_slots=api_share.slots)
-            app.state.loop.start()
-            if cfg.eval.every:
-                from rollout_service.evals import EvalRunner, make_eval_task
-
-                app.state.evals = EvalRunner(cfg, worker_id, engine, queue.r, make_eval_task(cfg),
-                                             PromptEncoder(cfg.task, app.state.tokenizer, cfg.model.path))
-                app.state.evals.start()
-        else:
-            engine.synced = True  # standalone: the weights on disk are the policy
-        app.state.ready = True
-        log.info("worker %s ready at %s (%s)", worker_id, address, profile.precision)
-        try:
-            yield
-        finally:
-            app.state.ready = False
-            if app.state.evals is not None:
-                await app.state.evals.stop()
-            if app.state.loop is not None:
-                await (app.state.stopping or app.state.loop.stop())
-            engine.shutdown()
-
+    """The routes above over a new ``Worker`` (its engine is built, not started: ``lifespan`` starts it)."""
+    worker = Worker(cfg, worker_id, address, redis_client)
     app = FastAPI(title="rlpipe rollout worker", version="1", lifespan=lifespan)
-    app.state.ready = False
-    app.state.draining = False
-    app.state.stopping = None  # the loop's shutdown, once SIGTERM started it
-    app.state.fatal = None
-    app.state.engine = engine
-    app.state.metrics = metrics
-
-    def drain() -> None:
-        """SIGTERM: stop taking prompts at once, and start the loop's shutdown now, so the groups in
-        flight get ``rollout.shutdown_deadline_s`` from SIGTERM (as Kubernetes counts its grace
-        period), not from when uvicorn has finished with its connections."""
-        log.info("worker %s draining: no new prompts", worker_id)
-        app.state.draining = True
-        if app.state.loop is not None and app.state.stopping is None:
-            app.state.loop.stopping.set()
-            app.state.stopping = asyncio.ensure_future(app.state.loop.stop())
-
-    app.state.drain = drain
-
-    def ready() -> bool:
-        return app.state.ready and not app.state.draining and engine.synced and not engine.errored
-
-    metrics.ready.set_function(lambda: float(ready()))
-    token = api_token()
-    authorized = [require_token(token)]
-    LimitedRequest = request_model(limits, api_share.capacity)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError):
-        """FastAPI's own 422, rendered so that no input can break it (``json_safe``)."""
-        return JSONResponse({"detail": json_safe(exc.errors())}, status_code=422)
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if request.method in ("POST", "PUT", "PATCH") and length is None:
-            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
-        if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-            return JSONResponse({"detail": f"body larger than {limits.max_body_bytes} bytes"}, status_code=413)
-        response = await call_next(request)
-        if response.status_code >= 400:
-            metrics.requests_rejected.labels(**metrics.labels, code=str(response.status_code)).inc()
-        return response
-
-    @app.get("/healthz", responses={503: ERRORS[503]})
-    async def healthz():
-        """The process is alive and its engine has not died."""
-        if engine.errored:
-            return JSONResponse({"status": "engine dead", "worker_id": worker_id}, status_code=503)
-        return {"status": "ok", "worker_id": worker_id}
-
-    @app.get("/readyz", responses={503: ERRORS[503]})
-    async def readyz():
-        """Ready to serve: engine up, weights of a known version, not draining."""
-        if not ready():
-            return JSONResponse({"ready": False, "version": engine.version, "draining": app.state.draining},
-                                status_code=503)
-        return {"ready": True, "version": engine.version}
-
-    @app.get("/metrics", response_class=Response)
-    async def prometheus():
-        """Prometheus text format."""
-        if app.state.loop is not None:
-            app.state.loop.idle_seconds()  # the idle counter, up to this moment
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/status", dependencies=authorized, responses={401: ERRORS[401]})
-    async def status():
-        """Version, precision profile, in-flight work and how far the stream is ahead."""
-        loop = app.state.loop
-        backlog = dict(loop.backlog) if loop else {}
-        if "learner_version" in backlog:
-            backlog["version_lag"] = backlog["learner_version"] - engine.version
-        return {
-            "worker_id": worker_id,
-            "version": engine.version,
-            "synced": engine.synced,
-            "weights": engine.weights_source,
-            "precision": profile.precision,
-            "quant_profile": engine.quant_profile,  # of the weights in the engine (moves with a recalibration)
-            "profile": {"precision": profile.precision, "dtype": profile.dtype,
-                        "quantization": profile.quantization, "hash": profile.quant_hash,
-                        "checkpoint": profile.checkpoint, "compat": profile.compat},
-            "limits": {**{k: getattr(limits, k) for k in ("max_prompt_tokens", "max_n", "max_new_tokens",
-                                                          "max_model_len", "max_body_bytes")},
-                       "api_sequences": api_share.capacity},
-            "draining": app.state.draining,
-            "inflight_requests": engine.inflight,
-            "api_sequences": api_share.sequences,  # held by /v1/generate requests now
-            "inflight_groups": len(loop.groups) if loop else 0,
-            "queue": backlog,
-            "sync_generation": loop.generation if loop else 0,
-            "paused_seconds_total": engine.paused_seconds_total,
-            "idle_seconds_total": loop.idle_seconds() if loop else 0.0,  # no group in flight while serving
-            # updates after which running requests kept the prefix cache from being reset
-            "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,
-            "last_error": loop.last_error if loop else None,
-        }
-
-    async def generate(req: GenerateRequest):
-        """Sample ``n`` responses to one prompt (token ids, or text the worker tokenizes).
-
-        For multi-turn use, send the whole conversation as ``prompt_token_ids`` built from
-        earlier responses' ``tokens``: re-tokenizing their text can give other ids."""
-        if not app.state.ready or engine.errored:
-            raise HTTPException(503, "engine not ready")
-        tokenizer = app.state.tokenizer
-        if req.prompt is not None:
-            field = "prompt"
-            try:
-                prompt_ids = tokenizer(req.prompt)["input_ids"]
-            except (TypeError, ValueError) as e:  # text the schema let through but the tokenizer refuses
-                raise bad_request(field, f"the tokenizer refused it: {e}") from None
-        else:
-            prompt_ids, field = req.prompt_token_ids, "prompt_token_ids"
-        if not prompt_ids:
-            raise bad_request(field, "empty prompt")
-        if len(prompt_ids) > limits.max_prompt_tokens:  # for text (the schema bounds token ids, n, max_tokens)
-            raise bad_request(field, f"{len(prompt_ids)} tokens exceeds the limit of {limits.max_prompt_tokens}")
-        vocab = len(tokenizer)
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise bad_request(field, f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) + req.max_tokens > limits.max_model_len:
-            raise bad_request("max_tokens", f"prompt + max_tokens exceeds the model length {limits.max_model_len}")
-        try:
-            with api_share.hold(req.n):
-                results, v0, v1 = await engine.generate(
-                    prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop)
-        except InvalidRequest as e:
-            raise bad_request(e.field, str(e)) from None
-        return GenerateResponse(
-            prompt_token_ids=list(prompt_ids),
-            choices=[Choice(tokens=r.tokens.tolist(), logprobs=r.logprobs.tolist(),
-                            versions=None if r.versions is None else r.versions.tolist(),
-                            finish_reason=r.finish_reason,
-                            text=tokenizer.decode(r.tokens, skip_special_tokens=True)) for r in results],
-            policy_version=v0, policy_version_end=v1, precision=profile.precision,
-        )
-
-    generate.__annotations__["req"] = LimitedRequest  # a class, not a string: FastAPI reads it as is
-    app.router.add_api_route("/v1/generate", generate, methods=["POST"], response_model=GenerateResponse,
-                             dependencies=authorized, route_class_override=TextRoute,
+    app.state.worker = worker
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.middleware("http")(limit_body)
+    authorized = [require_token(api_token())]
+    app.include_router(probes)
+    app.include_router(api, dependencies=authorized)
+    app.router.add_api_route("/v1/generate", with_body(generate, request_model(cfg.rollout, worker.api_share.capacity)),
+                             methods=["POST"], response_model=GenerateResponse, dependencies=authorized,
+                             route_class_override=TextRoute,
                              responses={c: ERRORS[c] for c in (400, 401, 411, 413, 422, 429, 503)})
     return app

@@ -14,7 +14,7 @@ own rank (offset + their rank in the engine) and load whole tensors narrowed to 
 Unlike gloo's staged updates, generation is paused for the whole transfer (vLLM's engines
 load chunk by chunk as they arrive), and a transfer that fails part-way leaves a mix of
 old and new layers: that is :class:`WeightsCorrupted`, and the worker exits rather than
-serve it (rollout_service/app.py). Catching up from a checkpoint stays on the engine's
+serve it (rollout_service/worker.py). Catching up from a checkpoint stays on the engine's
 staged path (rollout_service/worker_ext.py).
 
 GPU only: this module needs CUDA and has never run in this project. What it decides is

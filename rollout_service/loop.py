@@ -68,7 +68,7 @@ class RolloutLoop:
         self.encode = PromptEncoder(cfg.task, tokenizer, cfg.model.path or "the model")  # text -> the engine's ids
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
-        self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.app.ApiShare)
+        self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.worker.ApiShare)
         # Weight sync: follows the learner's generations on this precision's channel.
         self.follower = WeightFollower(
             self.r, self.keys.sync_channel(cfg.rollout.precision if cfg.rollout.fleet else ""), worker_id, engine,

@@ -108,7 +108,7 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
             # Stop taking prompts the moment SIGTERM arrives, not after uvicorn has drained
             # its connections; the groups in flight get rollout.shutdown_deadline_s at shutdown.
             if self.started and not self.should_exit:
-                asyncio.get_running_loop().call_soon_threadsafe(app.state.drain)
+                asyncio.get_running_loop().call_soon_threadsafe(app.state.worker.drain)
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal once it has shut down, so the process would die
             # "by SIGTERM" even after a clean drain; exit 0 instead (1 after a fatal error).
@@ -117,5 +117,5 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
     server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15,
                                    http=header_timeout(cfg.rollout.http_header_timeout_s)))
     server.run(sockets=[sock])
-    if app.state.fatal:
-        raise SystemExit(f"rollout worker {worker_id} stopped: {app.state.fatal}")
+    if app.state.worker.fatal:
+        raise SystemExit(f"rollout worker {worker_id} stopped: {app.state.worker.fatal}")
