@@ -106,7 +106,8 @@ class Learner:
         # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
         # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint
         # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
-        self._commands = {"gather": partial(self.ranks.full_tensors, self.model), "forward": self._forward_here,
+        self._commands = {"gather": partial(self.ranks.full_tensors, self.model),
+                          "probe": partial(self.ranks.probe, self.model),
                           "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards}
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
@@ -120,7 +121,7 @@ class Learner:
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).
-            collectives = Collectives(self._gather, self._forward) if self.ranks.sharded else None
+            collectives = Collectives(self._gather, self._probe) if self.ranks.sharded else None
             self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics, collectives, fence=self.queue.fence)
             # The reader admits only records that fit this run and this model (rlpipe/admission.py).
             self.queue.check = RunCheck.for_run(cfg, self.model.get_input_embeddings().num_embeddings)
@@ -259,15 +260,10 @@ class Learner:
         self.ranks.command("gather", names)
         return self.ranks.full_tensors(self.model, names)
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Rank 0 under FSDP: the policy on a batch with every rank (each forward gathers the
-        layers): int8's monitors, on a layer sample, watch it through hooks (quant/monitor.py)."""
-        self.ranks.command("forward", input_ids, attention_mask)
-        self._forward_here(input_ids, attention_mask)
-
-    @torch.no_grad()
-    def _forward_here(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self.model(input_ids.to(self.device), attention_mask=attention_mask.to(self.device))
+    def _probe(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Rank 0 under FSDP: the policy on a batch with every rank (int8's monitors, on a layer sample)."""
+        self.ranks.command("probe", input_ids, attention_mask)
+        self.ranks.probe(self.model, input_ids, attention_mask)
 
     def _finish_checkpoint(self, block: bool = True) -> None:
         """Once the checkpoint being written is durable: acknowledge what it covers."""

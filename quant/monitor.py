@@ -53,7 +53,7 @@ def weight_monitors(tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.
         q = tensors[lin + ".weight"]
         ref = profile.weight_amax.get(lin)
         qmax = profile.weight_max
-        sat = int((w.abs() > ref[:, None] * ((qmax + 0.5) / qmax)).sum()) if ref is not None else 0
+        sat = int((w.abs() > ref.to(w.device)[:, None] * ((qmax + 0.5) / qmax)).sum()) if ref is not None else 0
         vis = int((q != previous[lin + ".weight"]).sum()) if previous is not None else q.numel()
         per[lin] = {"saturation": sat / q.numel(), "visible": vis / q.numel()}
         sat_n, vis_n, total = sat_n + sat, vis_n + vis, total + q.numel()
@@ -184,46 +184,70 @@ def sample_linears(names: Iterable[str], layers: int) -> list[str]:
 def sampled_monitor(model, gather, forward, profile: QuantProfile, previous: dict[str, torch.Tensor] | None,
                     names: list[str], layers: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """The monitors on a sample of the decoder layers (:func:`sample_linears`), for a sharded
-    learner, where no rank holds the whole model: ``gather(names)`` gathers the sampled
-    linears' weights whole, and ``forward(input_ids, attention_mask)`` runs the policy on the
-    probe set on every rank, while hooks here compute each sampled linear's clipping and
-    output error on its real (unsmoothed, then smoothed by the profile) inputs.
+    learner, where no rank holds the whole model. One sampled layer at a time:
+    ``gather(names)`` gathers its linears' weights whole, and ``forward(input_ids,
+    attention_mask)`` runs the policy on the probe set on every rank while hooks here
+    measure each of its linears on its real inputs (smoothed by the profile). Rank 0 holds
+    one layer's weights at a time for it, and the sample's int8 weights (on the host) for
+    the next update's visibility, which this returns beside the metrics.
 
     Saturation and visibility are exact on the sample. Activation clipping is measured on
     the policy's own activations rather than on those of the quantized policy, whose
     earlier layers would already be quantized; ``quant_kl_vs_bf16`` needs a forward of the
-    whole quantized model and is not computed. Returns ``(metrics, the sample's int8
-    weights)``, the latter for the next update's visibility."""
-    sample = sample_linears(names, layers)
-    params = gather([lin + ".weight" for lin in sample])
-    tensors, smoothed = profile.int8_tensors(params, names)
-    totals, per = weight_monitors(tensors, smoothed, profile, previous)
+    whole quantized model and is not computed (each linear's output error stands in)."""
+    by_layer: dict[str, list[str]] = {}
+    for lin in sample_linears(names, layers):
+        by_layer.setdefault(lin.rsplit(".", 2)[0], []).append(lin)
+    per: dict[str, dict] = {}
+    weights_seen = saturated = changed = 0
+    clipped = inputs = 0
+    kept = {}
+    for linears in by_layer.values():
+        tensors, smoothed = profile.int8_tensors(gather([lin + ".weight" for lin in linears]), names)
+        ints = {k: v.cpu() for k, v in tensors.items() if v.dtype == torch.int8}
+        _, layer = weight_monitors(ints, smoothed, profile, previous)
+        for lin, m in layer.items():
+            n = ints[lin + ".weight"].numel()
+            weights_seen, saturated, changed = weights_seen + n, saturated + m["saturation"] * n, changed + m["visible"] * n
+        per.update(layer)
+        kept.update(ints)
+        if profile.probe_ids:
+            act = _probe_layer(model, forward, profile, names, linears, tensors, smoothed)
+            clipped += sum(s["clipped"] for s in act.values())
+            inputs += sum(s["inputs"] for s in act.values())
+            for lin, s in act.items():
+                per[lin].update(act_clip=s["act_clip"], output_error=s["output_error"])
+    totals = {"quant_saturation_fraction": round(saturated) / max(weights_seen, 1)}
+    if previous is not None:
+        totals["quant_update_visible_fraction"] = round(changed) / max(weights_seen, 1)
     if profile.probe_ids:
-        ids, mask = probe_batch(profile.probe_ids)
-        divisor = {lin: profile.smoothing[g.norm].float() for g in smooth_groups(names) for lin in g.linears}
-        weights, valid = dequantize(tensors), mask.bool()
-        act: dict[str, dict] = {}
+        totals["quant_act_clip_fraction"] = clipped / max(inputs, 1)
+    layers_seen = sorted(int(prefix.rsplit(".", 1)[1]) for prefix in by_layer)
+    return {**totals, "quant_worst": worst_linears(per, totals), "quant_monitor_layers": layers_seen}, kept
 
-        def hook_for(lin: str):
-            def pre_hook(module, args):
-                x = args[0].detach()[valid].float()
-                x = x / divisor[lin] if lin in divisor else x
-                act[lin] = input_stats(x, fake_quant(x, profile, lin), smoothed[lin], weights[lin + ".weight"],
-                                       profile, lin)
 
-            return pre_hook
+def _probe_layer(model, forward, profile: QuantProfile, names: list[str], linears: list[str], tensors,
+                 smoothed) -> dict:
+    """Each of ``linears`` (one layer's) on the probe set: hooks on them while ``forward`` runs."""
+    modules = dict(model.named_modules())
+    ids, mask = probe_batch(profile.probe_ids)
+    divisor = {lin: profile.smoothing[g.norm].float() for g in smooth_groups(names) for lin in g.linears}
+    act: dict[str, dict] = {}
 
-        modules = dict(model.named_modules())
-        hooks = [modules[lin].register_forward_pre_hook(hook_for(lin)) for lin in sample]
-        try:
-            forward(ids, mask)
-        finally:
-            for h in hooks:
-                h.remove()
-        totals["quant_act_clip_fraction"] = sum(s["clipped"] for s in act.values()) / max(
-            sum(s["inputs"] for s in act.values()), 1)
-        for lin, s in act.items():
-            per[lin].update(act_clip=s["act_clip"], output_error=s["output_error"])
-    layers_seen = sorted({int(lin.rsplit(".", 3)[-3]) for lin in sample})
-    metrics = {**totals, "quant_worst": worst_linears(per, totals), "quant_monitor_layers": layers_seen}
-    return metrics, {k: v for k, v in tensors.items() if v.dtype == torch.int8}
+    def hook_for(lin: str):
+        def pre_hook(module, args):
+            x = args[0].detach()[mask.bool().to(args[0].device)].float()
+            x = x / divisor[lin].to(x.device) if lin in divisor else x
+            quantized_w = tensors[lin + ".weight"].float() * tensors[lin + ".weight_scale"]  # as the engine computes
+            act[lin] = input_stats(x, fake_quant(x, profile, lin), smoothed[lin].to(x.device),
+                                   quantized_w.to(x.device), profile, lin)
+
+        return pre_hook
+
+    hooks = [modules[lin].register_forward_pre_hook(hook_for(lin)) for lin in linears]
+    try:
+        forward(ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return act
