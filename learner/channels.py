@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Mapping
 
 import torch
 
-from quant.transfer import rollout_weights
+from quant.transfer import Stream, rollout_weights
 from rlpipe import registry
 from rlpipe.gpus import role_transport
 from weight_sync.ipc import IpcBroadcast
+from weight_sync.names import served_names, served_parameters
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError
@@ -26,17 +30,30 @@ from weight_sync.transport import SyncError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Collectives:
+    """Rank 0's side of what a sharded learner's weight sync needs every rank for (the others
+    join on its command, learner/train.py): ``gather(names)``, those parameters whole;
+    ``forward(input_ids, attention_mask)``, the policy on a batch (int8's monitors)."""
+
+    gather: Callable[[list[str]], Mapping[str, torch.Tensor]]
+    forward: Callable[[torch.Tensor, torch.Tensor], object]
+
+
 class SyncChannel:
-    def __init__(self, cfg, r, keys, precision: str, mixed: bool, gather=None, fence=None):
+    def __init__(self, cfg, r, keys, precision: str, mixed: bool, sharded: Collectives | None = None, fence=None):
         self.precision = precision
         self.mixed = mixed  # a fleet of several precisions: only workers registered with ours
         self.wire = rollout_weights(precision, cfg.quant, cfg.model.path)
+        self.sharded, self.stream = sharded, None
         bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
         transport = role_transport(cfg)
         device = (NcclBroadcast(bucket_bytes, cfg.sync.timeout_s) if transport == "nccl" else
                   IpcBroadcast(cfg.sync.timeout_s) if transport == "ipc" else None)
+        # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
-                                   channel=precision if mixed else "", gather=gather, fence=fence, device=device)
+                                   channel=precision if mixed else "", fence=fence, device=device,
+                                   gather=(lambda names: self.stream(names)) if sharded else None)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:
@@ -53,10 +70,24 @@ class SyncChannel:
         Quantizing (and its monitors) runs once per version, not again for a re-formed generation."""
         tensors, quant_metrics = self.prepared(version), {}
         if tensors is None:
-            tensors, quant_metrics = self.wire.prepare(model, step)
+            if self.sharded:  # the wire's specs only; its tensors are made bucket by bucket
+                tensors, quant_metrics = self.wire.prepare_sharded(model, step, self.sharded)
+            else:
+                tensors, quant_metrics = self.wire.prepare(model, step)
             self._prepared = (version, tensors)
+        if self.sharded:
+            self.stream = Stream(self.wire, self.sharded.gather, list(served_parameters(model)))
         stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat)
+        if self.sharded and self.wire.cast_to is None and quant_metrics:
+            quant_metrics["quant_seconds"] = self.stream.seconds
         return stats, quant_metrics
+
+
+def rollout_from_weights(wire, served: dict[str, str], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A quantized wire's tensors made from whole ``weights`` keyed by parameter name
+    (``served``: parameter name -> the name it is sent under)."""
+    params = {served[n]: weights[n] for n in served}
+    return wire.part(params, list(params))
 
 
 class FleetSync:
@@ -66,12 +97,12 @@ class FleetSync:
     up to ``sync.join_timeout_s`` for the whole configured fleet, so that no worker fills
     the first batches alone while the others start."""
 
-    def __init__(self, cfg, r, keys, metrics, gather=None, fence=None):
-        """``gather(names)``: a sharded learner's parameters whole, one bucket at a time (learner/dist.py);
-        ``fence``: the learner lease's, on every write to the sync hashes (rlpipe/fence.py)."""
+    def __init__(self, cfg, r, keys, metrics, sharded: Collectives | None = None, fence=None):
+        """``sharded``: a sharded learner's collectives (:class:`Collectives`); ``fence``: the
+        learner lease's, on every write to the sync hashes (rlpipe/fence.py)."""
         self.cfg, self.r, self.keys, self.metrics = cfg, r, keys, metrics
         precisions = list(dict.fromkeys(cfg.rollout.fleet)) or [cfg.rollout.precision]
-        self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet), gather, fence) for p in precisions}
+        self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet), sharded, fence) for p in precisions}
         self._started = time.monotonic()
 
     def maybe_resync(self, model, version: int, step: int) -> None:
@@ -128,10 +159,17 @@ class FleetSync:
     def left_out_total(self) -> int:
         return sum(ch.sender.left_out_total for ch in self.channels.values())
 
-    def rollout_tensors(self, version: int) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
-        """Each quantized precision's tensors of ``version`` as sent, for the checkpoint."""
-        return {p: (ch.wire.quant_profile, ch.prepared(version)) for p, ch in self.channels.items()
-                if ch.wire.cast_to is None and ch.prepared(version) is not None}
+    def rollout_tensors(self, model, version: int) -> dict[str, tuple[str, object]]:
+        """Each quantized precision's tensors of ``version`` as sent, for the checkpoint. A
+        sharded learner never held them whole: instead, the function that makes them from
+        the checkpoint's gathered weights (``{parameter name: tensor}``), bit for bit the
+        same (learner/checkpoint.py ``save``)."""
+        out = {}
+        for p, ch in self.channels.items():
+            if ch.wire.cast_to is None and ch.prepared(version) is not None:
+                out[p] = (ch.wire.quant_profile, partial(rollout_from_weights, ch.wire, served_names(model))
+                          if ch.sharded else ch.prepared(version))
+        return out
 
     def workers_status(self, version: int) -> dict[str, dict]:
         """Every live worker as the registry has it, and how it stands with weight sync."""

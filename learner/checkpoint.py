@@ -206,7 +206,8 @@ def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_
          rollout: dict[str, tuple[str, dict[str, torch.Tensor]]] | None = None,
          weights: dict[str, torch.Tensor] | None = None, tmp: Path | None = None) -> Path:
     """Write checkpoint ``step`` atomically; returns its directory. ``rollout`` maps a
-    precision to ``(quant profile hash, tensors)`` of its workers' quantized weights;
+    precision to ``(quant profile hash, tensors)`` of its workers' quantized weights (or a
+    function making them from the whole weights, for a sharded learner);
     ``weights``, a :func:`snapshot` of the model's (default: the model's own tensors);
     ``tmp``, the :func:`begin` directory the optimizer's shards were written into (default: a new one)."""
     root = Path(root)
@@ -222,6 +223,8 @@ def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_
     for precision, (quant_profile, tensors) in (rollout or {}).items():
         from safetensors.torch import save_file
 
+        if callable(tensors):  # a sharded learner's: made here from the gathered weights
+            tensors = tensors(weights if weights is not None else dict(model.named_parameters()))
         sub = tmp / "rollout" / precision
         sub.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, sub / "model.safetensors")

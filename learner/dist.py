@@ -155,6 +155,16 @@ class Ranks:
         params = served_parameters(model)
         return {n: full(params[n].detach()) for n in names}
 
+    @torch.no_grad()
+    def probe(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """A forward of ``model`` outside a training step, which int8's monitors watch through
+        hooks (quant/monitor.py). Under FSDP every rank runs it (each layer gathers its
+        shards), and after it the model's own parameters, which FSDP keeps gathered after a
+        forward for the backward that follows in training, are sharded again."""
+        model(input_ids.to(self.device), attention_mask=attention_mask.to(self.device))
+        if self.sharded:
+            model.reshard()
+
     def max(self, value: int) -> int:
         if self.world == 1:
             return value

@@ -32,7 +32,7 @@ import torch
 
 from learner import checkpoint
 from learner.batch import collate
-from learner.channels import FleetSync
+from learner.channels import Collectives, FleetSync
 from learner.checkpoint import RunCounters
 from learner.checkpointer import Checkpointer
 from learner.dist import Ranks
@@ -46,7 +46,7 @@ from learner.step import PPOStep
 from rlpipe import registry
 from rlpipe.admission import RunCheck
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.config import RunConfig, learner_quantized, without_secrets
+from rlpipe.config import RunConfig, sharded_quant_problem, without_secrets
 from rlpipe.proc import process_age_s
 from rlpipe.queue import Entry, IndexSet, TrajectoryQueue, connect
 
@@ -78,12 +78,8 @@ class Learner:
         self.cfg = cfg
         lc = cfg.learner
         self.ranks = Ranks(lc.parallel)
-        if self.ranks.sharded and learner_quantized(cfg):
-            # Quantizing on the learner (and int8's monitors, which run the model) needs the
-            # whole model on rank 0; the sharded sync streams cast weights only. (validate_run
-            # says so at launch for learner.ranks; this is for a torchrun started by hand.)
-            raise SystemExit(f"learner.parallel: fsdp cannot quantize for {'/'.join(learner_quantized(cfg))} "
-                             f"workers yet (it needs the whole model on rank 0): use learner.parallel: ddp")
+        if why := sharded_quant_problem(cfg, self.ranks.sharded):
+            raise SystemExit(why)  # validate_run says so at launch; this is for a torchrun started by hand
         if lc.threads:
             torch.set_num_threads(lc.threads)
         torch.manual_seed(cfg.seed)
@@ -111,6 +107,7 @@ class Learner:
         # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint
         # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
         self._commands = {"gather": partial(self.ranks.full_tensors, self.model),
+                          "probe": partial(self.ranks.probe, self.model),
                           "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards}
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
@@ -124,8 +121,8 @@ class Learner:
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).
-            self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics,
-                                   gather=self._gather if self.ranks.sharded else None, fence=self.queue.fence)
+            collectives = Collectives(self._gather, self._probe) if self.ranks.sharded else None
+            self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics, collectives, fence=self.queue.fence)
             # The reader admits only records that fit this run and this model (rlpipe/admission.py).
             self.queue.check = RunCheck.for_run(cfg, self.model.get_input_embeddings().num_embeddings)
             self.ledger = Ledger(cfg, self.queue, self.run_counters, self.metrics.dropped_stale, self._try_alone)
@@ -252,7 +249,7 @@ class Learner:
         meta = {"version": self.version, "trained_groups": self.run_counters.trained_groups,
                 "trained_digest": str(self.run_counters.trained_digest), "time": time.time()}
         # What quantized workers load to catch up: this version's tensors, as last sent.
-        rollout = self.fleet.rollout_tensors(self.version)
+        rollout = self.fleet.rollout_tensors(self.model, self.version)
         self.ledger.checkpoint_started()
         self.checkpoints.start(self.step, self.version, state, meta, rollout, partial(self._before_publish, self.step))
         if not self.checkpoints.background:
@@ -262,6 +259,11 @@ class Learner:
         """Rank 0 under FSDP: the named parameters whole, gathered with every rank (weight sync, one bucket)."""
         self.ranks.command("gather", names)
         return self.ranks.full_tensors(self.model, names)
+
+    def _probe(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Rank 0 under FSDP: the policy on a batch with every rank (int8's monitors, on a layer sample)."""
+        self.ranks.command("probe", input_ids, attention_mask)
+        self.ranks.probe(self.model, input_ids, attention_mask)
 
     def _finish_checkpoint(self, block: bool = True) -> None:
         """Once the checkpoint being written is durable: acknowledge what it covers."""

@@ -96,30 +96,42 @@ def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def smoothed_weights(params: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def smoothed_weights(params: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor],
+                     names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """``W' = W * s`` on the input columns of every smoothed linear, ``norm' = norm / s``
     (or, for a linear that feeds them, its output rows ``/ s``), in fp32; the other quantized
-    linears unchanged. Keys: module names of the quantized linears, and norms' weight names."""
+    linears unchanged. Keys: module names of the quantized linears, and norms' weight names.
+
+    ``names``: every parameter name of the model, when ``params`` holds only some of them
+    (a sharded learner quantizes one gathered bucket at a time): the groups follow from the
+    whole model, and each tensor needs only its own vector from ``smoothing``."""
+    names = list(params if names is None else names)
     out = {lin: params[lin + ".weight"].float() for lin in quantized_linears(params)}
-    for g in smooth_groups(params):
+    for g in smooth_groups(names):
         s = smoothing[g.norm].float()
-        if g.norm in out:  # up_proj's rows (row and column scalings commute)
-            out[g.norm] = out[g.norm] / s[:, None]
-        else:
-            out[g.norm + ".weight"] = params[g.norm + ".weight"].float() / s
+        if g.norm + ".weight" in params:
+            if g.norm in out:  # up_proj's rows (row and column scalings commute)
+                out[g.norm] = out[g.norm] / s[:, None]
+            else:
+                out[g.norm + ".weight"] = params[g.norm + ".weight"].float() / s
         for lin in g.linears:
-            out[lin] = out[lin] * s[None, :]
+            if lin in out:
+                out[lin] = out[lin] * s[None, :]
     return out
 
 
 def int8_tensors(params: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor],
                  input_scales: dict[str, float] | None, wire_dtype: torch.dtype = torch.bfloat16,
-                 weight_max: float = INT8_MAX) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 weight_max: float = INT8_MAX,
+                 names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Calibration transfer: the compressed-tensors INT8 tensors of ``params`` under a
     frozen profile (its ``smoothing`` per norm, static ``input_scales`` per linear, None for
-    dynamic activations, and its weight range ``weight_max``). Returns ``(tensors, smoothed)``: what goes on the wire, and the
-    fp32 smoothed weights it was quantized from (the monitors compare against them)."""
-    smoothed = smoothed_weights(params, smoothing)
+    dynamic activations, and its weight range ``weight_max``). Returns ``(tensors, smoothed)``:
+    what goes on the wire, and the fp32 smoothed weights it was quantized from (the monitors
+    compare against them). ``names``: the whole model's, when ``params`` is a part of it
+    (:func:`smoothed_weights`); each parameter's tensors depend on it alone, so the parts of
+    a model quantized one by one are bit for bit the whole model's."""
+    smoothed = smoothed_weights(params, smoothing, names)
     out: dict[str, torch.Tensor] = {}
     for name, p in params.items():
         module = name.removesuffix(".weight")
@@ -148,6 +160,33 @@ def fp8_tensors(params: dict[str, torch.Tensor], wire_dtype: torch.dtype = torch
         else:
             out[name] = p.detach().to(wire_dtype)
     return out
+
+
+def quantized_specs(shapes: dict[str, tuple[int, ...]], weight_dtype: torch.dtype, input_scales: bool,
+                    wire_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """What :func:`int8_tensors` (``weight_dtype`` int8) or :func:`fp8_tensors` (float8) make
+    of parameters of these ``shapes``, in the same order, dtypes and shapes, as meta tensors
+    (no data): a sharded learner's manifest, planned before any bucket is gathered."""
+    linears = set(quantized_linears(shapes))
+    out = {}
+    for name, shape in shapes.items():
+        module = name.removesuffix(".weight")
+        if module in linears and name.endswith(".weight"):
+            out[name] = torch.empty(shape, dtype=weight_dtype, device="meta")
+            out[module + ".weight_scale"] = torch.empty((shape[0], 1), dtype=torch.float32, device="meta")
+            if input_scales:
+                out[module + ".input_scale"] = torch.empty((1,), dtype=torch.float32, device="meta")
+        else:
+            out[name] = torch.empty(shape, dtype=wire_dtype, device="meta")
+    return out
+
+
+def source_parameter(wire_name: str) -> str:
+    """The parameter a quantized wire tensor is made from (a scale's linear's weight)."""
+    for suffix in (".weight_scale", ".input_scale"):
+        if wire_name.endswith(suffix):
+            return wire_name.removesuffix(suffix) + ".weight"
+    return wire_name
 
 
 def dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

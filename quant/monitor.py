@@ -21,10 +21,12 @@ For the KL the worst linear is the one with the largest relative output error.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 
-from quant.int8 import INT8_MAX, dequantize
+from quant.int8 import INT8_MAX, dequantize, quantized_linears, smooth_groups
 from quant.profile import QuantProfile
 
 
@@ -51,7 +53,7 @@ def weight_monitors(tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.
         q = tensors[lin + ".weight"]
         ref = profile.weight_amax.get(lin)
         qmax = profile.weight_max
-        sat = int((w.abs() > ref[:, None] * ((qmax + 0.5) / qmax)).sum()) if ref is not None else 0
+        sat = int((w.abs() > ref.to(w.device)[:, None] * ((qmax + 0.5) / qmax)).sum()) if ref is not None else 0
         vis = int((q != previous[lin + ".weight"]).sum()) if previous is not None else q.numel()
         per[lin] = {"saturation": sat / q.numel(), "visible": vis / q.numel()}
         sat_n, vis_n, total = sat_n + sat, vis_n + vis, total + q.numel()
@@ -59,6 +61,29 @@ def weight_monitors(tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.
     if previous is not None:
         totals["quant_update_visible_fraction"] = vis_n / max(total, 1)
     return totals, per
+
+
+def fake_quant(x: torch.Tensor, profile: QuantProfile, linear: str) -> torch.Tensor:
+    """``x`` (the smoothed input of ``linear``) as the int8 engine quantizes it: static
+    per-tensor with the profile's scale, or dynamic per-token."""
+    if profile.static:
+        s = torch.tensor(profile.input_scales[linear])
+    else:
+        s = (x.abs().amax(-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+    return torch.round(x / s).clamp(-128, 127) * s
+
+
+def input_stats(x: torch.Tensor, xq: torch.Tensor, exact_w: torch.Tensor, quantized_w: torch.Tensor,
+                profile: QuantProfile, linear: str) -> dict:
+    """One quantized linear on its (valid, smoothed) inputs ``x``, fake-quantized ``xq``:
+    the fraction outside the static range, and the output's relative error against the
+    unquantized smoothed weights ``exact_w``."""
+    n_clipped = int((x.abs() > INT8_MAX * profile.input_scales.get(linear, float("inf"))).sum())
+    n_inputs = x.numel()
+    exact = F.linear(x, exact_w)
+    err = (F.linear(xq, quantized_w) - exact).norm() / exact.norm().clamp(min=1e-12)
+    return {"act_clip": n_clipped / max(n_inputs, 1), "clipped": n_clipped, "inputs": n_inputs,
+            "output_error": float(err)}
 
 
 @torch.no_grad()
@@ -77,23 +102,11 @@ def simulate(model, tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.
     hooks = []
 
     def hook_for(name: str):
-        scale = profile.input_scales.get(name)
-        exact_w = smoothed[name]
-
         def pre_hook(module, args):
             (x,) = args
-            xs = x.float()
-            if profile.static:
-                s = torch.tensor(scale)
-            else:
-                s = (xs.abs().amax(-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
-            xq = torch.round(xs / s).clamp(-128, 127) * s
-            n_clipped = int((xs[valid].abs() > INT8_MAX * scale).sum())
-            n_inputs = int(valid.sum()) * xs.shape[-1]
-            exact = F.linear(xs[valid], exact_w)
-            err = (F.linear(xq[valid], module.weight.float()) - exact).norm() / exact.norm().clamp(min=1e-12)
-            stats[name] = {"act_clip": n_clipped / max(n_inputs, 1), "clipped": n_clipped, "inputs": n_inputs,
-                           "output_error": float(err)}
+            xq = fake_quant(x.float(), profile, name)
+            stats[name] = input_stats(x.float()[valid], xq[valid], smoothed[name], module.weight.float(), profile,
+                                      name)
             return (xq.to(x.dtype),)
 
         return pre_hook
@@ -140,11 +153,101 @@ def monitor(model, tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.T
             sum(s["inputs"] for s in act.values()), 1)
         for lin, s in act.items():
             per[lin].update(act_clip=s["act_clip"], output_error=s["output_error"])
+    return {**totals, "quant_worst": worst_linears(per, totals)}
+
+
+def worst_linears(per: dict[str, dict], totals: dict) -> dict:
+    """Each reported monitor's worst linear. The largest relative output error stands for
+    the KL (``quant_kl_vs_bf16``), or for itself where no KL was computed (a layer sample)."""
+    error = "quant_kl_vs_bf16" if "quant_kl_vs_bf16" in totals else "output_error"
     worst = {}
     for key, metric in (("saturation", "quant_saturation_fraction"), ("visible", "quant_update_visible_fraction"),
-                        ("act_clip", "quant_act_clip_fraction"), ("output_error", "quant_kl_vs_bf16")):
+                        ("act_clip", "quant_act_clip_fraction"), ("output_error", error)):
         have = {lin: s[key] for lin, s in per.items() if key in s}
-        if have and metric in totals:
+        if have and (metric in totals or metric == "output_error"):
             lin = max(have, key=have.get) if key != "visible" else min(have, key=have.get)
             worst[metric] = {"linear": lin, key: round(have[lin], 6)}
-    return {**totals, "quant_worst": worst}
+    return worst
+
+
+def sample_linears(names: Iterable[str], layers: int) -> list[str]:
+    """The quantized linears of ``layers`` decoder layers spread evenly over the model, the
+    first and the last among them (outliers grow at both ends)."""
+    linears = quantized_linears(names)
+    prefixes = list(dict.fromkeys(lin.rsplit(".", 2)[0] for lin in linears))  # model.layers.N, in order
+    n = len(prefixes)
+    picked = {prefixes[round(i * (n - 1) / max(layers - 1, 1))] for i in range(min(layers, n))}
+    return [lin for lin in linears if lin.rsplit(".", 2)[0] in picked]
+
+
+@torch.no_grad()
+def sampled_monitor(model, gather, forward, profile: QuantProfile, previous: dict[str, torch.Tensor] | None,
+                    names: list[str], layers: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The monitors on a sample of the decoder layers (:func:`sample_linears`), for a sharded
+    learner, where no rank holds the whole model. One sampled layer at a time:
+    ``gather(names)`` gathers its linears' weights whole, and ``forward(input_ids,
+    attention_mask)`` runs the policy on the probe set on every rank while hooks here
+    measure each of its linears on its real inputs (smoothed by the profile). Rank 0 holds
+    one layer's weights at a time for it, and the sample's int8 weights (on the host) for
+    the next update's visibility, which this returns beside the metrics.
+
+    Saturation and visibility are exact on the sample. Activation clipping is measured on
+    the policy's own activations rather than on those of the quantized policy, whose
+    earlier layers would already be quantized; ``quant_kl_vs_bf16`` needs a forward of the
+    whole quantized model and is not computed (each linear's output error stands in)."""
+    by_layer: dict[str, list[str]] = {}
+    for lin in sample_linears(names, layers):
+        by_layer.setdefault(lin.rsplit(".", 2)[0], []).append(lin)
+    per: dict[str, dict] = {}
+    weights_seen = saturated = changed = 0
+    clipped = inputs = 0
+    kept = {}
+    for linears in by_layer.values():
+        tensors, smoothed = profile.int8_tensors(gather([lin + ".weight" for lin in linears]), names)
+        ints = {k: v.cpu() for k, v in tensors.items() if v.dtype == torch.int8}
+        _, layer = weight_monitors(ints, smoothed, profile, previous)
+        for lin, m in layer.items():
+            n = ints[lin + ".weight"].numel()
+            weights_seen, saturated, changed = weights_seen + n, saturated + m["saturation"] * n, changed + m["visible"] * n
+        per.update(layer)
+        kept.update(ints)
+        if profile.probe_ids:
+            act = _probe_layer(model, forward, profile, names, linears, tensors, smoothed)
+            clipped += sum(s["clipped"] for s in act.values())
+            inputs += sum(s["inputs"] for s in act.values())
+            for lin, s in act.items():
+                per[lin].update(act_clip=s["act_clip"], output_error=s["output_error"])
+    totals = {"quant_saturation_fraction": round(saturated) / max(weights_seen, 1)}
+    if previous is not None:
+        totals["quant_update_visible_fraction"] = round(changed) / max(weights_seen, 1)
+    if profile.probe_ids:
+        totals["quant_act_clip_fraction"] = clipped / max(inputs, 1)
+    layers_seen = sorted(int(prefix.rsplit(".", 1)[1]) for prefix in by_layer)
+    return {**totals, "quant_worst": worst_linears(per, totals), "quant_monitor_layers": layers_seen}, kept
+
+
+def _probe_layer(model, forward, profile: QuantProfile, names: list[str], linears: list[str], tensors,
+                 smoothed) -> dict:
+    """Each of ``linears`` (one layer's) on the probe set: hooks on them while ``forward`` runs."""
+    modules = dict(model.named_modules())
+    ids, mask = probe_batch(profile.probe_ids)
+    divisor = {lin: profile.smoothing[g.norm].float() for g in smooth_groups(names) for lin in g.linears}
+    act: dict[str, dict] = {}
+
+    def hook_for(lin: str):
+        def pre_hook(module, args):
+            x = args[0].detach()[mask.bool().to(args[0].device)].float()
+            x = x / divisor[lin].to(x.device) if lin in divisor else x
+            quantized_w = tensors[lin + ".weight"].float() * tensors[lin + ".weight_scale"]  # as the engine computes
+            act[lin] = input_stats(x, fake_quant(x, profile, lin), smoothed[lin].to(x.device),
+                                   quantized_w.to(x.device), profile, lin)
+
+        return pre_hook
+
+    hooks = [modules[lin].register_forward_pre_hook(hook_for(lin)) for lin in linears]
+    try:
+        forward(ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return act

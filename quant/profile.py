@@ -64,12 +64,13 @@ class QuantProfile:
 
         return WEIGHT_MAX[self.scheme]
 
-    def int8_tensors(self, params: dict[str, torch.Tensor]):
-        """Calibration transfer of ``params`` with this profile (quant/int8.py)."""
+    def int8_tensors(self, params: dict[str, torch.Tensor], names=None):
+        """Calibration transfer of ``params`` with this profile (quant/int8.py; ``names``:
+        the whole model's parameter names when ``params`` is a part)."""
         from quant.int8 import int8_tensors
 
         return int8_tensors(params, self.smoothing, self.input_scales if self.static else None,
-                            weight_max=self.weight_max)
+                            weight_max=self.weight_max, names=names)
 
     @property
     def compat(self) -> str:

@@ -12,6 +12,14 @@
 
 ``prepare(model, step)`` returns ``(tensors, metrics)``; ``quant_profile`` and ``compat``
 go into the sync manifest, where a worker checks them against its engine.
+
+A sharded learner (FSDP) never holds the whole model, so it never holds the whole wire
+either: ``prepare_sharded`` returns the wire's names, dtypes and shapes only (meta
+tensors, for the manifest), and :class:`Stream` makes each bucket's tensors as the sender
+packs it, from that bucket's parameters gathered whole (``part``). Every wire tensor
+depends on one parameter alone (smoothing needs only the profile's vectors), so the
+stream sends bit for bit what the whole model would. int8's monitors then run on a layer
+sample (quant/monitor.py ``sampled_monitor``).
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ import time
 
 import torch
 
-from quant.int8 import fp8_tensors
-from quant.monitor import monitor
+from quant.int8 import fp8_tensors, quantized_specs, source_parameter
+from quant.monitor import monitor, sampled_monitor
 from quant.profile import QuantProfile, compat_key, load_for_run, model_fingerprint
 from weight_sync.names import served_parameters
 
@@ -40,6 +48,12 @@ class CastWeights:
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         return served_parameters(model), {}
 
+    def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
+        return served_parameters(model), {}  # shards, with their whole shapes: cast while packing
+
+    def part(self, params: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        return params
+
 
 class Fp8Weights:
     cast_to = None  # the tensors leave in their own dtypes
@@ -52,6 +66,12 @@ class Fp8Weights:
         t0 = time.perf_counter()
         tensors = fp8_tensors(served_parameters(model))
         return tensors, {"quant_seconds": time.perf_counter() - t0}
+
+    def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
+        return quantized_specs(whole_shapes(model), torch.float8_e4m3fn, input_scales=False), {}
+
+    def part(self, params: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        return fp8_tensors(params)
 
 
 class Int8Weights:
@@ -75,6 +95,28 @@ class Int8Weights:
 
     def _quantize(self, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return self.profile.int8_tensors(params)
+
+    def part(self, params: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        return self.profile.int8_tensors(params, names)[0]
+
+    def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
+        """The wire's specs, and on a monitored update the monitors on a layer sample
+        (``quant.monitor_layers``) with ``collectives`` (``gather``, ``forward``: every rank's).
+        Recalibrating needs the whole model and is refused at launch under FSDP."""
+        metrics = {}
+        if step % self.qcfg.monitor_every == 0 or self.previous is None:
+            t0 = time.perf_counter()
+            m, self.previous = sampled_monitor(model, collectives.gather, collectives.forward, self.profile,
+                                               self.previous, list(served_parameters(model)), self.qcfg.monitor_layers)
+            metrics["quant_monitor_seconds"] = time.perf_counter() - t0
+            over = self._over_thresholds(m)
+            if over:
+                log.warning("quantized policy over threshold on the sampled layers (%s)", ", ".join(over))
+                metrics["quant_over_threshold"] = over
+            metrics.update(m)
+            self.last_monitors = {**m, "over_threshold": over}
+        metrics.update(quant_profile=self.profile.hash, quant_recalibrations_total=self.recalibrations)
+        return quantized_specs(whole_shapes(model), torch.int8, input_scales=self.profile.static), metrics
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         t0 = time.perf_counter()
@@ -137,6 +179,37 @@ class Int8Weights:
         """For the learner's ``/status``: the profile and the last monitors with their worst linears."""
         return {"profile": self.profile.summary(), "recalibrations_total": self.recalibrations,
                 "last_recalibration_step": self.last_recalibration_step, "monitors": self.last_monitors}
+
+
+def whole_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Served name -> whole shape (a shard's DTensor has the whole tensor's shape)."""
+    return {n: tuple(p.shape) for n, p in served_parameters(model).items()}
+
+
+class Stream:
+    """The sender's ``gather`` for a sharded learner: the wire tensors of one bucket, made
+    from its parameters gathered whole (``gather(names)``, every rank's collective) by the
+    wire's ``part``. The manifest groups tensors by dtype (weight_sync/manifest.py), so a
+    linear's int8 weight and its fp32 scale travel in different buckets: what a part made
+    beyond its bucket is kept until its bucket comes, not gathered twice. That is the
+    scales alone (one float per row), as each int8 weight precedes its scale."""
+
+    def __init__(self, wire, gather, names: list[str]):
+        self.wire, self.gather, self.names = wire, gather, names
+        self._carry: dict[str, torch.Tensor] = {}
+        self.seconds = 0.0  # quantizing, for ``quant_seconds``
+
+    def __call__(self, wire_names: list[str]) -> dict[str, torch.Tensor]:
+        need = list(dict.fromkeys(source_parameter(n) for n in wire_names if n not in self._carry))
+        part = {}
+        if need:
+            params = self.gather(need)
+            t0 = time.perf_counter()
+            part = self.wire.part(params, self.names)
+            self.seconds += time.perf_counter() - t0
+        have = {**self._carry, **part}
+        self._carry = {n: t for n, t in have.items() if n not in wire_names}
+        return {n: have[n] for n in wire_names}
 
 
 def rollout_weights(precision: str, qcfg, model_path: str):

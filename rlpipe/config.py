@@ -376,6 +376,8 @@ class QuantConfig(Section):
     calibration_samples: int = Field(128, ge=1)
     probe_samples: int = Field(32, ge=1, description="held-out sequences the monitors run on every update")
     monitor_every: int = Field(1, ge=1, description="run the monitors (two probe-set forwards) every N updates")
+    monitor_layers: int = Field(4, ge=1, description="under FSDP, the decoder layers the monitors sample "
+                                "(spread evenly, first and last included); unsharded, they cover every layer")
     recalibrate: Literal["off", "warn", "auto"] = Field("warn", description="what crossing a threshold does")
     max_act_clip_fraction: float = Field(0.01, gt=0, le=1)
     max_saturation_fraction: float = Field(0.01, gt=0, le=1)
@@ -580,6 +582,16 @@ def learner_quantized(cfg: RunConfig) -> list[str]:
             if p == "int8" or (p == "fp8" and cfg.quant.quantize_on == "learner")]
 
 
+def sharded_quant_problem(cfg: RunConfig, sharded: bool) -> str | None:
+    """Why a sharded (FSDP) learner cannot serve this fleet, or None. It quantizes bucket by
+    bucket and monitors a layer sample (quant/transfer.py), but calibrating again runs the
+    whole model on one rank."""
+    if sharded and "int8" in learner_quantized(cfg) and cfg.quant.recalibrate == "auto":
+        return ("quant.recalibrate: auto needs the whole model on one rank to calibrate, and learner.parallel: "
+                "fsdp (the default above one rank) shards it: set quant.recalibrate: warn, or learner.parallel: ddp")
+    return None
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -622,10 +634,9 @@ def validate_run(cfg: RunConfig) -> None:
         from rollout_service.engine_args import engine_args_problems
 
         problems += engine_args_problems(cfg.rollout.engine, transport)
-    if cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp" and learner_quantized(cfg):
-        problems.append(f"learner.parallel: fsdp (the default above one rank) cannot quantize for "
-                        f"{'/'.join(learner_quantized(cfg))} workers yet, which needs the whole model on rank 0: "
-                        f"set learner.parallel: ddp")
+    sharded = cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp"
+    if why := sharded_quant_problem(cfg, sharded):
+        problems.append(why)
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
     if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:

@@ -51,16 +51,16 @@ def test_cross_role_rules():
         validate_run(build_config({"sampling": {"n": 1}}, environ={}))
 
 
-def test_a_sharded_learner_is_refused_for_workers_it_would_quantize():
+def test_a_sharded_learner_quantizes_but_is_refused_automatic_recalibration():
     two_ranks = {"learner": {"ranks": 2}}
-    with pytest.raises(ConfigError, match=r"learner\.parallel: fsdp .* int8 workers"):
-        validate_run(build_config({**two_ranks, "rollout": {"fleet": ["int8", "bf16"]}}, environ={}))
-    with pytest.raises(ConfigError, match=r"learner\.parallel: fsdp .* fp8 workers"):
-        validate_run(build_config({**two_ranks, "rollout": {"precision": "fp8"}, "quant": {"quantize_on": "learner"}},
+    with pytest.raises(ConfigError, match=r"quant\.recalibrate: auto .* learner\.parallel: fsdp"):
+        validate_run(build_config({**two_ranks, "rollout": {"fleet": ["int8", "bf16"]}, "quant": {"recalibrate": "auto"}},
                                   environ={}))
-    validate_run(build_config({"learner": {"ranks": 2, "parallel": "ddp"}, "rollout": {"precision": "int8"}}, environ={}))
-    validate_run(build_config({**two_ranks, "rollout": {"precision": "bf16"}}, environ={}))
-    validate_run(build_config({"rollout": {"precision": "int8"}}, environ={}))  # one rank: nothing to shard
+    validate_run(build_config({**two_ranks, "rollout": {"fleet": ["int8", "bf16"]}}, environ={}))  # warn: the default
+    validate_run(build_config({**two_ranks, "rollout": {"precision": "fp8"}, "quant": {"quantize_on": "learner",
+                                                                                      "recalibrate": "auto"}}, environ={}))
+    validate_run(build_config({"learner": {"ranks": 2, "parallel": "ddp"}, "rollout": {"precision": "int8"},
+                               "quant": {"recalibrate": "auto"}}, environ={}))
 
 
 def test_cli_names_the_bad_field_without_importing_the_engine():

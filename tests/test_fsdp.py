@@ -118,6 +118,36 @@ def test_sync_from_sharded_ranks_gathers_one_bucket_at_a_time(redis_server, tmp_
     assert sync_peak < whole_peak / 4, got
 
 
+def test_int8_from_sharded_ranks_is_the_whole_models_quantization_bit_for_bit(redis_server, tmp_path):
+    """Item 6 of the GPU-cluster issue: the learner's int8 channel under FSDP plans its
+    manifest from shapes, quantizes each bucket as it is gathered and monitors a layer
+    sample through a forward both ranks run; the worker gets exactly what quantizing the
+    whole model in one process gives, and rank 0 never holds the whole model."""
+    run_id = free_run_id("fsdp-int8")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok"})
+    out = tmp_path / "sync.json"
+    try:
+        run = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "fsdp_sync_rank.py"), redis_server.url, run_id,
+                              str(out), "int8", str(tmp_path / "model")], env=ENV, timeout=300, capture_output=True,
+                             text=True, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = json.loads(out.read_text())
+        assert results.get(timeout=60) == ("w0", got["checksum"], 1)  # int8, scales and the rest, bit for bit
+    finally:
+        stop(procs)
+    m = got["metrics"]
+    print({k: v for k, v in got.items() if k != "metrics"}, m)
+    # The monitors hold one sampled layer at a time (a 32nd of the model, in fp32 with its
+    # smoothed copy and the layer FSDP gathers for the probe forward); each int8 bucket is
+    # made from 4x its size in gathered fp32 weights.
+    assert got["members"] == 1 and got["sync_peak_kib"] * 1024 < got["model_bytes"] / 4, got
+    assert m["quant_monitor_layers"] == [0, 16, 31]  # the first, a middle and the last of 32 layers
+    assert "quant_kl_vs_bf16" not in m and m["quant_seconds"] > 0
+    # the made-up static input scales clip the random model's activations: the monitors saw them
+    assert m["quant_act_clip_fraction"] > 0 and m["quant_worst"]["quant_act_clip_fraction"]["linear"].startswith(
+        ("model.layers.0.", "model.layers.16.", "model.layers.31."))
+
+
 def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(tmp_path, toy_model_path):
     from tests.test_restarts import SETTINGS, SETTLE
 

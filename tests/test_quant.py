@@ -270,3 +270,88 @@ def test_a_launcher_calibrates_apart_to_the_same_profile(toy_model_path, tmp_pat
     assert a.input_scales == pytest.approx(b.input_scales, rel=1e-4)
     for name in b.smoothing:
         torch.testing.assert_close(a.smoothing[name], b.smoothing[name], rtol=1e-4, atol=0)
+
+
+def local_collectives(model, gathered: list | None = None):
+    """What a sharded learner's rank 0 gets from every rank (learner/channels.py Collectives),
+    in one process: parameters whole by name (``gathered`` records each call), and a forward."""
+    from learner.channels import Collectives
+    from weight_sync.names import served_parameters
+
+    params = served_parameters(model)
+
+    def gather(names):
+        if gathered is not None:
+            gathered.append(list(names))
+        return {n: params[n].detach() for n in names}
+
+    return Collectives(gather, lambda ids, mask: model(ids, attention_mask=mask))
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_sharded_learner_streams_bit_for_bit_the_whole_models_quantized_tensors(base, profile_dir, precision):
+    """The manifest comes from shapes alone, and each bucket is quantized from its own
+    parameters as it is packed: what reaches a worker, and what a checkpoint keeps for
+    returning workers, equal the whole model's quantization exactly."""
+    from learner.channels import rollout_from_weights
+    from quant.transfer import Fp8Weights, Stream, source_parameter
+    from weight_sync.manifest import plan_buckets
+    from weight_sync.names import served_names, served_parameters
+
+    profile = QuantProfile.load(profile_dir)
+    wire = Int8Weights(profile, QuantConfig(profile=profile_dir, activations=profile.activations)) \
+        if precision == "int8" else Fp8Weights("toy")
+    whole, _ = wire.prepare(base, step=1)
+    gathered = []
+    specs, _ = wire.prepare_sharded(base, 1, local_collectives(base, gathered))
+    assert [(n, t.dtype, t.shape) for n, t in specs.items()] == [(n, t.dtype, t.shape) for n, t in whole.items()]
+    assert all(t.device.type == "meta" for t in specs.values())  # no data held for the manifest
+    gathered.clear()
+    # Buckets of ~2 KiB: many linears' weights and scales land in different buckets.
+    manifest = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in specs.items()], 2048, "", "", "gloo")
+    stream = Stream(wire, local_collectives(base, gathered).gather, list(served_parameters(base)))
+    sent = {}
+    for bucket in manifest.buckets:
+        sent.update(stream([slot.name for slot in bucket.tensors]))
+    assert sorted(sent) == sorted(whole)
+    for name, t in whole.items():
+        assert sent[name].dtype == t.dtype and torch.equal(sent[name].float(), t.float()), name
+    sources = [n for call in gathered for n in call]
+    assert sorted(sources) == sorted(dict.fromkeys(source_parameter(n) for n in whole))  # each parameter once
+    sizes = {n: p.numel() for n, p in served_parameters(base).items()}
+    assert max(sum(sizes[n] for n in call) for call in gathered) < sum(sizes.values()) / 4  # never the whole model
+    kept = rollout_from_weights(wire, served_names(base), dict(base.state_dict()))
+    assert all(torch.equal(kept[n].float(), t.float()) for n, t in whole.items())
+
+
+def test_monitors_on_a_layer_sample_see_its_outliers_and_clipping(toy_model_path, profile_dir):
+    """Under FSDP the monitors sample ``quant.monitor_layers`` layers: what happens in a
+    sampled layer moves them as the whole-model monitors move, and a layer outside the
+    sample does not."""
+    from learner.policy import load_policy
+
+    profile = QuantProfile.load(profile_dir)
+    model = load_policy(toy_model_path)
+    qcfg = QuantConfig(profile=profile_dir, activations=profile.activations, monitor_layers=1)  # layer 0 only
+    wire = Int8Weights(profile, qcfg)
+    collectives = local_collectives(model)
+    _, calm = wire.prepare_sharded(model, 1, collectives)
+    assert calm["quant_monitor_layers"] == [0] and "quant_kl_vs_bf16" not in calm
+    assert calm["quant_saturation_fraction"] == 0.0 and calm["quant_act_clip_fraction"] < 0.01
+    assert calm["quant_worst"]["output_error"]["linear"].startswith("model.layers.0.")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[:, 7] *= 20  # outside the sample
+    _, unseen = wire.prepare_sharded(model, 2, collectives)
+    assert unseen["quant_saturation_fraction"] == 0.0
+    assert unseen["quant_update_visible_fraction"] == 0.0  # layer 0 did not move
+    wire.qcfg = QuantConfig(profile=profile_dir, activations=profile.activations, monitor_layers=2)
+    wire.previous = None
+    _, seen = wire.prepare_sharded(model, 3, collectives)
+    assert seen["quant_monitor_layers"] == [0, 1]
+    assert seen["quant_worst"]["quant_saturation_fraction"]["linear"] == "model.layers.1.mlp.up_proj"
+    with torch.no_grad():  # the policy's activations grow 8x after layer 0's norms
+        model.model.layers[0].post_attention_layernorm.weight.mul_(8)
+        model.model.layers[0].input_layernorm.weight.mul_(8)
+    _, loud = wire.prepare_sharded(model, 4, collectives)
+    assert loud["quant_act_clip_fraction"] > 0.01 and loud["quant_over_threshold"]
+    assert wire.status()["monitors"]["over_threshold"]  # the learner's /status shows it
