@@ -175,8 +175,8 @@ def sample_linears(names: Iterable[str], layers: int) -> list[str]:
     first and the last among them (outliers grow at both ends)."""
     linears = quantized_linears(names)
     prefixes = list(dict.fromkeys(lin.rsplit(".", 2)[0] for lin in linears))  # model.layers.N, in order
-    n = len(prefixes)
-    picked = {prefixes[round(i * (n - 1) / max(layers - 1, 1))] for i in range(min(layers, n))}
+    n, k = len(prefixes), min(layers, len(prefixes))
+    picked = {prefixes[round(i * (n - 1) / max(k - 1, 1))] for i in range(k)}
     return [lin for lin in linears if lin.rsplit(".", 2)[0] in picked]
 
 

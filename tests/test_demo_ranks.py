@@ -1,6 +1,8 @@
 """``rlpipe demo --learner-ranks 2`` on the toy Llama (untied LM head, GQA): the learner runs
-as torchrun's 2 ranks, trains, and its rank 0 syncs a bf16 worker; Ctrl-C stops every rank
-gracefully (torchrun forwards the SIGTERM) and leaves no process behind."""
+as torchrun's 2 ranks, trains, and its rank 0 syncs a bf16 worker, or an int8 one (each
+update quantized bucket by bucket as the shards are gathered, monitored on a layer sample);
+Ctrl-C stops every rank gracefully (torchrun forwards the SIGTERM) and leaves no process
+behind."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from learner.metrics import read_jsonl
 from rlpipe.checkpoints import PREFIX, latest
@@ -39,12 +42,13 @@ def test_learner_ranks_is_one_key_that_turns_the_learner_into_torchrun():
 
 
 @pytest.mark.slow
-def test_two_learner_ranks_train_the_toy_llama_sync_a_bf16_worker_and_stop_cleanly(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_two_learner_ranks_train_the_toy_llama_sync_a_worker_and_stop_cleanly(tmp_path, precision):
     run_dir = tmp_path / "ranks"
     log_path = tmp_path / "demo.log"
     log = open(log_path, "wb")
     demo = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "demo", "--learner-ranks", "2", "--workers", "1",
-                             "--precision", "bf16", "--steps", "200", "--run-id", "ranks", "--runs-dir", str(tmp_path),
+                             "--precision", precision, "--steps", "200", "--run-id", "ranks", "--runs-dir", str(tmp_path),
                              "--set", "model.path=toy-llama", "--set", f"learner.parallel={PARALLEL}",
                              "--set", "learner.groups_per_step=8"], stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=interruptible)
@@ -64,7 +68,7 @@ def test_two_learner_ranks_train_the_toy_llama_sync_a_bf16_worker_and_stop_clean
         share = str(max(1, len(os.sched_getaffinity(0)) // 2))
         assert ranks == {"0": share, "1": share}, ranks
 
-        # The bf16 worker runs the versions the 2-rank learner sends it.
+        # The worker runs the versions the 2-rank learner sends it.
         r, keys = connect(cfg.redis_url), Keys(cfg.run_id)
         wait_for(lambda: int(live_workers(r, keys).get("w0", {}).get("version", -1)) >= 2, 120, interval=0.5,
                  what="the worker on version 2")
@@ -96,6 +100,13 @@ def test_two_learner_ranks_train_the_toy_llama_sync_a_bf16_worker_and_stop_clean
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["groups_trained"] == 8 * len(rows) and summary["groups_unacknowledged"] < 8
     assert int(latest(run_dir / "checkpoints").name[len(PREFIX):]) == len(rows)
+    if precision == "int8":  # monitored on both layers of the toy; what returning workers load, checkpointed
+        assert all(m["quant_monitor_layers"] == [0, 1] and "quant_kl_vs_bf16" not in m for m in rows), rows[-1]
+        assert all(m["quant_seconds"] > 0 and m["quant_act_clip_fraction"] >= 0 for m in rows)
+        from safetensors.torch import load_file
+
+        sent = load_file(latest(run_dir / "checkpoints") / "rollout" / "int8" / "model.safetensors")
+        assert sent["model.layers.1.mlp.down_proj.weight"].dtype == torch.int8
     print(f"{len(rows)} steps on 2 ranks: {(rows[-1]['time'] - rows[0]['time']) / (len(rows) - 1):.2f} s/step "
           f"(training {sum(m['learner_step_seconds'] for m in rows) / len(rows):.2f} s), "
           f"{sum(m['learner_tokens_per_second'] for m in rows) / len(rows):.0f} learner tokens/s")

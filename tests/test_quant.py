@@ -355,3 +355,14 @@ def test_monitors_on_a_layer_sample_see_its_outliers_and_clipping(toy_model_path
     _, loud = wire.prepare_sharded(model, 4, collectives)
     assert loud["quant_act_clip_fraction"] > 0.01 and loud["quant_over_threshold"]
     assert wire.status()["monitors"]["over_threshold"]  # the learner's /status shows it
+
+
+def test_the_layer_sample_spreads_over_the_model_and_covers_a_small_one():
+    from quant.monitor import sample_linears
+
+    def sampled(n_layers: int, k: int) -> list[int]:
+        names = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(n_layers)]
+        return sorted({int(lin.split(".")[2]) for lin in sample_linears(names, k)})
+
+    assert sampled(32, 4) == [0, 10, 21, 31] and sampled(32, 1) == [0] and sampled(32, 40) == list(range(32))
+    assert sampled(2, 4) == [0, 1]  # a toy's two layers, both
