@@ -274,6 +274,25 @@ def test_a_hung_receiver_ends_the_sync_within_the_timeout(redis_server, r):
     stop(procs)
 
 
+def test_a_hung_member_costs_one_version_and_the_next_reaches_the_others(redis_server, r):
+    """A member that stops reading in the middle of a transfer (alive, so its connection
+    stays open) is not a dead one: gloo's timed-out send closes the whole group, so that
+    version reaches no member. The steady state comes back at the next sync: the hung
+    member misses the new generation's check-in and is left out, and the others get it."""
+    run_id = free_run_id("ws")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "hang", "w1": "ok"})
+    sender = make_sender(r, run_id, timeout_s=3, bucket_bytes=1 << 20)
+    weights, live = model_weights(1), {"w0": "a", "w1": "a"}
+    with pytest.raises(SyncError, match="reached no worker"):
+        sender.sync(1, lambda: weights.items(), live)
+    t0 = time.monotonic()
+    stats = sender.sync(2, lambda: weights.items(), live)
+    assert time.monotonic() - t0 < 3 + 5  # one check-in deadline, not a hang
+    assert stats.members == 1 and sender.members == ("w1",) and "w0" in sender.excluded
+    assert results.get(timeout=30) == ("w1", checksum(weights.items()), 2)
+    stop(procs)
+
+
 def test_no_live_workers_means_no_generation(r):
     sender = make_sender(r, free_run_id("ws"), timeout_s=3)
     assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), {}).members == 0

@@ -12,8 +12,11 @@ Membership: workers are identified by ``id -> incarnation`` (a token each worker
 process draws at start and redraws to ask back in). A worker that does not check in
 before the deadline is left out of the generation and stays out until its incarnation
 changes, so it never costs the learner a second timeout. A worker whose transfer fails
-(it died in the middle, or stopped reading) is left out the same way while the others
-still get the version; the next sync forms a generation without it.
+because it died in the middle is left out the same way while the others still get the
+version; the next sync forms a generation without it. One that is alive but stopped
+reading is worse: gloo's timed-out send closes the whole group, so that version reaches
+no member, and the next sync re-forms without the hung worker, which misses its check-in
+(tests/test_weight_sync.py; per-member send deadlines would keep the version).
 
 A worker that *refuses* a generation (its engine cannot load the manifest: another model,
 another quantization) raises :class:`~weight_sync.transport.IncompatibleWorker` naming it
