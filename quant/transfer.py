@@ -99,12 +99,16 @@ class Int8Weights:
     def part(self, params: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
         return self.profile.int8_tensors(params, names)[0]
 
+    def _monitored(self, step: int) -> bool:
+        """Whether this update runs the monitors: every ``quant.monitor_every``, and the first."""
+        return step % self.qcfg.monitor_every == 0 or self.previous is None
+
     def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
         """The wire's specs, and on a monitored update the monitors on a layer sample
         (``quant.monitor_layers``) with ``collectives`` (``gather``, ``forward``: every rank's).
         Recalibrating needs the whole model and is refused at launch under FSDP."""
         metrics = {}
-        if step % self.qcfg.monitor_every == 0 or self.previous is None:
+        if self._monitored(step):
             t0 = time.perf_counter()
             m, self.previous = sampled_monitor(model, collectives.gather, collectives.forward, self.profile,
                                                self.previous, list(served_parameters(model)), self.qcfg.monitor_layers)
@@ -123,7 +127,7 @@ class Int8Weights:
         params = {n: t.detach() for n, t in served_parameters(model).items()}
         tensors, smoothed = self._quantize(params)
         metrics = {"quant_seconds": time.perf_counter() - t0}
-        if step % self.qcfg.monitor_every == 0 or self.previous is None:  # a monitored update
+        if self._monitored(step):
             tensors = self._monitor(model, params, tensors, smoothed, step, metrics)
         metrics["quant_profile"] = self.profile.hash  # (a new one after a recalibration)
         self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
