@@ -263,7 +263,10 @@ class Worker:
 
     # -- sessions and the OpenAI-shaped routes (rollout_service/sessions.py, openai_api.py) ------
     def open_session(self, req: OpenSession) -> SessionOpened:
+        """A new session (not while draining: it could not finish; open ones may)."""
         self._check_ready()
+        if self.draining:
+            raise HTTPException(503, "draining: no new sessions on this worker")
         messages = None if req.messages is None else [m.for_template() for m in req.messages]
         session = self.sessions.start(messages, req.tools, req.prompt, req.prompt_token_ids)
         return SessionOpened(session_id=session.id, prompt_token_ids=session.ids)

@@ -146,6 +146,64 @@ def test_toy_turn_cut_without_its_end_gets_the_closing_token_as_context(toy_mode
     assert all("12+30" not in t for t in tok.texts[1:])  # the prompt was never tokenized again
 
 
+def test_one_request_at_a_time_and_a_failed_turn_leaves_the_session_as_it_was(toy_model_path):
+    """A second request on a session while a turn runs gets 409; a turn the engine refuses
+    commits nothing (its context is not kept either)."""
+    from fastapi import HTTPException
+    from transformers import AutoTokenizer
+
+    from rollout_service.api_models import Turn
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    gate, outcomes = None, []
+
+    async def sample(prompt_ids, sampling):
+        await gate.wait()
+        if len(outcomes) == 0:
+            outcomes.append("refused")
+            raise HTTPException(429, "busy")
+        return SimpleNamespace(tokens=np.asarray([8, 2]), logprobs=np.zeros(2), versions=None,
+                               finish_reason="stop"), 0, 0
+
+    sessions = store(tok, TOY_TEMPLATE, [], [])
+    sessions.sample = sample
+    session = sessions.start([{"role": "user", "content": "1+1"}], None, None, None)
+
+    async def scenario():
+        nonlocal gate
+        gate = asyncio.Event()
+        first = asyncio.ensure_future(sessions.turn(session, Turn()))
+        await asyncio.sleep(0)
+        with pytest.raises(HTTPException) as busy:
+            sessions.get(session.id)
+        gate.set()
+        with pytest.raises(HTTPException) as refused:
+            await first
+        kept = list(session.ids)
+        result = await sessions.turn(sessions.get(session.id), Turn())
+        return busy.value, refused.value, kept, result
+
+    busy, refused, kept, result = asyncio.run(scenario())
+    assert busy.status_code == 409 and refused.status_code == 429
+    assert kept == [1, 5, 14, 5]  # "<bos>1+1": the refused turn's "=" was not kept
+    assert result.context_token_ids == [17] and session.ids == kept + [17, 8, 2]
+
+
+def test_the_chat_template_setting(tmp_path, toy_model_path):
+    from transformers import AutoTokenizer
+
+    from rlpipe.config import ConfigError
+    from rollout_service.sessions import load_chat_template
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    assert load_chat_template("", tok) is None  # the toy's tokenizer has none
+    assert load_chat_template(TOY_TEMPLATE, tok) == TOY_TEMPLATE
+    (tmp_path / "t.jinja").write_text(TOY_TEMPLATE)
+    assert load_chat_template(str(tmp_path / "t.jinja"), tok) == TOY_TEMPLATE
+    with pytest.raises(ConfigError, match="rollout.chat_template"):
+        load_chat_template(str(tmp_path / "missing.jinja"), tok)
+
+
 # -- a live worker ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def live(toy_model_path, tmp_path_factory):
