@@ -189,6 +189,40 @@ def test_one_request_at_a_time_and_a_failed_turn_leaves_the_session_as_it_was(to
     assert result.context_token_ids == [17] and session.ids == kept + [17, 8, 2]
 
 
+def test_episode_versions_show_an_update_between_and_inside_turns(toy_model_path):
+    """Turn 1 sampled under version 3; an update lands before turn 2, another inside it (the
+    engine's per-token versions): the episode carries each model token's version, context tokens
+    the version in force when appended, and its policy_version is the oldest model token's."""
+    from transformers import AutoTokenizer
+
+    from rollout_service.api_models import Finish, Turn
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    engine_version = [3]
+    answers = [(SimpleNamespace(tokens=np.asarray([8, 2]), logprobs=np.zeros(2), versions=None,
+                                finish_reason="stop"), 3, 3),
+               (SimpleNamespace(tokens=np.asarray([5, 6, 2]), logprobs=np.zeros(3),
+                                versions=np.asarray([4, 5, 5]), finish_reason="stop"), 4, 5)]
+
+    async def sample(prompt_ids, sampling):
+        answer = answers.pop(0)
+        engine_version[0] = answer[2]
+        return answer
+
+    sessions = store(tok, TOY_TEMPLATE, [], [])
+    sessions.sample, sessions.version = sample, lambda: engine_version[0]
+    session = sessions.start([{"role": "user", "content": "1+1"}], None, None, None)
+    asyncio.run(sessions.turn(session, Turn()))
+    engine_version[0] = 4  # an update between the turns
+    asyncio.run(sessions.turn(session, Turn(message={"role": "user", "content": "+2"})))
+    episode = sessions.finish(session, Finish(reward=0.5))
+    model = [v for v, m in zip(episode.versions, episode.mask) if m]
+    assert model == [3, 3, 4, 5, 5]
+    assert (episode.policy_version, episode.policy_version_end) == (3, 5)
+    assert episode.versions[:4] == [3, 3, 3, 3]  # the prompt, appended under version 3
+    assert episode.reward == 0.5 and session.id not in sessions.open
+
+
 def test_the_chat_template_setting(tmp_path, toy_model_path):
     from transformers import AutoTokenizer
 
