@@ -176,6 +176,17 @@ class RolloutConfig(Section):
                               "keeps while /v1/generate is busy; the API may hold the rest (in sequences, "
                               "sampling.n to a group) and a request beyond it gets 429 (rollout_service/worker.py "
                               "ApiShare); a worker without Redis gives the API all of it")
+    # Multi-turn sessions (rollout_service/sessions.py): /v1/sessions and /v1/chat/completions with a session id.
+    chat_template: str = Field("", description="the Jinja chat template sessions and /v1/chat/completions render "
+                               "messages with: the template's text, or a path to a file holding it; '' = the "
+                               "tokenizer's own")
+    max_sessions: int = Field(64, ge=1, description="sessions open at once on one worker; one more is refused (429)")
+    session_max_turns: int = Field(16, ge=1, description="model turns one session may sample; one more is refused (409)")
+    session_max_tokens: int | None = Field(None, ge=2, description="token ids one session may hold, prompt and "
+                                           "context included (a turn's max_tokens is cut to the room left; with no "
+                                           "room it is refused, 409); null = rollout.max_model_len")
+    session_idle_timeout_s: float = Field(300.0, gt=0, description="a session with no request for this long is "
+                                          "given back (removed and counted as expired); a later request gets 404")
 
 
 class ScheduleConfig(Section):

@@ -1,4 +1,5 @@
-"""What ``/v1/generate`` takes and gives (rollout_service/app.py serves it).
+"""What ``/v1/generate`` and ``/v1/sessions`` take and give (rollout_service/app.py serves them;
+the OpenAI-shaped routes' models are in rollout_service/openai_api.py).
 
 The schema states the ranges the engine really takes (vLLM's ``SamplingParams`` checks),
 narrowed to this worker's configured limits (``request_model``); a request outside them
@@ -7,7 +8,7 @@ gets a 422 naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import HTTPException
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator,
@@ -37,20 +38,17 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 MIN_TEMPERATURE = 0.01  # vLLM raises any temperature in (0, 0.01) to 0.01 (SamplingParams._MAX_TEMP)
 
 
-class GenerateRequest(BaseModel):
-    # strict: the types the schema states, no coercion (lax mode would take `true` as 1).
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]})
+class Sampling(BaseModel):
+    """The sampling parameters /v1/generate, session turns and the OpenAI routes share, so each
+    is checked one way. Ranges are vLLM's own (SamplingParams._verify_args), so the engine never
+    refuses what the schema allows."""
 
-    # Typed without None so the schema says what the service accepts; absent = None.
-    # The ranges are vLLM's own (SamplingParams._verify_args), so the engine never refuses
-    # what the schema allows; request_model() narrows n, max_tokens and min_tokens further.
-    prompt_token_ids: list[Int] = Field(None, description="prompt as token ids (exactly one of this and prompt)")
-    prompt: Text = Field(None, description="prompt as text, tokenized by the worker")
+    # strict: the types the schema states, no coercion (lax mode would take `true` as 1).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     temperature: Float = Field(1.0, ge=0, le=2, description="0 = greedy; else at least 0.01 (vLLM would raise "
                                "a lower one to 0.01, and the log-probs would not be of the temperature asked for)",
                                json_schema_extra={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
-    n: Int = Field(1, ge=1)
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: Int = Field(-1, ge=-1, le=2**31 - 1, description="-1 or 0: off")
     max_tokens: Int = Field(16, ge=1)
@@ -66,6 +64,30 @@ class GenerateRequest(BaseModel):
                              f"{MIN_TEMPERATURE} instead")
         return t
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, min_tokens, info):
+        if info.data.get("max_tokens") is not None and min_tokens > info.data["max_tokens"]:
+            raise ValueError(f"must not exceed max_tokens ({info.data['max_tokens']})")
+        return min_tokens
+
+    def sampling(self, max_tokens: int | None = None) -> dict:
+        """The engine's keyword arguments (``RolloutEngine.generate``); ``max_tokens`` overrides."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    max_tokens=max_tokens or self.max_tokens, min_tokens=self.min_tokens, seed=self.seed,
+                    stop=self.stop)
+
+
+class GenerateRequest(Sampling):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_token_ids"]}]})
+
+    # Typed without None so the schema says what the service accepts; absent = None.
+    # request_model() narrows n, max_tokens and min_tokens further.
+    prompt_token_ids: list[Int] = Field(None, description="prompt as token ids (exactly one of this and prompt)")
+    prompt: Text = Field(None, description="prompt as text, tokenized by the worker")
+    n: Int = Field(1, ge=1)
+
     @model_validator(mode="after")
     def _one_prompt(self):
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -78,13 +100,6 @@ class GenerateRequest(BaseModel):
         if n > 1 and info.data.get("temperature", 1.0) == 0:
             raise ValueError("greedy sampling (temperature 0) gives one distinct sample: n must be 1")
         return n
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_within_max(cls, min_tokens, info):
-        if "max_tokens" in info.data and min_tokens > info.data["max_tokens"]:
-            raise ValueError(f"must not exceed max_tokens ({info.data['max_tokens']})")
-        return min_tokens
 
 
 def request_model(limits, api_sequences: int) -> type[GenerateRequest]:
@@ -128,3 +143,103 @@ def bad_request(field: str, msg: str) -> HTTPException:
     """A 422 in FastAPI's own error shape, naming the offending field."""
     return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg, "type": "value_error"}])
 
+
+
+class Message(BaseModel):
+    """A chat message as the chat template reads it (OpenAI's shape: ``tool_call_id``, ``name``,
+    ``tool_calls`` and other keys pass through to the template)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Text | list[dict] | None = Field(None, description="text, or OpenAI content parts (their 'text' joined)")
+
+    def for_template(self) -> dict:
+        """The message as a dict, its content as one string (templates expect text)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(str(part.get("text", "")) for part in self.content)
+        out.setdefault("content", "")
+        return out
+
+
+class OpenSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    messages: list[Message] | None = Field(None, min_length=1, description="a chat prompt, rendered with the "
+                                           "chat template (without its generation prompt: the first turn adds it)")
+    tools: list[dict] | None = Field(None, description="tool definitions (OpenAI's shape) the template renders")
+    prompt: Text | None = Field(None, min_length=1, description="a plain-text prompt (no template)")
+    prompt_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1,
+                                                                       description="a prompt as token ids")
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if sum(x is not None for x in (self.messages, self.prompt, self.prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of 'messages', 'prompt' and 'prompt_token_ids'")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' need a chat session ('messages')")
+        return self
+
+
+class SessionOpened(BaseModel):
+    session_id: str
+    prompt_token_ids: list[int] = Field(description="the prompt's ids, as every turn's generation sees them first")
+
+
+class Turn(Sampling):
+    """A session turn: optionally append context (a chat ``message`` in a chat session; ``text``
+    or ``token_ids`` in a plain one), then sample the model's turn on every id so far."""
+
+    message: Message | None = Field(None, description="chat sessions: a tool result, user turn... to append first")
+    text: Text | None = Field(None, min_length=1, description="plain sessions: text to append first")
+    token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1,
+                                                                description="plain sessions: ids to append first")
+    max_tokens: Int | None = Field(None, ge=1, description="default and most: rollout.max_new_tokens; cut to "
+                                   "the room rollout.session_max_tokens leaves")
+
+    @model_validator(mode="after")
+    def _one_context(self):
+        if sum(x is not None for x in (self.message, self.text, self.token_ids)) > 1:
+            raise ValueError("give at most one of 'message', 'text' and 'token_ids'")
+        return self
+
+
+class TurnResult(BaseModel):
+    session_id: str
+    turn: int = Field(description="this turn's number, from 1")
+    text: str = Field(description="the turn decoded, for reading; train on the ids")
+    token_ids: list[int] = Field(description="the turn exactly as sampled")
+    logprobs: list[float] = Field(description="behavior log-prob of each of the turn's tokens")
+    versions: list[int] = Field(description="weights version each token was sampled with")
+    finish_reason: str
+    context_token_ids: list[int] = Field(description="ids appended before the turn (message, template markers, "
+                                         "the previous turn's closing tokens): context, mask 0")
+    total_tokens: int = Field(description="ids the session holds now")
+    policy_version: int
+    policy_version_end: int
+
+
+class Finish(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reward: Float | None = Field(None, description="the episode's reward; none: the caller scores the episode")
+    reward_info: dict | None = None
+
+
+class Episode(BaseModel):
+    """A whole episode, token-exact: what a trajectory record's sample is made from."""
+
+    session_id: str
+    token_ids: list[int] = Field(description="prompt, context and model turns, exactly as held")
+    mask: list[int] = Field(description="per token: 1 = sampled by the model (trains), 0 = prompt or context")
+    logprobs: list[float] = Field(description="per token: behavior log-prob for model tokens, 0 for context")
+    versions: list[int] = Field(description="per token: the weights version a model token was sampled with; a "
+                                "context token carries the version in force when it was appended")
+    prompt_length: int
+    turns: int
+    finish_reasons: list[str] = Field(description="each model turn's")
+    policy_version: int = Field(description="the oldest version among the model's tokens (staleness counts it)")
+    policy_version_end: int
+    reward: float | None
+    reward_info: dict | None

@@ -6,6 +6,11 @@
     GET  /v1/status    version, precision profile, in-flight requests, queue lag (token)
     POST /v1/generate  token ids or text in; tokens, behavior log-probs, finish reasons,
                        policy versions out (token)
+    POST /v1/sessions  open a token-exact multi-turn session (token); then
+         /v1/sessions/{id}/turn    append a message, sample the model's turn
+         /v1/sessions/{id}/finish  close it: the whole episode with its loss mask
+    POST /v1/chat/completions, /v1/completions  OpenAI's shape, stateless or continuing a
+                       session named by X-Session-Id or the body's session_id (token)
     GET  /openapi.json the schema; /docs renders it
 
 "token": with ``RLPIPE_API_TOKEN`` set these need ``Authorization: Bearer <token>``
@@ -29,7 +34,7 @@ import types
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
@@ -38,7 +43,9 @@ from pydantic import BaseModel
 
 from rlpipe.auth import api_token, require_token
 from rlpipe.config import RunConfig
+from rollout_service import api_models as models
 from rollout_service.api_models import GenerateRequest, GenerateResponse, request_model
+from rollout_service.openai_api import ChatRequest, CompletionRequest
 from rollout_service.worker import Worker
 
 
@@ -90,8 +97,11 @@ class Problem(BaseModel):
 
 ERRORS = {code: {"model": Problem, "description": why} for code, why in (
     (400, "body is not JSON"), (401, "missing or wrong bearer token"), (411, "no Content-Length"), (413, "body too large"),
+    (404, "no such session: detail says whether it expired (rollout.session_idle_timeout_s) or never existed"),
+    (409, "the session's state refuses it: detail starts with the limit's config key (rollout.session_max_turns, "
+          "rollout.session_max_tokens), or says a request on it is running"),
     (422, "invalid request: detail names the field"),
-    (429, "the API's share of the engine is busy: retry after Retry-After seconds"),
+    (429, "the API's share of the engine is busy, or rollout.max_sessions are open: retry after Retry-After seconds"),
     (503, "not ready, draining, or engine down"))}
 
 
@@ -102,7 +112,9 @@ async def the_worker(request: Request) -> Worker:
 
 TheWorker = Annotated[Worker, Depends(the_worker)]
 probes = APIRouter()  # open: probes and Prometheus need no secret
-api = APIRouter()  # the token's, when there is one (create_app)
+api = APIRouter(route_class=TextRoute)  # the token's, when there is one (create_app)
+SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", description="continue this session")]
+SESSION_ERRORS = {c: ERRORS[c] for c in (400, 401, 404, 409, 411, 413, 422, 429, 503)}
 
 
 @probes.get("/healthz", responses={503: ERRORS[503]})
@@ -129,6 +141,39 @@ async def prometheus(worker: TheWorker):
 async def status(worker: TheWorker):
     """Version, precision profile, in-flight work and how far the stream is ahead."""
     return worker.status()
+
+
+@api.post("/v1/sessions", response_model=models.SessionOpened, responses=SESSION_ERRORS)
+async def open_session(req: models.OpenSession, worker: TheWorker):
+    """Open a multi-turn session on a prompt: chat messages (rendered with the chat template),
+    text or token ids. Its ids are kept exactly from here on (rollout_service/sessions.py)."""
+    return worker.open_session(req)
+
+
+@api.post("/v1/sessions/{session_id}/turn", response_model=models.TurnResult, responses=SESSION_ERRORS)
+async def session_turn(session_id: str, req: models.Turn, worker: TheWorker):
+    """Append a non-model message (tokenized once, now), then sample the model's next turn on
+    every id so far; answers the turn's ids, behavior log-probs and versions."""
+    return await worker.session_turn(session_id, req)
+
+
+@api.post("/v1/sessions/{session_id}/finish", response_model=models.Episode, responses=SESSION_ERRORS)
+async def finish_session(session_id: str, worker: TheWorker, req: models.Finish | None = None):
+    """Close the session with a reward (or none: the caller scores it); answers the episode:
+    ids, loss mask, behavior log-probs and versions per token."""
+    return worker.finish_session(session_id, req or models.Finish())
+
+
+@api.post("/v1/chat/completions", responses=SESSION_ERRORS)
+async def chat_completions(req: ChatRequest, worker: TheWorker, x_session_id: SessionHeader = None):
+    """OpenAI's chat completion; with a session id, the session's next turn."""
+    return await worker.chat_completion(req, x_session_id)
+
+
+@api.post("/v1/completions", responses=SESSION_ERRORS)
+async def completions(req: CompletionRequest, worker: TheWorker, x_session_id: SessionHeader = None):
+    """OpenAI's text completion; with a session id, a plain session's next turn."""
+    return await worker.completion(req, x_session_id)
 
 
 async def generate(req: GenerateRequest, worker: TheWorker):

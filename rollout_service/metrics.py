@@ -46,4 +46,15 @@ class RolloutMetrics:
                                          list(labels) + ["code"], registry=r)
         self.generation = gauge("weight_sync_generation", "sync generation this worker last joined")
         self.sync_failures = counter("weight_sync_failures", "weight updates that failed (previous weights kept)")
+        # Sessions (rollout_service/sessions.py): multi-turn episodes driven through the API.
+        self.sessions_open = gauge("sessions_open", "sessions open on this worker")
+        self.sessions_finished = counter("sessions_finished", "sessions closed with their episode handed back")
+        self.sessions_expired = counter("sessions_expired", "sessions given back after rollout.session_idle_timeout_s")
+        self.sessions_refused = Counter("rlpipe_sessions_refused", "session requests refused by a limit, by its "
+                                        "config key", list(labels) + ["limit"], registry=r)
+        self.session_turns = Histogram(
+            "rlpipe_session_turns", "model turns per finished episode", list(labels),
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r).labels(**labels)
+        self.session_context_tokens = counter("session_context_tokens", "tokens appended to sessions as context "
+                                              "(messages, template markers): masked out of the loss")
         self.labels = labels

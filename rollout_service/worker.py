@@ -15,13 +15,18 @@ import math
 import os
 import signal
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
 from prometheus_client import generate_latest
 
 from quant.profiles import profile_for
 from rlpipe.config import RunConfig
-from rollout_service.api_models import Choice, GenerateRequest, GenerateResponse, bad_request
+from rollout_service.api_models import Choice, GenerateRequest, GenerateResponse, SessionOpened, Turn, bad_request
+
+if TYPE_CHECKING:
+    from rollout_service.api_models import Episode, Finish, OpenSession, TurnResult
+    from rollout_service.openai_api import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,7 @@ class Worker:
         self.api_share = ApiShare(cfg)
         self.tokenizer = None
         self.loop = self.evals = None  # with Redis only
+        self.sessions = self.reaper = None  # from start(), which loads the tokenizer they need
         self.started = False  # from the end of start() to the beginning of stop()
         self.draining = False
         self.stopping = None  # the loop's shutdown, once SIGTERM started it
@@ -96,23 +102,34 @@ class Worker:
         from transformers import AutoTokenizer
 
         from rlpipe.config import ConfigError
+        from rollout_service.sessions import load_chat_template
         from rollout_service.tasks import PromptEncoder
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         try:  # task.chat_template with a tokenizer that has none: refused before the engine starts
             PromptEncoder(cfg.task, self.tokenizer, cfg.model.path)  # (rlpipe rollout checks it even earlier)
+            chat_template = load_chat_template(cfg.rollout.chat_template, self.tokenizer)
         except ConfigError as e:
             log.critical("worker %s cannot start: %s", self.id, e)
             raise
         await self.engine.start()
         self.metrics.version.set(self.engine.version)
+        self._start_sessions(chat_template)
         if cfg.redis_url:
             self._start_loop()
         else:
             self.engine.synced = True  # standalone: the weights on disk are the policy
         self.started = True
         log.info("worker %s ready at %s (%s)", self.id, self.address, self.profile.precision)
+
+    def _start_sessions(self, chat_template: str | None) -> None:
+        """The session store, and its reaper that gives back idle sessions."""
+        from rollout_service.sessions import Sessions
+
+        self.sessions = Sessions(self.limits, self.tokenizer, chat_template, self._sample_one,
+                                 lambda: self.engine.version, self.metrics)
+        self.reaper = asyncio.ensure_future(self.sessions.reap())
 
     def _start_loop(self) -> None:
         """The rollout loop, and evaluations when the run asks for them."""
@@ -140,6 +157,8 @@ class Worker:
 
     async def stop(self) -> None:
         self.started = False
+        if self.reaper is not None:
+            self.reaper.cancel()
         if self.evals is not None:
             await self.evals.stop()
         if self.loop is not None:
@@ -207,20 +226,32 @@ class Worker:
             "last_error": loop.last_error if loop else None,
         }
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        """``req``'s ``n`` samples, within the API's share of the engine (``ApiShare``)."""
-        from rollout_service.engine import InvalidRequest
-
+    def _check_ready(self) -> None:
         if not self.started or self.engine.errored:
             raise HTTPException(503, "engine not ready")
-        prompt_ids = self._prompt_ids(req)
+
+    async def sample(self, prompt_ids: list[int], n: int, sampling: dict):
+        """The one way API requests reach the engine (``/v1/generate``, sessions, the OpenAI
+        routes): within the API's share of it (``ApiShare``: 429 beyond), an engine refusal as a
+        422 naming the field. Returns ``(samples, version_at_start, version_at_end)``."""
+        from rollout_service.engine import InvalidRequest
+
+        self._check_ready()
         try:
-            with self.api_share.hold(req.n):
-                results, v0, v1 = await self.engine.generate(
-                    prompt_ids, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    max_tokens=req.max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop)
+            with self.api_share.hold(n):
+                return await self.engine.generate(prompt_ids, n=n, **sampling)
         except InvalidRequest as e:
             raise bad_request(e.field, str(e)) from None
+
+    async def _sample_one(self, prompt_ids: list[int], sampling: dict):
+        results, v0, v1 = await self.sample(prompt_ids, 1, sampling)
+        return results[0], v0, v1
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        """``req``'s ``n`` samples, within the API's share of the engine (``ApiShare``)."""
+        self._check_ready()
+        prompt_ids = self._prompt_ids(req)
+        results, v0, v1 = await self.sample(prompt_ids, req.n, req.sampling())
         return GenerateResponse(
             prompt_token_ids=list(prompt_ids),
             choices=[Choice(tokens=r.tokens.tolist(), logprobs=r.logprobs.tolist(),
@@ -229,6 +260,84 @@ class Worker:
                             text=self.tokenizer.decode(r.tokens, skip_special_tokens=True)) for r in results],
             policy_version=v0, policy_version_end=v1, precision=self.profile.precision,
         )
+
+    # -- sessions and the OpenAI-shaped routes (rollout_service/sessions.py, openai_api.py) ------
+    def open_session(self, req: OpenSession) -> SessionOpened:
+        """A new session (not while draining: it could not finish; open ones may)."""
+        self._check_ready()
+        if self.draining:
+            raise HTTPException(503, "draining: no new sessions on this worker")
+        messages = None if req.messages is None else [m.for_template() for m in req.messages]
+        session = self.sessions.start(messages, req.tools, req.prompt, req.prompt_token_ids)
+        return SessionOpened(session_id=session.id, prompt_token_ids=session.ids)
+
+    async def session_turn(self, session_id: str, req: Turn) -> TurnResult:
+        return await self.sessions.turn(self.sessions.get(session_id), req)
+
+    def finish_session(self, session_id: str, req: Finish) -> Episode:
+        return self.sessions.finish(self.sessions.get(session_id), req)
+
+    async def chat_completion(self, req: ChatRequest, session_header: str | None) -> dict:
+        """A chat completion: stateless, or the next model turn of a session (the messages
+        beyond those it holds appended first)."""
+        from rollout_service.openai_api import new_messages, session_of
+
+        self._check_ready()
+        session_id = session_of(req, session_header)
+        if session_id is None:
+            chat = self.sessions.chat
+            messages = [m.for_template() for m in req.messages]
+            return await self._stateless(req, True, chat.encode(chat.render(messages, req.tools, True)))
+        session = self.sessions.get(session_id)
+        return await self._session_turn(req, True, session, new_messages(session, req), None)
+
+    async def completion(self, req: CompletionRequest, session_header: str | None) -> dict:
+        """A text completion: stateless, or a plain session's next turn (``prompt`` appended first)."""
+        from rollout_service.openai_api import session_of
+
+        self._check_ready()
+        session_id = session_of(req, session_header)
+        if session_id is None:
+            ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer(req.prompt)["input_ids"]
+            return await self._stateless(req, False, [int(i) for i in ids])
+        as_turn = {"token_ids": req.prompt} if isinstance(req.prompt, list) else {"text": req.prompt or None}
+        return await self._session_turn(req, False, self.sessions.get(session_id), [], as_turn)
+
+    async def _session_turn(self, req, chat: bool, session, new_messages: list[dict], context: dict | None) -> dict:
+        from rollout_service.api_models import Sampling
+        from rollout_service.openai_api import choice, response
+
+        if req.n != 1:
+            raise bad_request("n", "a session samples one turn at a time: n must be 1")
+        turn_req = Turn.model_construct(**{k: getattr(req, k) for k in Sampling.model_fields}, **(context or {}))
+        turn = await self.sessions.turn(session, turn_req, new_messages if chat else None)
+        prompt_ids = session.ids[:len(session.ids) - len(turn.token_ids)]
+        return response(req, chat, prompt_ids, [choice(self.tokenizer, 0, chat, turn.text, turn.token_ids,
+                                                       turn.logprobs, turn.versions, turn.finish_reason,
+                                                       bool(req.logprobs))],
+                        session.id, turn.policy_version, turn.policy_version_end)
+
+    async def _stateless(self, req, chat: bool, prompt_ids: list[int]) -> dict:
+        """A plain OpenAI-compatible completion of ``prompt_ids`` (nothing kept)."""
+        from rollout_service.openai_api import choice, response
+
+        field = "messages" if chat else "prompt"
+        if not prompt_ids:
+            raise bad_request(field, "empty prompt")
+        self.sessions.check_ids(prompt_ids, field)
+        if req.n > self.limits.max_n:
+            raise bad_request("n", f"exceeds rollout.max_n ({self.limits.max_n})")
+        room = self.limits.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise bad_request(field, f"{len(prompt_ids)} tokens leave no room within the model length "
+                              f"{self.limits.max_model_len}")
+        max_tokens = min(req.max_tokens or self.limits.max_new_tokens, self.limits.max_new_tokens, room)
+        results, v0, v1 = await self.sample(prompt_ids, req.n, req.sampling(max_tokens))
+        choices = [choice(self.tokenizer, i, chat, self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                          r.tokens.tolist(), r.logprobs.tolist(),
+                          r.versions.tolist() if r.versions is not None else [v0] * len(r.tokens),
+                          r.finish_reason, bool(req.logprobs)) for i, r in enumerate(results)]
+        return response(req, chat, prompt_ids, choices, None, v0, v1)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (text tokenized here), checked against what the schema cannot

@@ -1,0 +1,437 @@
+"""Token-exact multi-turn sessions (rollout_service/sessions.py) and the OpenAI-compatible routes
+(rollout_service/openai_api.py).
+
+- In process, with a scripted engine: the store keeps every sampled id as sampled and tokenizes
+  only the text a new message adds, where re-tokenizing the rendered history gives other ids
+  (a real BPE tokenizer's " hel","lo" coming back as " hello"; the toy's "1",<bos>,"2" as "12").
+- Against a live standalone worker (real vLLM engine on the toy model, a bearer token): open,
+  turn and finish with masks, log-probs and versions; each limit refused with a 4xx naming its
+  config key; an idle session given back; the official ``openai`` client driving a 3-turn
+  episode through ``/v1/chat/completions`` with a session id, and statelessly without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+
+from rlpipe.config import build_config, dump_config
+from tests.conftest import wait_for
+
+TOKEN = "sessions-token-7c1e"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+IDLE_S = 4.0
+# A chat template within the toy's vocabulary (digits, + - * = %, space): a tool definition renders
+# as "*", a user turn as its text, a tool result after "%", the generation prompt (and a model turn's header) as "=", and a
+# model turn ends with <eos>. "<bos>12+30=" is then exactly the toy's arithmetic prompt.
+TOY_TEMPLATE = ("{{ bos_token }}{% if tools %}{% for t in tools %}*{% endfor %}{% endif %}"
+                "{% for m in messages %}{% if m.role == 'assistant' %}={{ m.content }}{{ eos_token }}"
+                "{% elif m.role == 'tool' %}%{{ m.content }}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}={% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+SMOLLM = Path.home() / ".cache/rlpipe/models/smollm2-135m-instruct"
+
+
+# -- the store in process, with a scripted engine -------------------------------------------
+class SpyTokenizer:
+    """A real tokenizer that records every text it is asked to tokenize."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.texts = tokenizer, []
+
+    def __call__(self, text, **kw):
+        self.texts.append(text)
+        return self.inner(text, **kw)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def scripted(turns: list[list[int]], seen: list[list[int]]):
+    """A ``sample`` that answers the scripted turns in order (log-prob -0.5 each, version 7)."""
+    async def sample(prompt_ids, sampling):
+        seen.append(list(prompt_ids))
+        tokens = turns[len(seen) - 1]
+        result = SimpleNamespace(tokens=np.asarray(tokens, dtype=np.int32),
+                                 logprobs=np.full(len(tokens), -0.5, dtype=np.float32), versions=None,
+                                 finish_reason="stop" if tokens[-1] in (2, 100_000) else "length")
+        return result, 7, 7
+    return sample
+
+
+def store(tokenizer, template, turns, seen, **limits):
+    from rollout_service.sessions import Sessions
+
+    cfg = SimpleNamespace(max_sessions=4, session_max_turns=8, session_max_tokens=None, max_model_len=4096,
+                          max_new_tokens=16, session_idle_timeout_s=60.0, **limits)
+    return Sessions(cfg, tokenizer, template, scripted(turns, seen), lambda: 7)
+
+
+def run_turn(sessions, session, message=None, **kw):
+    from rollout_service.api_models import Message, Turn
+
+    req = Turn(message=Message(**message) if message else None, **kw)
+    return asyncio.run(sessions.turn(session, req))
+
+
+@pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(), reason="the SmolLM2 tokenizer is not cached here")
+def test_bpe_split_kept_as_sampled_and_only_new_text_tokenized():
+    """SmolLM2's BPE: the model samples " hel","lo" then <|im_end|>; re-tokenizing the history
+    gives one " hello" token. The session keeps the two ids, adds the template's closing "\\n"
+    the model did not sample (as context), and tokenizes only each new message's text."""
+    from transformers import AutoTokenizer
+
+    tok = SpyTokenizer(AutoTokenizer.from_pretrained(SMOLLM))
+    hel, lo, hello = (tok.inner.encode(t, add_special_tokens=False) for t in (" hel", "lo", " hello"))
+    assert len(hel) == len(lo) == len(hello) == 1 and hel + lo != hello  # the split is a real non-canonical one
+    end = tok.inner.convert_tokens_to_ids("<|im_end|>")
+    turns, seen = [hel + lo + [end], hel + lo + [end]], []
+    sessions = store(tok, tok.inner.chat_template, turns, seen)
+    user = [{"role": "user", "content": "say hi"}]
+    session = sessions.start(user, None, None, None)
+    prompt = list(session.ids)
+    first = run_turn(sessions, session)
+    second = run_turn(sessions, session, {"role": "tool", "content": "42", "tool_call_id": "c1"})
+
+    render = tok.inner.apply_chat_template
+    gen = render(user, tokenize=False, add_generation_prompt=True)[len(render(user, tokenize=False)):]
+    assert first.context_token_ids == tok.inner.encode(gen, add_special_tokens=False)
+    history = user + [{"role": "assistant", "content": " hello"}]
+    tool = [{"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    added = render(history + tool, tokenize=False, add_generation_prompt=True)[len(render(history, tokenize=False)):]
+    assert second.context_token_ids == tok.inner.encode("\n" + added, add_special_tokens=False)
+    assert session.ids == prompt + first.context_token_ids + turns[0] + second.context_token_ids + turns[1]
+    assert seen[1] == session.ids[:len(session.ids) - len(turns[1])]  # the second turn sampled on every id so far
+    assert session.mask == [0] * (len(prompt) + len(first.context_token_ids)) + [1] * 3 + \
+        [0] * len(second.context_token_ids) + [1] * 3
+    # Nothing said earlier was tokenized again: after the prompt, only the new text went in.
+    assert tok.texts[1:] == [gen, "\n" + added]
+    # Re-tokenizing the rendered history merges the sampled split: other ids, and other log-probs.
+    retokenized = render(history + tool + [{"role": "assistant", "content": " hello"}], tokenize=True,
+                         return_dict=False)
+    assert hello[0] in retokenized and session.ids[:len(retokenized)] != retokenized
+
+
+def test_toy_turn_cut_without_its_end_gets_the_closing_token_as_context(toy_model_path):
+    """The toy (one character a token): a turn cut by max_tokens lacks <eos>, which the template
+    closes model turns with: it is appended, masked out, before the next message. A sampled
+    "1",<bos>,"2" reads "12" and would come back from the text as "1","2"."""
+    from transformers import AutoTokenizer
+
+    tok = SpyTokenizer(AutoTokenizer.from_pretrained(toy_model_path))
+    turns, seen = [[5, 1, 6], [8, 2]], []  # "1",<bos>,"2" cut by length; then "4",<eos>
+    sessions = store(tok, TOY_TEMPLATE, turns, seen)
+    session = sessions.start([{"role": "user", "content": "12+30"}], TOOLS, None, None)
+    assert session.ids == [1, 16, 5, 6, 14, 7, 4]  # "<bos>*12+30": the tool rendered, no generation prompt yet
+    first = run_turn(sessions, session, max_tokens=3)
+    second = run_turn(sessions, session, {"role": "tool", "content": "5"})
+    assert first.text == "12" and first.context_token_ids == [17]  # "="
+    assert second.context_token_ids == [2, 18, 9, 17]  # <eos> (the closing the cut turn lacked), "%5="
+    assert session.ids[-len(turns[1]):] == turns[1] and session.mask[-2:] == [1, 1]
+    assert session.mask[session.ids.index(2)] == 0  # the appended <eos> is context
+    retokenized = tok.inner.encode("<bos>*12+30=12<eos>%5=", add_special_tokens=False)
+    assert retokenized != session.ids[:len(retokenized)]  # the text lost the sampled <bos>
+    assert all("12+30" not in t for t in tok.texts[1:])  # the prompt was never tokenized again
+
+
+def test_one_request_at_a_time_and_a_failed_turn_leaves_the_session_as_it_was(toy_model_path):
+    """A second request on a session while a turn runs gets 409; a turn the engine refuses
+    commits nothing (its context is not kept either)."""
+    from fastapi import HTTPException
+    from transformers import AutoTokenizer
+
+    from rollout_service.api_models import Turn
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    gate, outcomes = None, []
+
+    async def sample(prompt_ids, sampling):
+        await gate.wait()
+        if len(outcomes) == 0:
+            outcomes.append("refused")
+            raise HTTPException(429, "busy")
+        return SimpleNamespace(tokens=np.asarray([8, 2]), logprobs=np.zeros(2), versions=None,
+                               finish_reason="stop"), 0, 0
+
+    sessions = store(tok, TOY_TEMPLATE, [], [])
+    sessions.sample = sample
+    session = sessions.start([{"role": "user", "content": "1+1"}], None, None, None)
+
+    async def scenario():
+        nonlocal gate
+        gate = asyncio.Event()
+        first = asyncio.ensure_future(sessions.turn(session, Turn()))
+        await asyncio.sleep(0)
+        with pytest.raises(HTTPException) as busy:
+            sessions.get(session.id)
+        gate.set()
+        with pytest.raises(HTTPException) as refused:
+            await first
+        kept = list(session.ids)
+        result = await sessions.turn(sessions.get(session.id), Turn())
+        return busy.value, refused.value, kept, result
+
+    busy, refused, kept, result = asyncio.run(scenario())
+    assert busy.status_code == 409 and refused.status_code == 429
+    assert kept == [1, 5, 14, 5]  # "<bos>1+1": the refused turn's "=" was not kept
+    assert result.context_token_ids == [17] and session.ids == kept + [17, 8, 2]
+
+
+def test_episode_versions_show_an_update_between_and_inside_turns(toy_model_path):
+    """Turn 1 sampled under version 3; an update lands before turn 2, another inside it (the
+    engine's per-token versions): the episode carries each model token's version, context tokens
+    the version in force when appended, and its policy_version is the oldest model token's."""
+    from transformers import AutoTokenizer
+
+    from rollout_service.api_models import Finish, Turn
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    engine_version = [3]
+    answers = [(SimpleNamespace(tokens=np.asarray([8, 2]), logprobs=np.zeros(2), versions=None,
+                                finish_reason="stop"), 3, 3),
+               (SimpleNamespace(tokens=np.asarray([5, 6, 2]), logprobs=np.zeros(3),
+                                versions=np.asarray([4, 5, 5]), finish_reason="stop"), 4, 5)]
+
+    async def sample(prompt_ids, sampling):
+        answer = answers.pop(0)
+        engine_version[0] = answer[2]
+        return answer
+
+    sessions = store(tok, TOY_TEMPLATE, [], [])
+    sessions.sample, sessions.version = sample, lambda: engine_version[0]
+    session = sessions.start([{"role": "user", "content": "1+1"}], None, None, None)
+    asyncio.run(sessions.turn(session, Turn()))
+    engine_version[0] = 4  # an update between the turns
+    asyncio.run(sessions.turn(session, Turn(message={"role": "user", "content": "+2"})))
+    episode = sessions.finish(session, Finish(reward=0.5))
+    model = [v for v, m in zip(episode.versions, episode.mask) if m]
+    assert model == [3, 3, 4, 5, 5]
+    assert (episode.policy_version, episode.policy_version_end) == (3, 5)
+    assert episode.versions[:4] == [3, 3, 3, 3]  # the prompt, appended under version 3
+    assert episode.reward == 0.5 and session.id not in sessions.open
+
+
+def test_the_chat_template_setting(tmp_path, toy_model_path):
+    from transformers import AutoTokenizer
+
+    from rlpipe.config import ConfigError
+    from rollout_service.sessions import load_chat_template
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    assert load_chat_template("", tok) is None  # the toy's tokenizer has none
+    assert load_chat_template(TOY_TEMPLATE, tok) == TOY_TEMPLATE
+    (tmp_path / "t.jinja").write_text(TOY_TEMPLATE)
+    assert load_chat_template(str(tmp_path / "t.jinja"), tok) == TOY_TEMPLATE
+    with pytest.raises(ConfigError, match="rollout.chat_template"):
+        load_chat_template(str(tmp_path / "missing.jinja"), tok)
+
+
+# -- a live worker ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def live(toy_model_path, tmp_path_factory):
+    """A standalone worker (no Redis) with a token, the toy chat template and small session
+    limits; yields its base URL. One engine for the whole module."""
+    run_dir = tmp_path_factory.mktemp("sessions")
+    (run_dir / "template.jinja").write_text(TOY_TEMPLATE)
+    cfg = build_config({}, environ={}, **{
+        "model.path": toy_model_path, "rollout.precision": "fp32", "rollout.max_inflight_groups": 2,
+        "rollout.chat_template": str(run_dir / "template.jinja"), "rollout.max_sessions": 3,
+        "rollout.session_max_turns": 3, "rollout.session_max_tokens": 48, "rollout.max_new_tokens": 8,
+        "rollout.session_idle_timeout_s": IDLE_S})
+    dump_config(cfg, run_dir / "config.yaml")
+    address_file = run_dir / "address"
+    env = {**os.environ, "RLPIPE_API_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    with open(run_dir / "worker.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
+                                 "--worker-id", "sessions", "--address-file", str(address_file)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def ready():
+        if proc.poll() is not None:
+            raise RuntimeError((run_dir / "worker.log").read_text()[-3000:])
+        try:
+            return address_file.exists() and httpx.get(f"http://{address_file.read_text()}/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, 300, interval=0.5, what="standalone worker start-up")
+    base = f"http://{address_file.read_text()}"
+    warm = httpx.post(f"{base}/v1/generate", json={"prompt": "1+1=", "max_tokens": 2}, headers=AUTH, timeout=300)
+    assert warm.status_code == 200, warm.text  # the first generation builds the kernels
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert "Traceback" not in (run_dir / "worker.log").read_text()
+
+
+def post(base, path, body=None, **kw):
+    return httpx.post(f"{base}{path}", json={} if body is None else body, headers={**AUTH, **kw.pop("headers", {})},
+                      timeout=60, **kw)
+
+
+@lru_cache(maxsize=1)
+def toy_tokenizer():
+    from transformers import AutoTokenizer
+
+    from rlpipe.toy import ensure_toy_model
+    from tests.conftest import TOY_SPEC
+
+    return AutoTokenizer.from_pretrained(str(ensure_toy_model(TOY_SPEC, log=lambda m: None)))
+
+
+def toy_ids(text: str) -> list[int]:
+    """The toy's ids for text the template rendered: one character a token, specials by name."""
+    return toy_tokenizer().encode(text, add_special_tokens=False)
+
+
+def metric(base: str, name: str) -> float:
+    """The sum of a metric's series in /metrics."""
+    lines = [ln for ln in httpx.get(f"{base}/metrics").text.splitlines() if ln.startswith(name + "{")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+def closing(turn: dict) -> list[int]:
+    """What the template closes a model turn with and the model did not sample: its <eos>."""
+    return [] if turn["token_ids"] and turn["token_ids"][-1] == 2 else [2]
+
+
+def test_open_turn_finish_token_exact(live):
+    opened = post(live, "/v1/sessions", {"messages": [{"role": "user", "content": "12+30"}], "tools": TOOLS})
+    assert opened.status_code == 200, opened.text
+    sid, prompt = opened.json()["session_id"], opened.json()["prompt_token_ids"]
+    assert prompt == toy_ids("<bos>*12+30")
+    finished_before, turns_before = metric(live, "rlpipe_sessions_finished_total"), metric(live, "rlpipe_session_turns_count")
+    turns, contexts = [], []
+    for message in (None, {"role": "tool", "content": "5"}, {"role": "user", "content": "+1"}):
+        resp = post(live, f"/v1/sessions/{sid}/turn", {"message": message, "temperature": 1.0, "max_tokens": 4, "seed": 3})
+        assert resp.status_code == 200, resp.text
+        turn = resp.json()
+        assert len(turn["token_ids"]) == len(turn["logprobs"]) == len(turn["versions"]) >= 1
+        assert all(lp <= 0 for lp in turn["logprobs"]) and turn["versions"] == [0] * len(turn["token_ids"])
+        # The context is what the template adds, tokenized by itself: the previous turn's closing
+        # <eos> when the model did not sample it, the message, the generation prompt.
+        expected = toy_ids("=") if message is None else (
+            closing(turns[-1]) + toy_ids(("%" if message["role"] == "tool" else "") + message["content"] + "="))
+        assert turn["context_token_ids"] == expected
+        turns.append(turn)
+        contexts.append(expected)
+    over = post(live, f"/v1/sessions/{sid}/turn", {"max_tokens": 2})
+    assert over.status_code == 409 and over.json()["detail"].startswith("rollout.session_max_turns"), over.text
+    episode = post(live, f"/v1/sessions/{sid}/finish", {"reward": 1.0}).json()
+    ids, mask = list(prompt), [0] * len(prompt)
+    for context, turn in zip(contexts, turns):
+        ids += context + turn["token_ids"]
+        mask += [0] * len(context) + [1] * len(turn["token_ids"])
+    assert episode["token_ids"] == ids and episode["mask"] == mask and episode["prompt_length"] == len(prompt)
+    assert [lp for lp, m in zip(episode["logprobs"], mask) if m] == [lp for t in turns for lp in t["logprobs"]]
+    assert episode["turns"] == 3 and episode["reward"] == 1.0 and episode["policy_version"] == 0
+    assert len(episode["versions"]) == len(ids)
+    assert metric(live, "rlpipe_sessions_finished_total") == finished_before + 1
+    assert metric(live, "rlpipe_session_turns_count") == turns_before + 1
+    gone = post(live, f"/v1/sessions/{sid}/turn", {})
+    assert gone.status_code == 404 and sid in gone.json()["detail"]
+
+
+def test_each_limit_is_refused_naming_its_config_key(live):
+    sids = [post(live, "/v1/sessions", {"prompt_token_ids": [1, 5, 14, 5, 17]}).json()["session_id"] for _ in range(3)]
+    refused = post(live, "/v1/sessions", {"prompt": "1+1="})
+    assert refused.status_code == 429 and refused.json()["detail"].startswith("rollout.max_sessions"), refused.text
+    assert metric(live, "rlpipe_sessions_refused_total") >= 1
+    for sid in sids:
+        assert post(live, f"/v1/sessions/{sid}/finish").status_code == 200
+    # session_max_tokens (48): a 47-token prompt leaves room for one token, then none.
+    assert post(live, "/v1/sessions", {"prompt_token_ids": [5] * 48}).json()["detail"].startswith(
+        "rollout.session_max_tokens")
+    sid = post(live, "/v1/sessions", {"prompt_token_ids": [5] * 47}).json()["session_id"]
+    one = post(live, f"/v1/sessions/{sid}/turn", {"max_tokens": 8, "min_tokens": 1})
+    assert one.status_code == 200 and len(one.json()["token_ids"]) == 1 and one.json()["total_tokens"] == 48
+    full = post(live, f"/v1/sessions/{sid}/turn", {"max_tokens": 1})
+    assert full.status_code == 409 and full.json()["detail"].startswith("rollout.session_max_tokens"), full.text
+    assert post(live, f"/v1/sessions/{sid}/finish").json()["turns"] == 1
+    # a plain session takes text, not messages; an unknown id is a 404 saying so
+    assert post(live, "/v1/sessions/nope/turn", {}).status_code == 404
+    assert "no session nope" in post(live, "/v1/sessions/nope/finish").json()["detail"]
+
+
+def test_idle_session_is_given_back(live):
+    expired, open_before = metric(live, "rlpipe_sessions_expired_total"), metric(live, "rlpipe_sessions_open")
+    sid = post(live, "/v1/sessions", {"prompt": "2+2="}).json()["session_id"]
+    assert metric(live, "rlpipe_sessions_open") == open_before + 1
+    # No request comes: the reaper gives it back on its own.
+    wait_for(lambda: metric(live, "rlpipe_sessions_expired_total") > expired, IDLE_S + 5, interval=0.25,
+             what="the idle session to be given back")
+    assert metric(live, "rlpipe_sessions_open") == open_before
+    late = post(live, f"/v1/sessions/{sid}/turn", {})
+    assert late.status_code == 404 and late.json()["detail"].startswith("rollout.session_idle_timeout_s"), late.text
+
+
+def test_openai_client_drives_a_three_turn_episode(live):
+    """The official client, unmodified: the whole conversation every call, the session id in a
+    header or in extra_body; the session keeps the ids token-exactly."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{live}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "12+30"}]
+    sid = post(live, "/v1/sessions", {"messages": messages, "tools": TOOLS}).json()["session_id"]
+    ways = [{"extra_headers": {"X-Session-Id": sid}}, {"extra_body": {"session_id": sid}},
+            {"extra_headers": {"X-Session-Id": sid}}]
+    answers, expected = [], toy_ids("<bos>*12+30")
+    for i, (way, new) in enumerate(zip(ways, ([], [{"role": "tool", "content": "5", "tool_call_id": "c1"}],
+                                              [{"role": "user", "content": "-2"}]))):
+        messages += new
+        try:
+            r = client.chat.completions.create(model="toy", messages=messages, tools=TOOLS, max_tokens=4,
+                                               temperature=1.0, seed=i, logprobs=True, **way)
+        except openai.APIStatusError as e:
+            raise AssertionError(f"turn {i + 1}: {e.response.text}") from None
+        choice = r.choices[0]
+        assert r.object == "chat.completion" and choice.message.role == "assistant" and r.model == "toy"
+        assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+        assert r.usage.completion_tokens == len(choice.token_ids) and r.model_extra["session_id"] == sid
+        assert [c.logprob for c in choice.logprobs.content] == choice.behavior_logprobs
+        text = "".join(("%" if m["role"] == "tool" else "") + m["content"] for m in new)
+        expected += (closing(answers[-1]) if answers else []) + toy_ids(text + "=") + choice.token_ids
+        assert r.model_extra["prompt_token_ids"] + choice.token_ids == expected
+        answers.append({"token_ids": choice.token_ids})
+        messages.append({"role": "assistant", "content": choice.message.content})
+    episode = post(live, f"/v1/sessions/{sid}/finish", {}).json()
+    assert episode["token_ids"] == expected and episode["turns"] == 3 and episode["reward"] is None
+    assert sum(episode["mask"]) == sum(len(a["token_ids"]) for a in answers)
+
+
+def test_stateless_openai_completions(live):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{live}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    open_before = metric(live, "rlpipe_sessions_open")
+    r = client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "12+30"}], max_tokens=4,
+                                       n=2, temperature=1.0)
+    assert len(r.choices) == 2 and r.model_extra["session_id"] is None
+    assert r.model_extra["prompt_token_ids"] == toy_ids("<bos>12+30=")
+    assert r.usage.prompt_tokens == 7 and all(1 <= len(c.token_ids) <= 4 for c in r.choices)
+    c = client.completions.create(model="toy", prompt="12+30=", max_tokens=3, temperature=0)
+    assert c.object == "text_completion" and isinstance(c.choices[0].text, str)
+    assert c.model_extra["prompt_token_ids"] == [1] + toy_ids("12+30=")  # text tokenized as /v1/generate does
+    assert metric(live, "rlpipe_sessions_open") == open_before  # nothing kept
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{live}/v1", api_key="wrong", max_retries=0).chat.completions.create(
+            model="toy", messages=[{"role": "user", "content": "1"}])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "1"}],
+                                       extra_headers={"X-Session-Id": "missing"})
