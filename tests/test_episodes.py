@@ -150,6 +150,36 @@ def test_staleness_counts_from_the_oldest_model_token():
     assert collate([rec], torch.zeros(1, 2), 6).staleness.tolist() == [3, 2]
 
 
+def test_the_learner_drops_an_episode_by_its_oldest_model_token(redis_server, toy_model_path, tmp_path):
+    """Both episodes were opened at version 1 (``policy_version``); the learner is at 5 with
+    ``max_staleness`` 2. One's model turns were all sampled at 3 or later (an update came
+    before the model's first turn): 2 versions old, trained. The other's first turn was
+    sampled at 1: 4 versions old, dropped and counted."""
+    from learner.train import Learner
+    from rlpipe.config import build_config
+    from tests.conftest import free_run_id
+
+    cfg = build_config({}, environ={}, run_id=free_run_id("ep"), run_dir=str(tmp_path), redis_url=redis_server.url,
+                       **{"model.path": toy_model_path, "learner.groups_per_step": 1, "queue.max_staleness": 2,
+                          "sampling.n": 2, "rollout.precision": "fp8"})
+    learner = Learner(cfg)
+    learner.queue.ensure_consumer_group()
+    learner.run_counters.version = 5
+    short = [5, 2, 19, 6, 2], [1, 1, 0, 1, 1]
+    old = episode_record(run_id=cfg.run_id, group_id="old", policy_version=1, policy_version_end=4,
+                         samples=[episode(versions=[1, 1, 1, 3, 3, 3, 3, 4, 4, 4]), episode(*short, versions=[3] * 5)])
+    fresh = episode_record(run_id=cfg.run_id, group_id="fresh", policy_version=1, policy_version_end=4,
+                           samples=[episode(versions=[3, 3, 3, 3, 3, 3, 4, 4, 4, 4]),
+                                    episode(*short, versions=[3, 3, 4, 4, 4])])
+    assert (old.oldest_version, fresh.oldest_version) == (1, 3)
+    current = episode_record(run_id=cfg.run_id, group_id="current", policy_version=5, policy_version_end=5)
+    for rec in (old, fresh, current):  # (current: so that a wrong rule fails here rather than waits)
+        learner.queue.push(rec)
+    batch = learner.collect()
+    assert [e.record.group_id for e in batch] == ["fresh"]
+    assert learner.queue.counters()["dropped_stale"] == 1 and learner.dropped_stale_total == 1
+
+
 # -- the loss and the metrics ----------------------------------------------------------------------------
 # Two rows, right-padded: row 0 an episode (model, model, env, env, model, env, model), row 1 a
 # plain response of 3. Every environment position carries wild values: a log-prob gap of 25
@@ -331,57 +361,108 @@ def test_the_toy_tokenizer_does_not_round_trip_some_pairs_of_ids(toy_model_path)
 
 
 # -- a 3-turn episode against the engine ---------------------------------------------------------------
-@pytest.mark.slow
-def test_a_three_turn_episode_recomputes_to_the_engines_logprobs(worker, toy_model_path):
-    """Sample turn 1 from the prompt's ids, append an environment message tokenized once,
-    sample turn 2 from the whole history's ids, append again, sample turn 3 (a real fp32
-    vLLM engine behind ``/v1/generate``). The record with its mask goes over the wire and
-    through the run's admission; the learner's recompute over the exact ids equals the
-    engine's log-probs on every model token within the fp32 tolerance of tests/test_worker.py,
-    and re-tokenizing the decoded history would not give those ids."""
-    from transformers import AutoTokenizer
-
+def engine_episode(worker, tok, before_turn=None) -> GroupRecord:
+    """A 3-turn episode sampled by the worker's engine on token ids, as a session keeps it:
+    turn 1 from the prompt's ids, an environment message appended (tokenized once), turn 2
+    from the whole history's ids, another message, turn 3. ``before_turn(k)`` runs before
+    turn k is sampled (a weight update between turns). Each token's version: the engine's
+    for a model token, the worker's at append time for an environment token. The record
+    goes over the wire (encode and decode) and through the run's admission."""
     from rlpipe.admission import RunCheck
 
-    tok = AutoTokenizer.from_pretrained(toy_model_path)
-    model = load_policy(toy_model_path)
-    version = worker.sync(model)  # the engine holds exactly these weights
     s = worker.cfg.sampling
     params = {"n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_tokens": min(6, s.max_tokens)}
     prompt = tok("12+30=")["input_ids"]
     # each environment message tokenized once, at append time; the second carries a space id as sampled
     messages = [tok(" 7=", add_special_tokens=False)["input_ids"], [19, *tok("5%", add_special_tokens=False)["input_ids"]]]
-    tokens, logprobs, mask, finish = [], [], [], None
+    tokens, logprobs, mask, versions, finish = [], [], [], [], None
     for turn in range(3):
+        if before_turn:
+            before_turn(turn)
         resp = worker.http.post("/v1/generate", json={"prompt_token_ids": prompt + tokens, "seed": 11 + turn, **params})
         resp.raise_for_status()
         body = resp.json()
-        assert body["policy_version"] == body["policy_version_end"] == version
         (choice,) = body["choices"]
+        assert body["policy_version"] == body["policy_version_end"] == worker.version
         assert choice["versions"] is None and choice["tokens"]
         tokens += choice["tokens"]
         logprobs += choice["logprobs"]
         mask += [1] * len(choice["tokens"])
+        versions += [body["policy_version"]] * len(choice["tokens"])
         finish = choice["finish_reason"]
         if turn < 2:
             tokens += messages[turn]
             logprobs += [0.0] * len(messages[turn])
             mask += [0] * len(messages[turn])
-    sample = Sample(np.array(tokens, np.int32), np.array(logprobs, np.float32), finish, 0.0, mask=np.array(mask, np.uint8))
+            versions += [worker.version] * len(messages[turn])
+    sample = Sample(np.array(tokens, np.int32), np.array(logprobs, np.float32), finish, 0.0,
+                    np.array(versions, np.int32) if len(set(versions)) > 1 else None, mask=np.array(mask, np.uint8))
     rec = decode_group(encode_group(GroupRecord(
-        worker.cfg.run_id, "episode", "0", "w0", version, version, "fp32", "",
+        worker.cfg.run_id, "episode", "0", "w0", min(versions), max(versions), "fp32", "",
         {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_tokens": s.max_tokens},
         np.array(prompt, np.int32), [sample])))
-    check = dataclasses.replace(RunCheck.for_run(worker.cfg, model.config.vocab_size), n=1, version=version)
-    check.check(rec, handed_out=0, reissued=0)
+    vocab = len(tok)
+    dataclasses.replace(RunCheck.for_run(worker.cfg, vocab), n=1, version=worker.version).check(rec, 0, 0)
+    assert len(tokens) > sum(mask)
+    return rec
+
+
+def model_logprobs(rec: GroupRecord) -> np.ndarray:
+    """The record's behavior log-probs at its model tokens."""
+    s = rec.samples[0]
+    return s.logprobs[s.mask == 1]
+
+
+@pytest.mark.slow
+def test_a_three_turn_episode_recomputes_to_the_engines_logprobs(worker, toy_model_path):
+    """The learner's recompute over the exact ids equals the engine's log-probs on every
+    model token of a 3-turn episode within the fp32 tolerance of tests/test_worker.py, and
+    re-tokenizing the decoded history would not give those ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    model = load_policy(toy_model_path)
+    worker.sync(model)  # the engine holds exactly these weights
+    rec = engine_episode(worker, tok)
     (ours,) = recompute(model, rec)
-    engine = rec.samples[0].logprobs[rec.samples[0].mask == 1]
-    assert len(ours) == len(engine) == sum(mask) and len(tokens) > sum(mask)
+    engine = model_logprobs(rec)
+    assert len(ours) == len(engine) == int(rec.samples[0].mask.sum())
     assert float(np.abs(ours - engine).max()) < 1e-4
     # the exact ids matter: the model's turns alone, without the messages between them, are other contexts
-    turns_only = dataclasses.replace(rec, samples=[dataclasses.replace(
-        rec.samples[0], tokens=rec.samples[0].tokens[rec.samples[0].mask == 1], logprobs=engine, mask=None)])
+    s = rec.samples[0]
+    turns_only = dataclasses.replace(rec, samples=[dataclasses.replace(s, tokens=s.tokens[s.mask == 1],
+                                                                       logprobs=engine, mask=None)])
     (without_env,) = recompute(model, turns_only)
     assert float(np.abs(without_env - engine).max()) > 1e-2
-    history = prompt + tokens
+    history = rec.prompt_tokens.tolist() + s.tokens.tolist()
     assert tok(tok.decode(history))["input_ids"] != history  # what a text-in server would have trained on
+
+
+@pytest.mark.slow
+def test_an_update_between_turns_shows_in_the_versions_and_staleness_counts_the_oldest_model_token(
+        worker, toy_model_path):
+    """Weights change between turn 2 and turn 3: the per-token versions say which turn each
+    model token came from, the recompute under the old weights equals the engine on turns 1-2
+    and under the new ones on turn 3, and the learner at the new version counts the episode
+    one version stale (its oldest model token's)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_worker import perturbed
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    old, new = perturbed(toy_model_path, seed=8), perturbed(toy_model_path, seed=9)
+    v_old = worker.sync(old)
+    rec = engine_episode(worker, tok, before_turn=lambda turn: turn == 2 and worker.sync(new))
+    v_new = worker.version
+    s = rec.samples[0]
+    assert v_new == v_old + 1 and (rec.policy_version, rec.policy_version_end) == (v_old, v_new)
+    model_versions = s.versions[s.mask == 1]
+    later = model_versions == v_new
+    assert later.any() and not later.all() and (model_versions[~later] == v_old).all()
+    assert (s.versions[s.mask == 0] == v_old).all()  # both messages were appended before the update
+    (under_old,), (under_new,) = recompute(old, rec), recompute(new, rec)
+    engine = model_logprobs(rec)
+    assert float(np.abs(under_old[~later] - engine[~later]).max()) < 1e-4
+    assert float(np.abs(under_new[later] - engine[later]).max()) < 1e-4
+    assert float(np.abs(under_old[later] - engine[later]).max()) > 1e-2  # turn 3 really is the new policy's
+    assert rec.oldest_version == v_old and collate([rec], torch.zeros(1, 1), v_new).staleness.tolist() == [1]
