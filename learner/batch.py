@@ -3,6 +3,14 @@
 Each sample becomes one row ``prompt + response`` (right-padded). Position t of the
 ``(N, T-1)`` tensors describes the token at t+1, predicted from the logits at t, so
 ``mask`` is 1 exactly on the response tokens (the sampled ones, EOS included).
+
+A multi-turn episode (a sample with a loss ``mask``, rlpipe/schema.py) is one row too: the
+prompt and every token of the episode, exactly the ids the engine saw, so the forward
+recomputes each model token's log-prob on the very context it was sampled from. Its
+environment tokens are context only: ``mask`` is 0 there (and ``behavior_logprobs`` 0), so
+they leave the loss, the IS weights, every mismatch metric and the token counts, all of
+which are sums over ``mask`` (learner/loss.py). ``staleness`` counts from the oldest
+model token's version.
 """
 
 from __future__ import annotations
@@ -19,12 +27,12 @@ class Batch:
     input_ids: torch.Tensor  # (N, T) long
     attention_mask: torch.Tensor  # (N, T) long
     targets: torch.Tensor  # (N, T-1) long: input_ids shifted left
-    mask: torch.Tensor  # (N, T-1) float: 1 on response tokens
+    mask: torch.Tensor  # (N, T-1) float: 1 on response tokens the model sampled (0 on environment tokens)
     behavior_logprobs: torch.Tensor  # (N, T-1) float: mu, 0 off the mask
     advantages: torch.Tensor  # (N,)
     rewards: torch.Tensor  # (N,)
     group_index: torch.Tensor  # (N,) long: which record each row came from
-    staleness: torch.Tensor  # (N,) long: learner version - policy_version
+    staleness: torch.Tensor  # (N,) long: learner version - the row's oldest model token's version
     temperature: torch.Tensor  # (N,) float: the sampling temperature of each row
     top_p: torch.Tensor  # (N,) float32: each row's nucleus mass (1: off)
     top_k: torch.Tensor  # (N,) long: each row's top-k (-1 or 0: off)
@@ -79,18 +87,19 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
         prompt = rec.prompt_tokens.tolist()
         for s in rec.samples:
             rows.append(prompt + s.tokens.tolist())
-            mus.append((len(prompt), s.logprobs))
+            mus.append((len(prompt), s.logprobs, s.model_mask()))
     n_rows, width = len(rows), max(map(len, rows))
     input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n_rows, width), dtype=torch.long)
     mask = torch.zeros((n_rows, width - 1))
     mu = torch.zeros((n_rows, width - 1))
-    for i, (row, (plen, lps)) in enumerate(zip(rows, mus)):
+    for i, (row, (plen, lps, model)) in enumerate(zip(rows, mus)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
         # response token k sits at position plen+k and is predicted at plen+k-1
-        mask[i, plen - 1 : len(row) - 1] = 1
-        mu[i, plen - 1 : len(row) - 1] = torch.from_numpy(lps)
+        model = torch.from_numpy(model).float()
+        mask[i, plen - 1 : len(row) - 1] = model
+        mu[i, plen - 1 : len(row) - 1] = torch.from_numpy(lps) * model
     group_index = torch.tensor([g for g, rec in enumerate(records) for _ in rec.samples])
     return Batch(
         input_ids=input_ids,
@@ -101,7 +110,8 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
         advantages=torch.cat([advantages[g, : len(rec.samples)] for g, rec in enumerate(records)]).float(),
         rewards=torch.tensor([s.reward for rec in records for s in rec.samples], dtype=torch.float32),
         group_index=group_index,
-        staleness=torch.tensor([version - rec.policy_version for rec in records for _ in rec.samples]),
+        staleness=torch.tensor([version - s.oldest_version(rec.policy_version) for rec in records
+                                for s in rec.samples]),
         temperature=torch.tensor([float(rec.sampling.get("temperature", 1.0)) or 1.0
                                   for rec in records for _ in rec.samples]),
         top_p=torch.tensor([float(_or(rec.sampling.get("top_p"), 1.0)) for rec in records for _ in rec.samples],

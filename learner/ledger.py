@@ -105,7 +105,7 @@ class Ledger:
                 duplicate.append(e)
             else:
                 in_batch.add(index)
-                too_old = self.counters.version - e.record.policy_version > self.cfg.queue.max_staleness
+                too_old = self.counters.version - e.record.oldest_version > self.cfg.queue.max_staleness
                 (stale if too_old else fresh).append(e)
         return fresh, stale, duplicate, later
 

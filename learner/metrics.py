@@ -38,7 +38,8 @@ NOT_EXPORTED = {"step", "time", "dropped_stale_total", "queue_dead_total", "weig
 
 _TRAIN = {
     "reward_mean": "mean reward of the step's samples",
-    "response_length_mean": "mean response length of the step's samples, in tokens",
+    "response_length_mean": "mean response length of the step's samples, in model tokens (an episode's "
+                            "environment tokens not counted)",
     "entropy": "mean token entropy of the training policy on the step's responses",
     "learner_loss": "loss of the step (policy loss, plus any KL term, less any entropy bonus), averaged over its "
                     "optimizer updates",
@@ -54,7 +55,8 @@ _TRAIN = {
     "groups": "groups trained in the step",
     "groups_skipped_equal_reward": "groups of the step with equal rewards (no advantage, no gradient)",
     "groups_skipped_total": "groups with equal rewards (no gradient) in the run",
-    "tokens": "response tokens trained in the step",
+    "tokens": "response tokens trained in the step (model tokens only)",
+    "tokens_masked": "environment tokens of the step's multi-turn episodes: context only, masked out of the loss",
     "learner_step": "optimizer steps trained",
     "learner_version": "policy version of the learner's weights",
     "learner_step_seconds": "wall time of the last step: waiting for groups, training and weight sync",

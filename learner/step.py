@@ -306,7 +306,7 @@ class PPOStep:
             rows = torch.tensor([q == p for q in precisions], device=mask.device)
             by_precision[p] = mismatch_metrics(pi_old[rows], mu[rows], mask[rows], clamp)
         fresh = batch.staleness == 0  # the precision effect alone, without policy lag
-        staleness = Counter(int(self.version - r.policy_version) for r in records)
+        staleness = Counter(int(self.version - r.oldest_version) for r in records)  # oldest model token
         for s, count in staleness.items():
             for _ in range(count):
                 self.staleness.observe(s)
@@ -328,7 +328,8 @@ class PPOStep:
                                     for p in sorted({r.precision for r in records})},
             "groups_skipped_equal_reward": int((~informative).sum()),
             "groups_skipped_total": self.counters.groups_skipped_total,
-            "tokens": int(batch.mask.sum().item()),
+            "tokens": int(batch.mask.sum().item()),  # model tokens: the environment's are context only
+            "tokens_masked": sum(int((~s.model_mask()).sum()) for r in records for s in r.samples),
             "staleness_mean": batch.staleness.float().mean().item(),
             "staleness_max": int(batch.staleness.max().item()),
             "staleness_hist": {str(s): c for s, c in sorted(staleness.items())},

@@ -8,12 +8,25 @@ it on every restart). :class:`RunCheck` holds what the run fixes and raises
 :class:`~rlpipe.schema.SchemaError` with the reason, so the reader dead-letters the entry
 like a malformed one. It is pure: the reader gives it the Redis-side facts it needs (how
 many prompts the dispatcher has handed out, and how many times a prompt was re-issued).
+
+Multi-turn episodes (a sample with a ``mask``, rlpipe/schema.py): ``sampling.max_tokens``
+bounds each *model turn*, a run of consecutive model tokens, not the whole episode (the
+environment's messages and the turns add up past it); the episode as a whole is bounded by
+``rollout.max_model_len`` with the prompt, as a single response is. A session always puts
+at least one environment token between two turns (the chat template's turn markers), so
+a run longer than ``max_tokens`` is a turn the run's engines could not have sampled.
+Model tokens' per-token versions must lie in the record's span; environment tokens' may
+reach the learner's version (a message appended after an update that no model token saw).
+Whether decode_group's rule holds (behavior log-prob exactly 0 at every environment
+position) is checked there, on every record, since it needs nothing of the run.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from rlpipe.schema import GroupRecord, SchemaError
 
@@ -27,6 +40,13 @@ FIXED_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens")
 # bitmap holds 2x the cursor in bits).
 INDEX_SLACK = 1024
 ATTEMPT_SLACK = 2
+
+
+def longest_model_turn(mask) -> int:
+    """The longest run of consecutive model tokens (mask 1) in an episode's mask."""
+    edges = np.diff(np.concatenate(([0], np.asarray(mask, dtype=np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return int((ends - starts).max()) if len(starts) else 0
 
 
 @dataclass
@@ -70,18 +90,18 @@ class RunCheck:
             where = f"samples[{i}]."
             if not len(s.tokens):
                 raise SchemaError(f"{where}tokens: empty response")
-            if len(s.tokens) > self.max_tokens:
+            if s.mask is None and len(s.tokens) > self.max_tokens:
                 raise SchemaError(f"{where}tokens: {len(s.tokens)} tokens, more than sampling.max_tokens "
                                   f"{self.max_tokens}")
+            if s.mask is not None and (turn := longest_model_turn(s.mask)) > self.max_tokens:
+                raise SchemaError(f"{where}mask: a model turn of {turn} tokens (a run of mask 1), more than "
+                                  f"sampling.max_tokens {self.max_tokens}")
             if prompt + len(s.tokens) > self.max_model_len:
                 raise SchemaError(f"{where}tokens: prompt {prompt} + response {len(s.tokens)} tokens exceed "
                                   f"rollout.max_model_len {self.max_model_len}")
             self._check_tokens(where + "tokens", s.tokens)
-            if s.versions is not None and len(s.versions) and \
-                    (s.versions.min() < rec.policy_version or s.versions.max() > rec.policy_version_end):
-                raise SchemaError(f"{where}versions: per-token versions {int(s.versions.min())}.."
-                                  f"{int(s.versions.max())} outside policy_version {rec.policy_version}.."
-                                  f"{rec.policy_version_end}")
+            if s.versions is not None:
+                self._check_versions(where, rec, s)
         if rec.prompt_index >= 0:  # -1: not from the cursor (imported data, tools)
             if rec.prompt_index >= 2 * handed_out + INDEX_SLACK:
                 raise SchemaError(f"prompt_index: {rec.prompt_index} was never handed out (the cursor is at "
@@ -89,6 +109,17 @@ class RunCheck:
             if rec.attempt > reissued + ATTEMPT_SLACK:
                 raise SchemaError(f"attempt: {rec.attempt}, but prompt {rec.prompt_index} was re-issued "
                                   f"{reissued} times")
+
+    def _check_versions(self, where: str, rec: GroupRecord, s) -> None:
+        """Model tokens' versions lie in the record's span; an environment token's (the version
+        in force when it was appended) from ``policy_version`` to the learner's version: an
+        episode may end on a message appended after an update that no model token saw."""
+        model = s.model_mask()
+        for versions, high, what in ((s.versions[model], rec.policy_version_end, "per-token versions"),
+                                     (s.versions[~model], self.version, "environment tokens' versions")):
+            if len(versions) and (versions.min() < rec.policy_version or versions.max() > high):
+                raise SchemaError(f"{where}versions: {what} {int(versions.min())}..{int(versions.max())} outside "
+                                  f"policy_version {rec.policy_version}..{high}")
 
     def _check_sampling(self, sampling: dict) -> None:
         for key, want in self.sampling.items():

@@ -6,6 +6,16 @@ float32 byte strings; the response tokens are exactly those the engine sampled.
 
 :func:`decode_group` validates everything and raises :class:`SchemaError` with a reason,
 which readers put on the dead-letter stream instead of crashing.
+
+Multi-turn episodes (issue 23; a schema change in DESIGN's sense, made as an optional field of
+schema 1 rather than a schema 2): a sample's ``tokens`` are then the whole episode after the
+prompt, the model's turns and the environment's messages (tool results, user turns)
+interleaved, each exactly as sampled or tokenized once at append time. The optional
+``mask`` (bin, one uint8 per token) says which is which: 1 a model token (it trains), 0 an
+environment token (context only). Absent means all ones, so a record written before it
+reads exactly as before. ``logprobs`` are the behavior log-probs of the model tokens and
+exactly 0 at environment positions; ``versions`` is per token as before (at an environment
+position: the version in force when it was appended, not interpreted by the learner).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
+U8 = np.dtype("u1")
 
 
 class SchemaError(ValueError):
@@ -39,6 +50,24 @@ class Sample:
     reward: float
     versions: np.ndarray | None = None  # (L,) int32, only when an update happened mid-sequence
     reward_info: dict | None = None
+    # (L,) uint8, multi-turn episodes only: 1 model token (trains), 0 environment token
+    # (context only; its logprob is 0). None: every token is the model's.
+    mask: np.ndarray | None = None
+
+    def model_mask(self) -> np.ndarray:
+        """(L,) bool: which tokens the model sampled (all of them without a ``mask``)."""
+        if self.mask is None:
+            return np.ones(len(self.tokens), dtype=bool)
+        return np.asarray(self.mask).astype(bool)
+
+    def oldest_version(self, policy_version: int) -> int:
+        """The version of the oldest weights that sampled a model token of this sample:
+        ``policy_version`` unless per-token versions say otherwise (environment tokens
+        were not sampled, so their versions do not count)."""
+        if self.versions is None:
+            return policy_version
+        sampled = np.asarray(self.versions)[self.model_mask()]
+        return int(sampled.min()) if len(sampled) else policy_version
 
 
 @dataclass
@@ -67,6 +96,11 @@ class GroupRecord:
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
 
+    @property
+    def oldest_version(self) -> int:
+        """The version staleness is counted from: that of the oldest model token of the group."""
+        return min(s.oldest_version(self.policy_version) for s in self.samples)
+
 
 def _pack_array(a, dtype: np.dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
@@ -86,6 +120,8 @@ def encode_group(rec: GroupRecord) -> bytes:
             m["versions"] = _pack_array(s.versions, I32)
         if s.reward_info is not None:
             m["reward_info"] = s.reward_info
+        if s.mask is not None:
+            m["mask"] = _pack_array(s.mask, U8)
         samples.append(m)
     payload = {
         "schema": rec.schema,
@@ -128,6 +164,24 @@ def _array(m: dict, key: str, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).copy()
 
 
+def _mask(s: dict, tokens: np.ndarray, logprobs: np.ndarray, where: str) -> np.ndarray:
+    """A sample's loss mask, validated: one 0/1 per token, at least one model token, and a
+    behavior log-prob of exactly 0 at every environment position (the schema's rule; a
+    non-zero one there is the mark of a mask shifted against its tokens)."""
+    mask = _array(s, "mask", U8, where)
+    if len(mask) != len(tokens):
+        raise SchemaError(f"{where}mask: {len(mask)} values for {len(tokens)} tokens")
+    if np.any(mask > 1):
+        raise SchemaError(f"{where}mask: values other than 0 (environment) and 1 (model)")
+    if not mask.any():
+        raise SchemaError(f"{where}mask: no model token (a sample must have at least one token to train)")
+    off = np.flatnonzero((mask == 0) & (logprobs != 0))
+    if len(off):
+        raise SchemaError(f"{where}logprobs: {float(logprobs[off[0]])} at environment position {int(off[0])} "
+                          f"(mask 0 carries log-prob 0)")
+    return mask
+
+
 def decode_group(data: bytes) -> GroupRecord:
     """Parse and validate one stream entry's ``data`` field."""
     try:
@@ -166,6 +220,7 @@ def decode_group(data: bytes) -> GroupRecord:
             raise SchemaError(f"{where}tokens: negative token id")
         if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
             raise SchemaError(f"{where}logprobs: not finite non-positive log-probabilities")
+        mask = _mask(s, tokens, logprobs, where) if "mask" in s else None
         versions = None
         if "versions" in s:
             versions = _array(s, "versions", I32, where)
@@ -180,7 +235,7 @@ def decode_group(data: bytes) -> GroupRecord:
         info = s.get("reward_info")
         if info is not None and not isinstance(info, dict):
             raise SchemaError(f"{where}reward_info: expected map")
-        samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info))
+        samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info, mask))
     for key in ("prompt_index", "attempt"):
         if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):
             raise SchemaError(f"{key}: expected a non-negative int, got {m[key]!r}")

@@ -167,7 +167,7 @@ ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**63, ma
 FIELDS = ["schema", "run_id", "group_id", "prompt_id", "worker_id", "policy_version", "policy_version_end",
           "precision", "quant_profile", "sampling", "prompt_tokens", "samples", "created_at", "gen_seconds",
           "prompt_index", "attempt", "sampling.temperature", "sampling.top_k", "sampling.max_tokens", "sampling.seed",
-          "samples.0", "samples.0.tokens", "samples.0.logprobs", "samples.0.versions", "samples.0.reward",
+          "samples.0", "samples.0.tokens", "samples.0.logprobs", "samples.0.versions", "samples.0.mask", "samples.0.reward",
           "samples.1.finish_reason", "samples.1.reward_info"]
 
 
