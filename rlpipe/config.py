@@ -11,6 +11,7 @@ Rules that span roles are checked in one place, :func:`validate_run`.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -82,6 +83,11 @@ class TaskConfig(Section):
                         "exception, a timeout or another return type fails the group, whose prompt goes back "
                         "(rollout_service/tasks.py PythonReward)")
     reward_timeout_s: float = Field(10.0, gt=0, description="math: the limit on one task.reward call")
+    environment: str = Field("", pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)?$",
+                             description="multi-turn episodes: 'calculator' (the built-in tool task) or a Python "
+                             "environment 'package.module:Class' (rollout_service/environments.py); each of the "
+                             "n samples of a prompt is an episode driven through a session; '' = single-turn")
+    environment_timeout_s: float = Field(10.0, gt=0, description="the limit on one environment step")
     chat_template: bool = Field(False, description="math/remote: wrap the prompt text (after template) as the user "
                                 "turn in the tokenizer's chat template, with the generation prompt (instruct models)")
     system_prompt: str = Field("", description="with chat_template: a system turn before the user turn; '' = none")
@@ -603,6 +609,25 @@ def sharded_quant_problem(cfg: RunConfig, sharded: bool) -> str | None:
     return None
 
 
+def environment_problems(cfg: RunConfig) -> list[str]:
+    """A multi-turn task that could not run: an environment that does not import, or no chat
+    template to render its messages with (every worker would fail every group)."""
+    from rollout_service.environments import load_environment
+
+    problems = []
+    try:
+        load_environment(cfg.task.environment)
+    except ConfigError as e:
+        problems.append(str(e))
+    tokenizer_config = Path(cfg.model.path) / "tokenizer_config.json" if cfg.model.path else None
+    if not cfg.rollout.chat_template and tokenizer_config is not None and tokenizer_config.is_file() and \
+            "chat_template" not in json.loads(tokenizer_config.read_text()) and \
+            not (tokenizer_config.parent / "chat_template.jinja").is_file():
+        problems.append(f"task.environment: episodes are chat sessions, and {cfg.model.path}'s tokenizer has no chat "
+                        "template: set rollout.chat_template")
+    return problems
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -648,6 +673,8 @@ def validate_run(cfg: RunConfig) -> None:
     sharded = cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp"
     if why := sharded_quant_problem(cfg, sharded):
         problems.append(why)
+    if cfg.task.environment:
+        problems += environment_problems(cfg)
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
     if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:

@@ -31,6 +31,7 @@ from rlpipe.config import RunConfig
 from rlpipe.queue import RedisUnavailable, RestartWatch, TrajectoryQueue
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
+from rollout_service.episodes import EpisodeRunner
 from rollout_service.metrics import RolloutMetrics
 from rollout_service.tasks import PromptEncoder, RewardError, Task
 from weight_sync.follower import Checkpoint, Synced, WeightFollower
@@ -66,6 +67,8 @@ class RolloutLoop:
         self.task = task
         self.tokenizer = tokenizer
         self.encode = PromptEncoder(cfg.task, tokenizer, cfg.model.path or "the model")  # text -> the engine's ids
+        # task.environment: each sample is a multi-turn episode (rollout_service/episodes.py)
+        self.episodes = EpisodeRunner(cfg, tokenizer, engine, metrics) if cfg.task.environment else None
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
         self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.worker.ApiShare)
@@ -255,6 +258,8 @@ class RolloutLoop:
     async def _generate_group(self, group: _Group) -> GroupRecord | None:
         s = self.cfg.sampling
         prompt = self.task.prompt(group.index)
+        if self.episodes is not None:
+            return await self._generate_episodes(group, prompt)
         prompt_ids = self.encode(prompt.text)  # the record keeps these ids, exactly as the engine got them
         if len(prompt_ids) + s.max_tokens > self.cfg.rollout.max_model_len:
             log.warning("skipping prompt %s: %d tokens + max_tokens %d exceed rollout.max_model_len %d",
@@ -273,6 +278,18 @@ class RolloutLoop:
         scores = await self.task.score(prompt, texts)
         samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info)
                    for res, (reward, info) in zip(results, scores)]
+        return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
+
+    async def _generate_episodes(self, group: _Group, prompt) -> GroupRecord:
+        """``sampling.n`` episodes of ``task.environment`` on the prompt, rewarded by it."""
+        seed = group_seed(self.cfg.seed, group.index)
+        t0 = time.perf_counter()
+        prompt_ids, samples, v0, v1 = await self.episodes.group(prompt, self.cfg.sampling.n, seed)
+        return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, time.perf_counter() - t0)
+
+    def _record(self, group: _Group, prompt, prompt_ids, samples: list[Sample], v0: int, v1: int, seed: int,
+                gen_seconds: float) -> GroupRecord:
+        s = self.cfg.sampling
         return GroupRecord(
             run_id=self.cfg.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
             worker_id=self.worker_id, policy_version=v0, policy_version_end=v1,

@@ -57,4 +57,8 @@ class RolloutMetrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r).labels(**labels)
         self.session_context_tokens = counter("session_context_tokens", "tokens appended to sessions as context "
                                               "(messages, template markers): masked out of the loss")
+        self.environment_seconds = Histogram(
+            "rlpipe_rollout_environment_seconds", "time in one environment step (reset or step) of an episode",
+            list(labels), buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10), registry=r).labels(**labels)
+        self.session_stores: list = []  # the open gauge counts them all (the API's, the rollout loop's)
         self.labels = labels

@@ -143,8 +143,9 @@ class Sessions:
         self.open: dict[str, Session] = {}
         self.expired: OrderedDict[str, float] = OrderedDict()
         self.max_tokens = min(limits.session_max_tokens or limits.max_model_len, limits.max_model_len)
-        if metrics is not None:
-            metrics.sessions_open.set_function(lambda: len(self.open))
+        if metrics is not None:  # the API's store and the rollout loop's (rollout_service/episodes.py)
+            metrics.session_stores.append(self)
+            metrics.sessions_open.set_function(lambda: sum(len(store.open) for store in metrics.session_stores))
 
     # -- bounds ---------------------------------------------------------------------
     def refuse(self, code: int, limit: str, why: str) -> HTTPException:

@@ -1,0 +1,91 @@
+"""Multi-turn episodes in the rollout loop: each of a prompt's ``n`` samples is an episode
+of an environment (rollout_service/environments.py), driven through a token-exact session
+(rollout_service/sessions.py) exactly as an agent drives one over HTTP, and the group is
+pushed like a single-turn one, each sample with its loss mask (rlpipe/schema.py).
+
+The loop has a session store of its own: its episodes are bounded by the same limits
+(``rollout.session_max_turns``, ``session_max_tokens``) but neither count against the
+API's ``max_sessions`` nor take the API's share of the engine. An episode that hits a
+limit ends there with reward 0 (``reward_info.truncated`` names the key), as an answer
+never given. Environment steps run in threads, each within ``task.environment_timeout_s``;
+an environment that raises or times out fails the group, whose prompt goes back like one
+whose reward failed (RewardError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+from fastapi import HTTPException
+
+from rlpipe.schema import Sample
+from rollout_service.api_models import Finish, Turn
+from rollout_service.environments import load_environment
+from rollout_service.sessions import Sessions, load_chat_template
+from rollout_service.tasks import RewardError
+
+
+class EpisodeRunner:
+    def __init__(self, cfg, tokenizer, engine, metrics):
+        self.cfg, self.engine, self.metrics = cfg, engine, metrics
+        self.make_env = load_environment(cfg.task.environment)
+        limits = cfg.rollout.model_copy(update={"max_sessions": 2**31 - 1})  # the loop's own are bounded by slots
+        self.sessions = Sessions(limits, tokenizer, load_chat_template(cfg.rollout.chat_template, tokenizer),
+                                 self._sample, lambda: engine.version, metrics)
+
+    async def _sample(self, ids: list[int], sampling: dict):
+        results, v0, v1 = await self.engine.generate(ids, n=1, **sampling)
+        return results[0], v0, v1
+
+    async def group(self, prompt, n: int, seed: int) -> tuple[list[int], list[Sample], int, int]:
+        """``n`` episodes on ``prompt``: ``(prompt ids, samples, oldest version, newest version)``."""
+        episodes = await asyncio.gather(*(self.episode(prompt, (seed + i) % 2**31) for i in range(n)))
+        prompt_ids = episodes[0][0].token_ids[:episodes[0][0].prompt_length]
+        samples = []
+        for ep, reward, info in episodes:
+            if ep.token_ids[:ep.prompt_length] != prompt_ids:  # the environment's reset is not deterministic
+                raise RewardError(f"task.environment {self.cfg.task.environment}: episodes of one prompt opened "
+                                  "on different messages; a group's samples share their prompt")
+            p = ep.prompt_length
+            versions = np.asarray(ep.versions[p:], dtype=np.int32)
+            samples.append(Sample(np.asarray(ep.token_ids[p:], dtype=np.int32),
+                                  np.asarray(ep.logprobs[p:], dtype=np.float32), ep.finish_reasons[-1], reward,
+                                  versions if (versions != ep.policy_version).any() else None, info,
+                                  mask=np.asarray(ep.mask[p:], dtype=np.uint8)))
+        return prompt_ids, samples, min(e.policy_version for e, _, _ in episodes), \
+            max(e.policy_version_end for e, _, _ in episodes)
+
+    async def episode(self, prompt, seed: int):
+        """One episode: ``(Episode, reward, reward_info)``."""
+        s = self.cfg.sampling
+        env = self.make_env(prompt.answer)
+        session = self.sessions.start(await self._step(env.reset, prompt), None, None, None)
+        observation, reward, info = [], 0.0, {}
+        try:
+            while True:
+                turn = Turn(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                            seed=seed)
+                result = await self.sessions.turn(session, turn, observation)
+                step = await self._step(env.step, result.text)
+                reward, info = step.reward, dict(step.info)
+                if step.done:
+                    break
+                observation = [step.observation]
+        except HTTPException as e:  # a session limit: the episode ends unanswered
+            reward, info = 0.0, {**info, "truncated": str(e.detail).split(":", 1)[0]}
+        info["turns"] = len(session.finish_reasons)
+        return self.sessions.finish(session, Finish(reward=float(reward))), float(reward), info
+
+    async def _step(self, fn, arg):
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, arg), self.cfg.task.environment_timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardError(f"task.environment {self.cfg.task.environment}: a step took over "
+                              f"{self.cfg.task.environment_timeout_s} s (task.environment_timeout_s)") from None
+        except Exception as e:
+            raise RewardError(f"task.environment {self.cfg.task.environment} raised {type(e).__name__}: {e}") from e
+        finally:
+            self.metrics.environment_seconds.observe(time.perf_counter() - t0)
