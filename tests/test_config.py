@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from rlpipe.config import ConfigError, build_config, load_config, validate_run
 
@@ -82,7 +83,16 @@ def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
     assert configs
     for path in configs:
         validate_run(load_config(path, environ={}))
-    assert load_config(configs[0].parent / "demo.yaml", environ={}) == build_config({}, environ={})
+    demo = configs[0].parent / "demo.yaml"
+    assert load_config(demo, environ={}) == build_config({}, environ={})
+
+    def missing(written: dict, defaults: dict, prefix: str = "") -> list[str]:
+        return [f"{prefix}{k}" for k, v in defaults.items() if k not in written] + [
+            key for k, v in defaults.items() if isinstance(v, dict) and v and isinstance(written.get(k), dict)
+            for key in missing(written[k], v, f"{prefix}{k}.")]
+
+    # "Every key of an rlpipe run with its default value": a key added to the config is added there
+    assert not missing(yaml.safe_load(demo.read_text()), build_config({}, environ={}).model_dump(mode="json"))
 
 
 def test_role_cpus_give_each_role_its_cores_and_must_exist():
