@@ -83,8 +83,9 @@ class TaskConfig(Section):
                         "exception, a timeout or another return type fails the group, whose prompt goes back "
                         "(rollout_service/tasks.py PythonReward)")
     reward_timeout_s: float = Field(10.0, gt=0, description="math: the limit on one task.reward call")
-    environment: str = Field("", pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)?$",
-                             description="multi-turn episodes: 'calculator' (the built-in tool task) or a Python "
+    environment: str = Field("", pattern=r"^(calculator|retry|[A-Za-z_][\w.]*:[A-Za-z_]\w*)?$",
+                             description="multi-turn episodes: 'calculator' (the built-in tool task), 'retry' "
+                             "(answers judged, a wrong one tried again) or a Python "
                              "environment 'package.module:Class' (rollout_service/environments.py); each of the "
                              "n samples of a prompt is an episode driven through a session; '' = single-turn")
     environment_timeout_s: float = Field(10.0, gt=0, description="the limit on one environment step")

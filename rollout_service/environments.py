@@ -105,12 +105,37 @@ class CalculatorEnv:
                        {"calls": self.calls})
 
 
+class RetryEnv:
+    """The built-in multi-turn task without a tool (``task.environment: retry``): the
+    environment says whether the answer is right, and a wrong one may be tried again, up
+    to ``tries`` answers. The reward is 1 for a right answer at the first try, halved for
+    each try after, and 0 when none was right. Its message, ``-``, fits the toy's
+    vocabulary (configs/toy-retry.yaml)."""
+
+    def __init__(self, answer: str, tries: int = 3):
+        self.answer, self.tries, self.tried = last_number(answer), tries, 0
+
+    def reset(self, prompt) -> list[dict]:
+        return [{"role": "user", "content": prompt.text}]
+
+    def step(self, turn: str) -> EnvStep:
+        self.tried += 1
+        if self.answer is not None and last_number(turn) == self.answer:
+            return EnvStep(None, 0.5 ** (self.tried - 1), True, {"tries": self.tried})
+        if self.tried >= self.tries:
+            return EnvStep(None, 0.0, True, {"tries": self.tried})
+        return EnvStep({"role": "tool", "content": "-"}, 0.0, False)
+
+
+BUILT_IN = {"calculator": CalculatorEnv, "retry": RetryEnv}
+
+
 def load_environment(path: str):
     """The environment factory named by ``path`` (``"package.module:Class"``, or
-    ``calculator`` for the built-in): called with a prompt row's answer, it returns a fresh
-    environment for one episode. A failed import is a ConfigError naming the path."""
-    if path == "calculator":
-        return CalculatorEnv
+    a built-in's name, :data:`BUILT_IN`): called with a prompt row's answer, it returns a
+    fresh environment for one episode. A failed import is a ConfigError naming the path."""
+    if path in BUILT_IN:
+        return BUILT_IN[path]
     module, _, name = path.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlpipe.config import ConfigError
-from rollout_service.environments import CalculatorEnv, EnvStep, calculate, load_environment
+from rollout_service.environments import CalculatorEnv, EnvStep, RetryEnv, calculate, load_environment
 from rollout_service.tasks import Prompt
 
 
@@ -46,6 +46,20 @@ def test_an_episode_over_its_calls_ends_unrewarded():
     assert over.done and over.reward == 0.0 and over.info["over_calls"]
 
 
+def test_a_retry_episode_judges_each_answer_and_halves_the_reward_per_try():
+    first = RetryEnv("82")
+    assert first.reset(Prompt(index=0, prompt_id="p0", text="37+45=", answer="82", meta={})) == [
+        {"role": "user", "content": "37+45="}]
+    assert first.step("82") == EnvStep(None, 1.0, True, {"tries": 1})
+    later = RetryEnv("82")
+    assert later.step("81") == EnvStep({"role": "tool", "content": "-"}, 0.0, False)
+    assert later.step("8 2").observation is not None  # the last number is 2
+    assert later.step("082") == EnvStep(None, 0.25, True, {"tries": 3})
+    never = RetryEnv("82", tries=2)
+    never.step("1")
+    assert never.step("2") == EnvStep(None, 0.0, True, {"tries": 2})
+
+
 class EchoEnv:
     """A user's environment, loaded by import path in the test below."""
 
@@ -60,7 +74,7 @@ class EchoEnv:
 
 
 def test_a_users_environment_loads_by_import_path_and_a_bad_path_names_the_key():
-    assert load_environment("calculator") is CalculatorEnv
+    assert load_environment("calculator") is CalculatorEnv and load_environment("retry") is RetryEnv
     factory = load_environment("tests.test_environments:EchoEnv")
     assert factory("yes").step("yes").reward == 1.0
     with pytest.raises(ConfigError, match=r"^task\.environment: cannot import 'tests\.nope:Env'"):
