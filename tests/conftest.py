@@ -10,6 +10,7 @@ Also here: a real HTTP reward server (``verifier``) for the remote-verifier test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -174,6 +175,45 @@ def stop_worker(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+@contextlib.contextmanager
+def standalone_worker(cfg, run_dir: Path, worker_id: str, token: str):
+    """A worker of ``cfg`` without Redis (a plain API server) whose API needs ``token``,
+    started, ready and warmed (a fresh engine's first generation builds its kernels: on a
+    slow 2-core CI machine longer than httpx's 5 s default); yields its base URL, and at
+    the end checks that nothing a client sent crashed it."""
+    dump_config(cfg, run_dir / "config.yaml")
+    address_file = run_dir / "address"
+    env = {**os.environ, "RLPIPE_API_TOKEN": token, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    with open(run_dir / "worker.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
+                                 "--worker-id", worker_id, "--address-file", str(address_file)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def ready():
+        if proc.poll() is not None:
+            raise RuntimeError((run_dir / "worker.log").read_text()[-3000:])
+        try:
+            return address_file.exists() and httpx.get(f"http://{address_file.read_text()}/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(ready, 300, interval=0.5, what="standalone worker start-up")
+        base = f"http://{address_file.read_text()}"
+        warm = httpx.post(f"{base}/v1/generate", json={"prompt": "1+1=", "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=300)
+        assert warm.status_code == 200, warm.text
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "Traceback" not in (run_dir / "worker.log").read_text()
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -36,7 +34,7 @@ from schemathesis.checks import positive_data_acceptance
 from rlpipe.cli import main as rlpipe_main
 from rlpipe.config import build_config, dump_config
 from rlpipe.registry import set_learner_state
-from tests.conftest import wait_for
+from tests.conftest import standalone_worker, wait_for
 
 TOKEN = "test-token-3f9a"
 HEADER_TIMEOUT_S = 2.0
@@ -53,40 +51,8 @@ def api(toy_model_path, tmp_path_factory):
                                           "rollout.max_n": 8, "rollout.max_new_tokens": 16,
                                           "rollout.max_body_bytes": 4096, "rollout.max_inflight_groups": 1,
                                           "sampling.n": 8, "rollout.http_header_timeout_s": HEADER_TIMEOUT_S})
-    dump_config(cfg, run_dir / "config.yaml")
-    address_file = run_dir / "address"
-    env = {**os.environ, "RLPIPE_API_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    log = open(run_dir / "worker.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
-                             "--worker-id", "api", "--address-file", str(address_file)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def ready():
-        if proc.poll() is not None:
-            raise RuntimeError((run_dir / "worker.log").read_text()[-3000:])
-        if not address_file.exists():
-            return False
-        try:
-            return httpx.get(f"http://{address_file.read_text()}/readyz").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(ready, 300, interval=0.5, what="standalone worker start-up")
-    base = f"http://{address_file.read_text()}"
-    # A fresh engine's first generation builds its kernels: on a slow 2-core CI machine it took longer
-    # than httpx's 5 s default, so warm it once here with a long timeout; the tests then time real requests.
-    warm = httpx.post(f"{base}/v1/generate", json={"prompt": "1+1=", "max_tokens": 2},
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
-    assert warm.status_code == 200, warm.text
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    assert "Traceback" not in (run_dir / "worker.log").read_text()  # nothing a client sent crashed it
+    with standalone_worker(cfg, run_dir, "api", TOKEN) as base:
+        yield base
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

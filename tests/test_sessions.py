@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,8 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from rlpipe.config import build_config, dump_config
-from tests.conftest import wait_for
+from rlpipe.config import build_config
+from tests.conftest import standalone_worker, wait_for
 
 TOKEN = "sessions-token-7c1e"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -250,34 +247,8 @@ def live(toy_model_path, tmp_path_factory):
         "rollout.chat_template": str(run_dir / "template.jinja"), "rollout.max_sessions": 3,
         "rollout.session_max_turns": 3, "rollout.session_max_tokens": 48, "rollout.max_new_tokens": 8,
         "rollout.session_idle_timeout_s": IDLE_S})
-    dump_config(cfg, run_dir / "config.yaml")
-    address_file = run_dir / "address"
-    env = {**os.environ, "RLPIPE_API_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with open(run_dir / "worker.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
-                                 "--worker-id", "sessions", "--address-file", str(address_file)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def ready():
-        if proc.poll() is not None:
-            raise RuntimeError((run_dir / "worker.log").read_text()[-3000:])
-        try:
-            return address_file.exists() and httpx.get(f"http://{address_file.read_text()}/readyz").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(ready, 300, interval=0.5, what="standalone worker start-up")
-    base = f"http://{address_file.read_text()}"
-    warm = httpx.post(f"{base}/v1/generate", json={"prompt": "1+1=", "max_tokens": 2}, headers=AUTH, timeout=300)
-    assert warm.status_code == 200, warm.text  # the first generation builds the kernels
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    assert "Traceback" not in (run_dir / "worker.log").read_text()
+    with standalone_worker(cfg, run_dir, "sessions", TOKEN) as base:
+        yield base
 
 
 def post(base, path, body=None, **kw):
