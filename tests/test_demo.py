@@ -143,23 +143,6 @@ def test_short_demo_runs_and_stamps_its_records(tmp_path, precision, is_mode, dt
     assert 0 < rows[0]["mismatch_k3_kl"] < 0.05
 
 
-def test_a_short_multi_turn_demo_trains_on_the_models_tokens_of_its_episodes(tmp_path):
-    """configs/toy-retry.yaml end to end: the worker drives episodes through sessions, the
-    learner trains on their model tokens and counts the environment's as masked."""
-    from rlpipe.config import load_config
-
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "toy-retry.yaml", environ={})
-    cfg = cfg.model_copy(update={"steps": 3, "run_id": "retry", "workers": 1})
-    cfg.learner.groups_per_step = 16
-    summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False)
-    rows = read_jsonl(tmp_path / "retry" / "metrics.jsonl")
-    assert summary["completed"] and [r["learner_version"] for r in rows] == [1, 2, 3]
-    assert summary["groups_unacknowledged"] == 0 and summary["groups_dead"] == 0
-    # a wrong first answer is followed by "%-=" (and an <eos> a cut answer lacked): context only
-    assert all(r["tokens_masked"] > 0 and r["tokens"] > 0 for r in rows)
-    assert all(0 < r["mismatch_k3_kl"] < 0.1 for r in rows)  # the environment's tokens are not in it
-
-
 def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     """``rlpipe demo --precision int8,bf16``: the launcher calibrates an int8 profile, one
     worker runs int8 (from the profile's checkpoint, updated with the learner's int8

@@ -1,6 +1,6 @@
 """``rlpipe demo --learner-ranks 2`` on the toy Llama (untied LM head, GQA): the learner runs
-as torchrun's 2 ranks, trains, and its rank 0 syncs a bf16 worker, or an int8 one (each
-update quantized bucket by bucket as the shards are gathered, monitored on a layer sample);
+as torchrun's 2 ranks, trains, and its rank 0 syncs an int8 worker (each update quantized
+bucket by bucket as the shards are gathered, monitored on a layer sample);
 Ctrl-C stops every rank gracefully (torchrun forwards the SIGTERM) and leaves no process
 behind."""
 
@@ -42,8 +42,9 @@ def test_learner_ranks_is_one_key_that_turns_the_learner_into_torchrun():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_two_learner_ranks_train_the_toy_llama_sync_a_worker_and_stop_cleanly(tmp_path, precision):
+def test_two_learner_ranks_train_the_toy_llama_sync_an_int8_worker_and_stop_cleanly(tmp_path):
+    # int8 covers what a bf16 worker would here, and more: the sharded bf16 sync has tests/test_fsdp.py
+    precision = "int8"
     run_dir = tmp_path / "ranks"
     log_path = tmp_path / "demo.log"
     log = open(log_path, "wb")
@@ -100,13 +101,13 @@ def test_two_learner_ranks_train_the_toy_llama_sync_a_worker_and_stop_cleanly(tm
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["groups_trained"] == 8 * len(rows) and summary["groups_unacknowledged"] < 8
     assert int(latest(run_dir / "checkpoints").name[len(PREFIX):]) == len(rows)
-    if precision == "int8":  # monitored on both layers of the toy; what returning workers load, checkpointed
-        assert all(m["quant_monitor_layers"] == [0, 1] and "quant_kl_vs_bf16" not in m for m in rows), rows[-1]
-        assert all(m["quant_seconds"] > 0 and m["quant_act_clip_fraction"] >= 0 for m in rows)
-        from safetensors.torch import load_file
+    # Monitored on both layers of the toy; what returning workers load, checkpointed.
+    assert all(m["quant_monitor_layers"] == [0, 1] and "quant_kl_vs_bf16" not in m for m in rows), rows[-1]
+    assert all(m["quant_seconds"] > 0 and m["quant_act_clip_fraction"] >= 0 for m in rows)
+    from safetensors.torch import load_file
 
-        sent = load_file(latest(run_dir / "checkpoints") / "rollout" / "int8" / "model.safetensors")
-        assert sent["model.layers.1.mlp.down_proj.weight"].dtype == torch.int8
+    sent = load_file(latest(run_dir / "checkpoints") / "rollout" / "int8" / "model.safetensors")
+    assert sent["model.layers.1.mlp.down_proj.weight"].dtype == torch.int8
     print(f"{len(rows)} steps on 2 ranks: {(rows[-1]['time'] - rows[0]['time']) / (len(rows) - 1):.2f} s/step "
           f"(training {sum(m['learner_step_seconds'] for m in rows) / len(rows):.2f} s), "
           f"{sum(m['learner_tokens_per_second'] for m in rows) / len(rows):.0f} learner tokens/s")

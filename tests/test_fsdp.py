@@ -37,6 +37,11 @@ pytestmark = pytest.mark.slow
 LEARNER = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# For a peak of resident memory that is what a rank holds: glibc serves every allocation of
+# 64 KiB or more from its own mapping, returned on free, rather than from a heap whose freed
+# holes stay resident (its default threshold grows with the sizes freed, so a run's peak
+# would depend on the order of its allocations: CI saw 3x this machine's).
+MEASURED_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def train(run_dir, ranks: int, steps: int):
@@ -101,7 +106,7 @@ def test_sync_from_sharded_ranks_gathers_one_bucket_at_a_time(redis_server, tmp_
     out = tmp_path / "sync.json"
     try:
         run = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "fsdp_sync_rank.py"), redis_server.url, run_id,
-                              str(out)], env=ENV, timeout=300, capture_output=True, text=True, cwd=ROOT)
+                              str(out)], env=MEASURED_ENV, timeout=300, capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 0, run.stderr[-3000:]
         got = json.loads(out.read_text())
         assert results.get(timeout=60) == ("w0", got["checksum"], 1)  # the whole model, bit for bit
@@ -128,7 +133,7 @@ def test_int8_from_sharded_ranks_is_the_whole_models_quantization_bit_for_bit(re
     out = tmp_path / "sync.json"
     try:
         run = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "fsdp_sync_rank.py"), redis_server.url, run_id,
-                              str(out), "int8", str(tmp_path / "model")], env=ENV, timeout=300, capture_output=True,
+                              str(out), "int8", str(tmp_path / "model")], env=MEASURED_ENV, timeout=300, capture_output=True,
                              text=True, cwd=ROOT)
         assert run.returncode == 0, run.stderr[-3000:]
         got = json.loads(out.read_text())
@@ -139,8 +144,9 @@ def test_int8_from_sharded_ranks_is_the_whole_models_quantization_bit_for_bit(re
     print({k: v for k, v in got.items() if k != "metrics"}, m)
     # The monitors hold one sampled layer at a time (a 32nd of the model, in fp32 with its
     # smoothed copy and the layer FSDP gathers for the probe forward); each int8 bucket is
-    # made from 4x its size in gathered fp32 weights.
-    assert got["members"] == 1 and got["sync_peak_kib"] * 1024 < got["model_bytes"] / 4, got
+    # made from 4x its size in gathered fp32 weights. About 30 MB, of a 136 MB model.
+    assert got["whole_gather_peak_kib"] * 1024 > got["model_bytes"] * 0.9, got
+    assert got["members"] == 1 and got["sync_peak_kib"] < got["whole_gather_peak_kib"] / 3, got
     assert m["quant_monitor_layers"] == [0, 16, 31]  # the first, a middle and the last of 32 layers
     assert "quant_kl_vs_bf16" not in m and m["quant_seconds"] > 0
     # the made-up static input scales clip the random model's activations: the monitors saw them
