@@ -57,6 +57,8 @@ _TRAIN = {
     "groups_skipped_total": "groups with equal rewards (no gradient) in the run",
     "tokens": "response tokens trained in the step (model tokens only)",
     "tokens_masked": "environment tokens of the step's multi-turn episodes: context only, masked out of the loss",
+    "model_turns_mean": "the model's turns per sample of the step (1 when single-turn; in the calculator task, 1 "
+                        "plus the tool calls)",
     "learner_step": "optimizer steps trained",
     "learner_version": "policy version of the learner's weights",
     "learner_step_seconds": "wall time of the last step: waiting for groups, training and weight sync",

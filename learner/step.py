@@ -330,6 +330,8 @@ class PPOStep:
             "groups_skipped_total": self.counters.groups_skipped_total,
             "tokens": int(batch.mask.sum().item()),  # model tokens: the environment's are context only
             "tokens_masked": sum(int((~s.model_mask()).sum()) for r in records for s in r.samples),
+            "model_turns_mean": sum(s.model_turns() for r in records for s in r.samples)
+            / max(1, sum(len(r.samples) for r in records)),
             "staleness_mean": batch.staleness.float().mean().item(),
             "staleness_max": int(batch.staleness.max().item()),
             "staleness_hist": {str(s): c for s, c in sorted(staleness.items())},

@@ -45,6 +45,9 @@ class ModelConfig(Section):
     toy_hidden_size: int = Field(128, ge=16)
     toy_layers: int = Field(2, ge=1)
     toy_target_sampled_accuracy: float = Field(0.25, gt=0, lt=1)
+    toy_tool_calls: float = Field(0.0, ge=0, le=1, description="the share of the toy's warm-start examples that call "
+                                  "the calculator (task.environment: calculator) instead of answering, so that it "
+                                  "uses the tool sometimes; its target accuracy is then that of such episodes")
 
 
 class TaskConfig(Section):

@@ -57,6 +57,7 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
         task=ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, style=cfg.task.arith_style),
         seed=cfg.seed,
         target_sampled_accuracy=cfg.model.toy_target_sampled_accuracy,
+        tool_calls=cfg.model.toy_tool_calls,
     )
     return str(ensure_toy_model(spec, log=log))
 

@@ -60,6 +60,11 @@ class Sample:
             return np.ones(len(self.tokens), dtype=bool)
         return np.asarray(self.mask).astype(bool)
 
+    def model_turns(self) -> int:
+        """The model's turns in this sample: its runs of model tokens (1 for a single-turn sample)."""
+        m = self.model_mask()
+        return int(m[:1].sum() + (m[1:] & ~m[:-1]).sum())
+
     def oldest_version(self, policy_version: int) -> int:
         """The version of the oldest weights that sampled a model token of this sample:
         ``policy_version`` unless per-token versions say otherwise (environment tokens

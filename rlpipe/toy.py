@@ -3,7 +3,10 @@
 Task: small-number arithmetic (``"37+45="`` -> ``"82"``) with an exact-match reward (rlpipe/arith.py).
 Model: a ~0.5 M-parameter Qwen2 with a character-level tokenizer, warm-started by a short
 supervised run until its *sampled* accuracy reaches a target (default 25%), so RL has a
-signal to work with and plenty left to learn. ``arch="llama"`` (``model.path: toy-llama``)
+signal to work with and plenty left to learn. With ``tool_calls`` a share of the warm
+start's examples call the built-in calculator instead of answering (``37*48=`` -> the call
+``37*48``, the environment's ``%1776=``, then ``1776``: configs/toy-chat.jinja's format), so
+that the toy uses the tool sometimes and RL can teach it when. ``arch="llama"`` (``model.path: toy-llama``)
 builds a Llama of the same size instead, with what the Qwen2 toy lacks: an untied LM head
 and grouped-query attention (4 query heads sharing 2 KV heads), same tokenizer and recipe.
 
@@ -26,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rlpipe.arith import ArithmeticTask
+from rlpipe.arith import ArithmeticTask, last_number
 from rlpipe.paths import TOY_ARCHS, cache_root
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -54,6 +57,7 @@ class ToyModelSpec:
     target_sampled_accuracy: float = 0.25
     eval_every: int = 25
     eval_prompts: int = 256
+    tool_calls: float = 0.0  # the share of warm-start examples that call the calculator
 
     def __post_init__(self):
         if self.arch not in TOY_ARCHS:
@@ -76,7 +80,7 @@ class ToyModelSpec:
 
 
 # Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
-ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0}
+ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0, "tool_calls": 0.0}
 ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticTask's fields
 def ensure_toy_model(spec: ToyModelSpec | None = None, root: Path | None = None, log=print) -> Path:
     """Return the directory of the toy model for ``spec``, building it once if needed.
@@ -157,6 +161,9 @@ def build_toy_model(out_dir: Path, spec: ToyModelSpec, log=print) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
     info = {"spec": asdict(spec), "key": spec.key(), "sft_steps": steps, "sampled_accuracy": acc}
+    if spec.tool_calls:
+        info["tool_call_rate"] = evaluate_with_tool(model, tokenizer, spec.task, spec.eval_prompts,
+                                                    torch.Generator().manual_seed(spec.seed))[1]
     (out_dir / "rlpipe_toy.json").write_text(json.dumps(info, indent=2))
 
 
@@ -170,8 +177,26 @@ def sft_example(tokenizer, task: ArithmeticTask, index: int) -> tuple[list[int],
     return encode(tokenizer, prompt), encode(tokenizer, task.target(index))[1:] + [EOS_ID]  # drop the target's <bos>
 
 
+def pieces(tokenizer, text: str) -> list[int]:
+    """``text``'s ids without the ``<bos>`` the tokenizer puts before a prompt."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tool_example(tokenizer, task: ArithmeticTask, index: int) -> tuple[list[int], list[int]]:
+    """``(ids, labels)`` of one warm-start episode that calls the calculator: the prompt,
+    the model's call (the problem without its ``=``) and ``<eos>``, the tool's reply as the
+    toy's chat template renders it (``%value=``, context: label -100), then the value and
+    ``<eos>``. Exactly the ids a session of the ``calculator`` environment holds."""
+    prompt, answer = task.problem(index)
+    call, reply, final = pieces(tokenizer, prompt[:-1]) + [EOS_ID], pieces(tokenizer, f"%{answer}="), \
+        pieces(tokenizer, answer) + [EOS_ID]
+    context = encode(tokenizer, prompt)
+    return context + call + reply + final, [-100] * len(context) + call + [-100] * len(reply) + final
+
+
 def warm_start(model, tokenizer, spec: ToyModelSpec, log=print) -> tuple[int, float]:
-    """Supervised steps on correct examples until sampled accuracy reaches the target.
+    """Supervised steps on correct examples until sampled accuracy reaches the target
+    (with ``tool_calls``, the accuracy of episodes that may call the calculator).
 
     Training problems are drawn from a seed stream disjoint from the RL dataset's indices.
     Returns ``(steps, sampled_accuracy)``.
@@ -181,15 +206,26 @@ def warm_start(model, tokenizer, spec: ToyModelSpec, log=print) -> tuple[int, fl
     gen = torch.Generator().manual_seed(spec.seed)
     rng = random.Random(f"sft:{spec.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr)
-    acc = evaluate_sampled(model, tokenizer, spec.task, spec.eval_prompts, gen)
+
+    def accuracy() -> float:
+        if spec.tool_calls:
+            return evaluate_with_tool(model, tokenizer, spec.task, spec.eval_prompts, gen)[0]
+        return evaluate_sampled(model, tokenizer, spec.task, spec.eval_prompts, gen)
+
+    acc = accuracy()
     step = 0
     while acc < spec.target_sampled_accuracy and step < spec.sft_max_steps:
         model.train()
         ids, labels = [], []
         for _ in range(spec.sft_batch):
-            p, a = sft_example(tokenizer, spec.task, rng.randrange(10**9))
-            ids.append(p + a)
-            labels.append([-100] * len(p) + a)
+            index = rng.randrange(10**9)
+            if spec.tool_calls and rng.random() < spec.tool_calls:
+                x, y = tool_example(tokenizer, spec.task, index)
+            else:
+                p, a = sft_example(tokenizer, spec.task, index)
+                x, y = p + a, [-100] * len(p) + a
+            ids.append(x)
+            labels.append(y)
         width = max(map(len, ids))
         input_ids = torch.tensor([x + [PAD_ID] * (width - len(x)) for x in ids])
         label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
@@ -199,7 +235,7 @@ def warm_start(model, tokenizer, spec: ToyModelSpec, log=print) -> tuple[int, fl
         opt.step()
         step += 1
         if step % spec.eval_every == 0:
-            acc = evaluate_sampled(model, tokenizer, spec.task, spec.eval_prompts, gen)
+            acc = accuracy()
             log(f"[toy] sft step {step}: loss {loss.item():.3f}, sampled accuracy {acc:.2f}")
     model.eval()
     return step, acc
@@ -207,16 +243,21 @@ def warm_start(model, tokenizer, spec: ToyModelSpec, log=print) -> tuple[int, fl
 
 def sample_responses(model, tokenizer, prompts: list[str], gen, temperature: float = 1.0, max_tokens: int = 8):
     """Plain-PyTorch batched sampling (the warm start must not depend on vLLM)."""
+    out = sample_ids(model, [encode(tokenizer, p) for p in prompts], gen, temperature, max_tokens)
+    return [tokenizer.decode(o) for o in out]
+
+
+def sample_ids(model, encoded: list[list[int]], gen, temperature: float = 1.0, max_tokens: int = 8):
+    """:func:`sample_responses` from prompt ids to response ids (without the ``<eos>``)."""
     import torch
 
     model.eval()
-    encoded = [encode(tokenizer, p) for p in prompts]
     width = max(map(len, encoded))
     # Left-pad so every sequence's next token sits at the last position.
     input_ids = torch.tensor([[PAD_ID] * (width - len(e)) + e for e in encoded])
     attention = (input_ids != PAD_ID).long()
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    out = [[] for _ in prompts]
+    done = torch.zeros(len(encoded), dtype=torch.bool)
+    out = [[] for _ in encoded]
     with torch.no_grad():
         for _ in range(max_tokens):
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
@@ -236,7 +277,7 @@ def sample_responses(model, tokenizer, prompts: list[str], gen, temperature: flo
                 break
             input_ids = torch.cat([input_ids, nxt[:, None]], 1)
             attention = torch.cat([attention, torch.ones_like(nxt[:, None])], 1)
-    return [tokenizer.decode(o) for o in out]
+    return out
 
 
 def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temperature: float = 1.0) -> float:
@@ -245,6 +286,27 @@ def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temper
     max_tokens = max(8, max(len(task.target(i)) for i in range(n)) + 1)
     responses = sample_responses(model, tokenizer, [p for p, _ in problems], gen, temperature, max_tokens)
     return sum(task.reward(a, r) for (_, a), r in zip(problems, responses)) / n
+
+
+def evaluate_with_tool(model, tokenizer, task: ArithmeticTask, n: int, gen, temperature: float = 1.0):
+    """``(accuracy, call rate)`` of episodes of the ``calculator`` environment on the first
+    ``n`` problems: a first turn that calls it is answered (``%value=``) and the second turn
+    is the answer; otherwise the first turn is."""
+    from rollout_service.environments import calculate, call_in
+
+    problems = [task.problem(i) for i in range(n)]
+    max_tokens = max(8, max(len(p) for p, _ in problems))
+    prompts = [encode(tokenizer, p) for p, _ in problems]
+    first = sample_ids(model, prompts, gen, temperature, max_tokens)
+    answers = [tokenizer.decode(ids) for ids in first]
+    calls = [i for i, turn in enumerate(answers) if call_in(turn)[0] is not None]
+    if calls:
+        again = [prompts[i] + first[i] + [EOS_ID] + pieces(tokenizer, f"%{calculate(call_in(answers[i])[0])}=")
+                 for i in calls]
+        for i, ids in zip(calls, sample_ids(model, again, gen, temperature, max_tokens)):
+            answers[i] = tokenizer.decode(ids)
+    correct = sum(last_number(answers[i]) == a for i, (_, a) in enumerate(problems))
+    return correct / n, len(calls) / n
 
 
 def toy_spec(arch: str = "qwen2", **fields) -> ToyModelSpec:

@@ -15,7 +15,10 @@ by the caller.
 Built in: :class:`CalculatorEnv`, a task that needs a tool. The model may write
 ``<calc>47*38</calc>``; the environment evaluates the expression (arithmetic only, parsed,
 never ``eval``) and answers ``<result>1786</result>`` as a tool message; the first turn
-without a call is the answer, scored 1 when its last number equals the reference.
+without a call is the answer, scored 1 when its last number equals the reference. A turn
+that is a bare expression (``47*38``, nothing else) is a call too, answered with the bare
+value: the call syntax of a model that has no ``<`` to write, like the toy
+(configs/toy-calculator.yaml).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Environment(Protocol):
 
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+BARE_CALL = re.compile(r"[\d\s.()]*\d[\s)]*[-+*/][\s(]*\d[\d\s.()+\-*/]*")  # an operator between numbers, nothing else
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_EXPRESSION_CHARS = 200
@@ -94,15 +98,27 @@ class CalculatorEnv:
         return [{"role": "system", "content": self.INSTRUCTION}, {"role": "user", "content": prompt.text}]
 
     def step(self, turn: str) -> EnvStep:
-        call = CALL.search(turn)
-        if call is None:  # the answer
+        expression, reply = call_in(turn)
+        if expression is None:  # the answer
             reward = float(last_number(turn) is not None and last_number(turn) == last_number(self.answer))
             return EnvStep(None, reward, True, {"calls": self.calls})
         self.calls += 1
         if self.calls > self.max_calls:
             return EnvStep(None, 0.0, True, {"calls": self.calls, "over_calls": True})
-        return EnvStep({"role": "tool", "content": f"<result>{calculate(call.group(1))}</result>"}, 0.0, False,
+        return EnvStep({"role": "tool", "content": reply.format(calculate(expression))}, 0.0, False,
                        {"calls": self.calls})
+
+
+def call_in(turn: str) -> tuple[str | None, str]:
+    """The calculator call in a model turn, and the form of its reply: ``<calc>expr</calc>``
+    anywhere (answered ``<result>value</result>``), or a turn that is a bare expression
+    (answered with the value alone); ``(None, "")`` for a turn without a call."""
+    call = CALL.search(turn)
+    if call is not None:
+        return call.group(1), "<result>{}</result>"
+    if BARE_CALL.fullmatch(turn.strip()):
+        return turn.strip(), "{}"
+    return None, ""
 
 
 class RetryEnv:

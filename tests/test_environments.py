@@ -39,6 +39,19 @@ def test_a_calculator_episode_calls_the_tool_then_answers():
     assert CalculatorEnv("-20").step("so it is -20").reward == 1.0
 
 
+@pytest.mark.parametrize("turn, call", [("37*48", "37*48"), (" 37 * 48\n", "37 * 48"), ("(3+4)*5", "(3+4)*5"),
+                                        ("1776", None), ("-5", None), ("37*48=1776", None), ("12-", None),
+                                        ("the answer is 3*4", None), ("", None)])
+def test_a_bare_expression_is_a_call_answered_with_the_bare_value(turn, call):
+    """The toy's call syntax (it has no ``<`` to write): a turn that is an expression and
+    nothing else, answered with the value alone; any other turn is an answer."""
+    step = CalculatorEnv("1776").step(turn)
+    if call is None:
+        assert step.done and step.info == {"calls": 0}
+    else:
+        assert step == EnvStep({"role": "tool", "content": calculate(call)}, 0.0, False, {"calls": 1})
+
+
 def test_an_episode_over_its_calls_ends_unrewarded():
     env = CalculatorEnv("3", max_calls=2)
     assert not env.step("<calc>1+1</calc>").done and not env.step("<calc>1+2</calc>").done

@@ -319,6 +319,8 @@ def test_a_learner_step_on_episodes_measures_and_trains_model_tokens_only(mode, 
     assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and m["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert m["is_truncated_fraction"] == 0 and m["is_masked_fraction"] == 0 and m["is_masked_seq_fraction"] == 0
     assert m["tokens"] == sum(model_tokens) and m["tokens_masked"] == env_tokens
+    turns = [sum(1 for i, x in enumerate(s.mask) if x and (i == 0 or not s.mask[i - 1])) for r in records for s in r.samples]
+    assert m["model_turns_mean"] == pytest.approx(np.mean(turns)) and min(turns) > 1
     assert m["response_length_mean"] == pytest.approx(np.mean(model_tokens))
     # the same episodes without their masks (every token trained, mu 0 on the environment's):
     unmasked = [dataclasses.replace(r, samples=[dataclasses.replace(s, mask=None) for s in r.samples])
@@ -326,7 +328,7 @@ def test_a_learner_step_on_episodes_measures_and_trains_model_tokens_only(mode, 
     leaky = make_learner(redis_server, toy_model_path, tmp_path,
                          **{"learner.is_mode": mode, "learner.groups_per_step": 3, "rollout.precision": "fp32",
                             "sampling.n": 4}).ppo.train_step(unmasked)
-    assert leaky["mismatch_kl"] > 0.5 and leaky["tokens_masked"] == 0
+    assert leaky["mismatch_kl"] > 0.5 and leaky["tokens_masked"] == 0 and leaky["model_turns_mean"] == 1
 
 
 def _env_logprobs(model, rec) -> list[np.ndarray]:

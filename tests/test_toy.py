@@ -129,6 +129,30 @@ def test_worked_warm_start_examples_round_trip_through_the_tokenizer(tmp_path):
         assert tok.decode(response_ids, skip_special_tokens=True) == task.target(i)
 
 
+def test_a_tool_warm_start_example_is_the_episode_the_calculator_session_holds(tmp_path):
+    """The warm start's calling examples are, id for id, the episodes a session of the
+    ``calculator`` environment holds under configs/toy-chat.jinja (a prompt, the call, the
+    tool's reply, the answer), trained on the model's turns only; the tool share is part
+    of the toy's key, and the toys without it keep theirs."""
+    from rlpipe.toy import UNK_ID, tool_example, toy_spec
+    from tests.conftest import ROOT
+
+    tok = build_tokenizer(tmp_path)
+    template = (ROOT / "configs" / "toy-chat.jinja").read_text()
+    task = ArithmeticTask(ops="*")
+    for i in range(50):
+        prompt, answer = task.problem(i)
+        ids, labels = tool_example(tok, task, i)
+        messages = [{"role": "system", "content": "dropped"}, {"role": "user", "content": prompt},
+                    {"role": "assistant", "content": prompt[:-1]}, {"role": "tool", "content": answer},
+                    {"role": "assistant", "content": answer}]
+        rendered = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=False)
+        assert ids == list(rendered) and UNK_ID not in ids
+        trained = tok.decode([t for t, y in zip(ids, labels) if y != -100])
+        assert trained == f"{prompt[:-1]}<eos>{answer}<eos>"
+    assert toy_spec(tool_calls=0.25).key() != toy_spec().key() == toy_spec(tool_calls=0.0).key()
+
+
 def test_worked_style_is_its_own_toy_and_the_answer_toy_keeps_its_key():
     from rlpipe.config import build_config
     from rlpipe.toy import toy_spec
