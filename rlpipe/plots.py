@@ -34,6 +34,9 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "", evals: list[dic
         have = [r for r in rows if "quant_kl_vs_bf16" in r]
         ax_k.plot([r["step"] for r in have], [r["quant_kl_vs_bf16"] for r in have], linestyle=":",
                   label="int8 vs bf16 KL (probe set)")
+    if any(r.get("model_turns_mean", 1) > 1 for r in rows):  # multi-turn episodes (calculator: 1 + its calls)
+        ax_r.plot(steps, [r.get("model_turns_mean", 1) - 1 for r in rows], linestyle="--",
+                  label="model turns per episode - 1 (calculator: calls)")
     if evals:
         at = [e["version"] for e in evals]  # one version per step: the step that made it
         ax_r.errorbar(at, [e["pass_at_1"] for e in evals],
