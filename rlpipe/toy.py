@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rlpipe.arith import ArithmeticTask, last_number
+from rlpipe.arith import ArithmeticTask
 from rlpipe.paths import TOY_ARCHS, cache_root
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -182,13 +182,18 @@ def pieces(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def tool_reply(tokenizer, content: str) -> list[int]:
+    """The ids of a tool message as configs/toy-chat.jinja renders it: ``%content=``."""
+    return pieces(tokenizer, f"%{content}=")
+
+
 def tool_example(tokenizer, task: ArithmeticTask, index: int) -> tuple[list[int], list[int]]:
     """``(ids, labels)`` of one warm-start episode that calls the calculator: the prompt,
     the model's call (the problem without its ``=``) and ``<eos>``, the tool's reply as the
     toy's chat template renders it (``%value=``, context: label -100), then the value and
     ``<eos>``. Exactly the ids a session of the ``calculator`` environment holds."""
     prompt, answer = task.problem(index)
-    call, reply, final = pieces(tokenizer, prompt[:-1]) + [EOS_ID], pieces(tokenizer, f"%{answer}="), \
+    call, reply, final = pieces(tokenizer, prompt[:-1]) + [EOS_ID], tool_reply(tokenizer, answer), \
         pieces(tokenizer, answer) + [EOS_ID]
     context = encode(tokenizer, prompt)
     return context + call + reply + final, [-100] * len(context) + call + [-100] * len(reply) + final
@@ -290,23 +295,23 @@ def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temper
 
 def evaluate_with_tool(model, tokenizer, task: ArithmeticTask, n: int, gen, temperature: float = 1.0):
     """``(accuracy, call rate)`` of episodes of the ``calculator`` environment on the first
-    ``n`` problems: a first turn that calls it is answered (``%value=``) and the second turn
-    is the answer; otherwise the first turn is."""
-    from rollout_service.environments import calculate, call_in
+    ``n`` problems, judged by the environment itself: a first turn that calls it gets its
+    reply (:func:`tool_reply`) and a second turn; otherwise the first turn is the answer."""
+    from rollout_service.environments import CalculatorEnv
 
     problems = [task.problem(i) for i in range(n)]
     max_tokens = max(8, max(len(p) for p, _ in problems))
     prompts = [encode(tokenizer, p) for p, _ in problems]
+    envs = [CalculatorEnv(answer) for _, answer in problems]
     first = sample_ids(model, prompts, gen, temperature, max_tokens)
-    answers = [tokenizer.decode(ids) for ids in first]
-    calls = [i for i, turn in enumerate(answers) if call_in(turn)[0] is not None]
+    steps = [env.step(tokenizer.decode(ids)) for env, ids in zip(envs, first)]
+    calls = [i for i, step in enumerate(steps) if not step.done]
     if calls:
-        again = [prompts[i] + first[i] + [EOS_ID] + pieces(tokenizer, f"%{calculate(call_in(answers[i])[0])}=")
+        again = [prompts[i] + first[i] + [EOS_ID] + tool_reply(tokenizer, steps[i].observation["content"])
                  for i in calls]
         for i, ids in zip(calls, sample_ids(model, again, gen, temperature, max_tokens)):
-            answers[i] = tokenizer.decode(ids)
-    correct = sum(last_number(answers[i]) == a for i, (_, a) in enumerate(problems))
-    return correct / n, len(calls) / n
+            steps[i] = envs[i].step(tokenizer.decode(ids))
+    return sum(step.reward for step in steps) / n, len(calls) / n
 
 
 def toy_spec(arch: str = "qwen2", **fields) -> ToyModelSpec:
