@@ -679,6 +679,13 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append(why)
     if cfg.task.environment:
         problems += environment_problems(cfg)
+    if cfg.model.toy_tool_calls and cfg.task.environment != "calculator":
+        problems.append("model.toy_tool_calls: the toy would be taught to call a calculator that only "
+                        "task.environment: calculator answers")
+    path = cfg.model.path
+    if cfg.model.toy_tool_calls and path and not path.startswith(TOY_PREFIX) and \
+            not (Path(path) / "rlpipe_toy.json").is_file():  # a toy the launcher built is its directory
+        problems.append(f"model.toy_tool_calls: only a toy model is warm-started, and model.path is {path}")
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
     if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:

@@ -125,6 +125,22 @@ def test_environment_problems_are_refused_at_launch_naming_the_key(toy_model_pat
     assert f"task.environment: episodes are chat sessions, and {toy_model_path}'s tokenizer has no chat" in str(e.value)
 
 
+def test_a_toy_taught_to_call_the_calculator_is_refused_without_it_or_without_a_toy(toy_model_path):
+    from rlpipe.config import build_config, validate_run
+    from rlpipe.paths import SMOLLM2
+
+    calculator = {"task.environment": "calculator", "model.toy_tool_calls": 0.25,
+                  "rollout.chat_template": "configs/toy-chat.jinja"}
+    validate_run(build_config({}, environ={}, **calculator))
+    validate_run(build_config({}, environ={}, **{**calculator, "model.path": toy_model_path}))  # the toy, built
+    for key, value, why in [("task.environment", "retry", "only task.environment: calculator answers"),
+                            ("task.environment", "", "only task.environment: calculator answers"),
+                            ("model.path", SMOLLM2, f"only a toy model is warm-started, and model.path is "
+                                                     f"{SMOLLM2}")]:
+        with pytest.raises(ConfigError, match=f"model.toy_tool_calls: .*{why}"):
+            validate_run(build_config({}, environ={}, **{**calculator, key: value}))
+
+
 @pytest.mark.slow
 def test_the_rollout_loop_drives_episodes_through_sessions_and_pushes_masked_samples(redis_server, toy_model_path,
                                                                                       tmp_path):
