@@ -68,11 +68,15 @@ def test_a_dead_or_paused_worker_loses_no_prompt_and_none_is_trained_twice(tmp_p
     re-issued, and when it resumes, its late pushes of them are refused (a zombie). Later
     it is SIGKILLed with groups in flight and restarted under the same id. The groups are
     multi-turn episodes (configs/toy-retry.yaml's environment, driven through sessions):
-    an episode in flight is a group in flight like any other."""
+    an episode in flight is a group in flight like any other. (The environment's step limit
+    is raised: the pause counts against a step's wall clock, so a step in flight at SIGSTOP
+    would time out at SIGCONT and its group be given back, a no-op since its lease was
+    re-issued, instead of pushed late.)"""
     from tests.conftest import ROOT
 
     cluster = Cluster(tmp_path, toy_model_path, workers=2, password="s3cret-url", password_in_url=True,
                       **{**SETTINGS, "steps": 18, "sync.timeout_s": 10.0, "task.environment": "retry",
+                         "task.environment_timeout_s": 600.0,
                          "rollout.chat_template": str(ROOT / "configs" / "toy-chat.jinja")})
     try:
         for w in ("w0", "w1"):
