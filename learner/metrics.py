@@ -61,7 +61,8 @@ _TRAIN = {
                         "plus the tool calls)",
     "learner_step": "optimizer steps trained",
     "learner_version": "policy version of the learner's weights",
-    "learner_step_seconds": "wall time of the last step: waiting for groups, training and weight sync",
+    "learner_step_seconds": "wall time of the last step once its groups were in: training, weight sync and "
+                            "checkpointing (learner_wait_seconds is the wait before)",
     "learner_wait_seconds": "time the last step waited for groups",
     "learner_train_seconds": "time the last step spent training",
     "learner_tokens_per_second": "response tokens trained per second of training time in the last step",
@@ -104,6 +105,12 @@ _ROLLOUT = {
     "queue_pending": "stream entries read by the learner and not yet acknowledged (until a checkpoint)",
     "produced_total": "groups pushed to the trajectory stream in the run",
     "rollout_workers": "rollout workers alive in the registry",
+    "fleet_desired_workers": "rollout workers the autoscaling rule asks for (rlpipe/autoscale.py): what "
+                             "`rlpipe up --autoscale` and the HorizontalPodAutoscaler scale to",
+    "fleet_wait_fraction": "autoscaling input: fraction of the learner's time spent waiting for groups, over "
+                           "the rule's window",
+    "fleet_idle_fraction": "autoscaling input: fraction of the workers' time with no group in flight, over the "
+                           "rule's window",
 }
 _SYNC = {
     "weight_sync_pack_seconds": "time packing the last step's weights for the broadcast",

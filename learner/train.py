@@ -45,8 +45,10 @@ from learner.schedule import LRSchedule, apply_lr
 from learner.step import PPOStep
 from rlpipe import registry
 from rlpipe.admission import RunCheck
+from rlpipe.autoscale import FleetSizer
 from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig, sharded_quant_problem, without_secrets
+from rlpipe.faults import STEP_DELAY_ENV, injected_delay
 from rlpipe.proc import process_age_s
 from rlpipe.queue import Entry, IndexSet, TrajectoryQueue, connect
 
@@ -110,6 +112,8 @@ class Learner:
                           "probe": partial(self.ranks.probe, self.model),
                           "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards}
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
+        self.fleet_sizer = FleetSizer(cfg.autoscale)
+        self.fleet_advice: dict = {}  # the rule's last output, published for `rlpipe up --autoscale`
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None, lc.trackers, cfg.run_id,
@@ -167,6 +171,7 @@ class Learner:
             self._crash_on_poison(records)
             t0 = time.perf_counter()
             step_metrics = self.ppo.train_step(records)
+            time.sleep(injected_delay(STEP_DELAY_ENV))
             train_s = time.perf_counter() - t0
             self.run_counters.step += 1
             self.run_counters.version += 1
@@ -389,6 +394,8 @@ class Learner:
             "lr_schedule": self.schedule.state(),
             "time": now - self.started_at,
         })
+        self.fleet_advice = self.fleet_sizer.observe(m)
+        m.update(self.fleet_advice)
         self.last_metrics = m
         self.checkpoints.blocking_s = 0.0
         self.metrics.record(m)
@@ -404,4 +411,5 @@ class Learner:
         # ``consumed``: the groups this lineage trained, what the workers' back-pressure counts
         # against (rlpipe.queue.TrajectoryQueue.lease_prompts); a restarted learner publishes its checkpoint's.
         registry.set_learner_state(self.r, self.keys, self.queue.fence, status=self.status, step=self.step,
-                                   version=self.version, consumed=self.run_counters.trained_groups)
+                                   version=self.version, consumed=self.run_counters.trained_groups,
+                                   **self.fleet_advice)

@@ -80,6 +80,8 @@ def _up_args(p):
     p.add_argument("--workers", type=int)
     p.add_argument("--steps", type=int)
     p.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
+    p.add_argument("--autoscale", metavar="MIN:MAX", help="size the rollout fleet to the learner's "
+                   "fleet_desired_workers within MIN..MAX workers (rlpipe/autoscale.py); starts MIN unless --workers")
     p.add_argument("--run-id")
     p.add_argument("--runs-dir", default="runs")
 
@@ -109,6 +111,12 @@ def _overrides(args) -> dict:
     if "," in (getattr(args, "precision", None) or ""):
         fleet = [p.strip() for p in args.precision.split(",")]
         out["rollout.fleet"], args.precision = fleet, fleet[0]
+    if getattr(args, "autoscale", None):
+        lo, sep, hi = args.autoscale.partition(":")
+        if not (sep and lo.strip().isdigit() and hi.strip().isdigit()):
+            raise ConfigError(f"--autoscale {args.autoscale!r}: expected MIN:MAX, two worker counts (e.g. 1:4)")
+        out.update({"autoscale.enabled": True, "autoscale.min_workers": int(lo), "autoscale.max_workers": int(hi),
+                    "workers": args.workers if args.workers is not None else int(lo)})
     for flag, key in (("steps", "steps"), ("seed", "seed"), ("workers", "workers"), ("precision", "rollout.precision"),
                       ("is_mode", "learner.is_mode"), ("run_id", "run_id"), ("port", "rollout.port"),
                       ("learner_ranks", "learner.ranks")):

@@ -406,6 +406,32 @@ class QuantConfig(Section):
     recalibrate_cooldown_steps: int = Field(10, ge=1, description="fewest steps between two recalibrations")
 
 
+class AutoscaleConfig(Section):
+    """The fleet's size from the learner's measurements (rlpipe/autoscale.py). The learner always
+    exports its advice, ``rlpipe_fleet_desired_workers``; ``rlpipe up`` acts on it when ``enabled``
+    (``rlpipe up --autoscale MIN:MAX``), the HorizontalPodAutoscaler of deploy/k8s on a cluster."""
+
+    enabled: bool = Field(False, description="rlpipe up scales the workers to the learner's desired count")
+    min_workers: int = Field(1, ge=1)
+    max_workers: int = Field(8, ge=1)
+    scale_up_wait_fraction: float = Field(0.25, gt=0, lt=1, description="grow while the learner waits for "
+                                          "groups more than this fraction of its time")
+    scale_down_idle_fraction: float = Field(0.3, gt=0, lt=1, description="shrink, one worker at a time, while "
+                                            "one worker fewer would still have nothing in flight more than this "
+                                            "fraction of its time")
+    window_s: float = Field(60.0, gt=0, description="seconds of steps, measured at one fleet size, a decision "
+                            "reads")
+    cooldown_s: float = Field(60.0, ge=0, description="fewest seconds between two changes")
+    converge_timeout_s: float = Field(600.0, gt=0, description="longest the rule waits for the fleet to reach "
+                                      "the size it asked for (engine starts) before it judges the fleet it got")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"autoscale.min_workers: {self.min_workers} is above max_workers {self.max_workers}")
+        return self
+
+
 class EvalConfig(Section):
     """Held-out evaluation during training (rollout_service/evals.py, learner/evals.py): a rollout worker
     evaluates the policy between its groups on the first ``size`` rows of ``dataset`` at step 0, every
@@ -457,6 +483,20 @@ class RunConfig(Section):
     sync: SyncConfig = SyncConfig()
     quant: QuantConfig = QuantConfig()
     eval: EvalConfig = EvalConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+
+    @model_validator(mode="after")
+    def _starts_within_bounds(self) -> RunConfig:
+        a = self.autoscale
+        if a.enabled and not a.min_workers <= self.workers <= a.max_workers:
+            raise ValueError(f"workers: {self.workers} is outside autoscale.min_workers..max_workers "
+                             f"({a.min_workers}..{a.max_workers}), the bounds the run starts within")
+        return self
+
+    @property
+    def worker_slots(self) -> int:
+        """The most workers the run may have at once: what CPU and GPU slices are planned for."""
+        return max(self.workers, self.autoscale.max_workers) if self.autoscale.enabled else self.workers
 
 
 class ConfigError(ValueError):

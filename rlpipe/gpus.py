@@ -93,14 +93,14 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
     if not rollout:
         rollout = [i for i in range(n_devices) if i not in learner]
     slices = [tuple(rollout[k:k + per]) for k in range(0, len(rollout) - per + 1, per)]
-    if len(slices) < cfg.workers:
+    if len(slices) < cfg.worker_slots:
         hint = ("set rollout.gpus and learner.gpus (they may overlap) or run fewer workers" if auto else
                 "name more GPUs or run fewer workers")
         raise ConfigError(f"rollout.gpus: {len(rollout)} GPUs ({rollout}) give {len(slices)} slice(s) of {per} "
-                          f"for {cfg.workers} workers; {hint}")
+                          f"for {cfg.worker_slots} workers; {hint}")
     names = tuple(v.strip() for v in visible.split(",")) if visible.strip() else ()
     return GpuPlan(tuple(learner), tuple(slices), names[:n_devices] if len(names) >= n_devices else (),
-                   plan_transport(cfg.sync.transport, n_devices, learner[0], slices[:cfg.workers]))
+                   plan_transport(cfg.sync.transport, n_devices, learner[0], slices[:cfg.worker_slots]))
 
 
 def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list[tuple[int, ...]]) -> str:

@@ -112,6 +112,8 @@ class Supervisor:
     # -- reconciling ------------------------------------------------------------------
     def tick(self, r) -> None:
         desired = read_desired(self.run_dir)
+        if self.cfg.autoscale.enabled:
+            self._autoscale(r, desired)
         self._want("learner", desired.get("learner", 1) > 0)
         n = int(desired.get("rollout", self.cfg.workers))
         if n != self.replicas:
@@ -140,6 +142,21 @@ class Supervisor:
         self._write_state()
         write_targets(self.run_dir, r, self.cfg, [n for n, role in self.roles.items() if role.wanted])
         self._progress(r)
+
+    def _autoscale(self, r, desired: dict) -> None:
+        """Set the workers to the learner's ``fleet_desired_workers`` (rlpipe/autoscale.py),
+        within this run's bounds, as a ``scale rollout`` would: it owns the count while enabled."""
+        state = registry.learner_state(r, _keys(self.cfg))
+        want = int(float(state.get("fleet_desired_workers") or 0))
+        if not want:
+            return  # no advice yet (no step trained)
+        a = self.cfg.autoscale
+        want = min(a.max_workers, max(a.min_workers, want))
+        if want != int(desired.get("rollout", self.cfg.workers)):
+            self.log(f"autoscale: {want} workers: the learner waited {_share(state, 'fleet_wait_fraction')} of its "
+                     f"time for groups, the workers idled {_share(state, 'fleet_idle_fraction')} of theirs")
+            desired["rollout"] = want
+            write_desired(self.run_dir, desired)
 
     def _roll(self) -> None:
         """``restart rollout``, one worker at a time: the next once this one is ready again
@@ -180,7 +197,7 @@ class Supervisor:
         i = int(name[1:])
         return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", worker_precision(self.cfg, i),
                            "--address-file", str(self.run_dir / "addresses" / name)],
-                    {**worker_env(i, max(i + 1, self.cfg.workers), parse_cpus(self.cfg.rollout.cpus) or None),
+                    {**worker_env(i, max(i + 1, self.cfg.worker_slots), parse_cpus(self.cfg.rollout.cpus) or None),
                      **self.gpus.worker_env(i)})
 
     def _grace(self, role: Role) -> float:
@@ -321,6 +338,10 @@ class Supervisor:
                 kill_group(role.proc, signal.SIGKILL)
                 role.proc.wait()
                 role.last_exit, role.proc, role.stopping_since = role.proc.returncode, None, None
+
+
+def _share(state: dict, key: str) -> str:
+    return f"{float(state[key]):.0%}" if state.get(key) else "?"
 
 
 def _answers_ready(address: str) -> bool:

@@ -28,6 +28,7 @@ import redis
 
 from rlpipe import checkpoints, registry
 from rlpipe.config import RunConfig
+from rlpipe.faults import GROUP_DELAY_ENV, injected_delay
 from rlpipe.queue import RedisUnavailable, RestartWatch, TrajectoryQueue
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
@@ -222,6 +223,7 @@ class RolloutLoop:
         index = group.index
         try:
             record = await self._generate_group(group)
+            await asyncio.sleep(injected_delay(GROUP_DELAY_ENV))
         except asyncio.CancelledError:
             raise  # stop() gives the prompt back
         except Exception as e:
