@@ -224,7 +224,8 @@ FINDINGS: dict[str, Finding] = {
                "bf16 one on its probe set (nan for the bf16 arm, which quantizes nothing).",
                "Earlier results of this comparison (bench/int8_tis.py, now this finding): docs/int8_tis_w8/ "
                "(full-range int8 weights, which saturate on this AVX2 CPU) and docs/int8_tis_w7/ (7-bit weights)."],
-        quick_arms=["int8+tis"]),
+        # every version's checkpoint: bench/delta_sync.py --quick measures its syncs instead of training a run
+        quick_arms=["int8+tis"], quick={"learner.checkpoint_every": 1, "learner.checkpoint_keep": 10}),
     "surge": Finding(
         title="Seed 001 on the toy task: constant LR vs the length-surge decay, at a higher LR",
         arms={"constant": {"learner.schedule.kind": "constant"},
