@@ -287,7 +287,7 @@ def _run_plot(args, cfg) -> int:
     from pathlib import Path
 
     from learner.metrics import read_jsonl
-    from rlpipe.plots import plot_run
+    from rlpipe.plots import fleet_changed, plot_fleet, plot_run
 
     rows = read_jsonl(Path(args.run_dir) / "metrics.jsonl")
     if not rows:
@@ -295,6 +295,8 @@ def _run_plot(args, cfg) -> int:
         return 2
     print(plot_run(rows, Path(args.run_dir) / "metrics.png",
                    evals=read_jsonl(Path(args.run_dir) / "metrics.jsonl", kind="eval")))
+    if fleet_changed(rows):  # scaled, by hand or by the autoscaler
+        print(plot_fleet(rows, Path(args.run_dir) / "fleet.png"))
     return 0
 
 

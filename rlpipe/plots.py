@@ -75,3 +75,44 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "", evals: list[dic
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def fleet_changed(rows: list[dict]) -> bool:
+    """Whether the run's fleet changed size or was asked to (autoscaling, `rlpipe scale`)."""
+    return len({(r.get("rollout_workers"), r.get("fleet_desired_workers")) for r in rows}) > 1
+
+
+def plot_fleet(rows: list[dict], out: str | Path, title: str = "") -> Path:
+    """The fleet over time: workers registered and desired (rlpipe/autoscale.py), and the two
+    signals the rule reads, the learner's wait fraction and the workers' idle fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    t = [r["time"] for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.step(t, [r.get("rollout_workers", 0) for r in rows], where="post", label="workers registered")
+    ax.step(t, [r.get("fleet_desired_workers", 0) for r in rows], where="post", linestyle="--",
+            label="workers desired")
+    ax.set_xlabel("seconds since the learner started")
+    ax.set_ylabel("workers")
+    ax.set_ylim(0, max(r.get("fleet_desired_workers", 0) for r in rows) + 1)
+    ax.grid(alpha=0.3)
+    ax_f = ax.twinx()
+    have = [r for r in rows if "fleet_wait_fraction" in r]
+    ax_f.plot([r["time"] for r in have], [r["fleet_wait_fraction"] for r in have], ".", color="tab:red",
+              markersize=3, label="learner waiting (right)")
+    ax_f.plot([r["time"] for r in have], [r["fleet_idle_fraction"] for r in have], ".", color="tab:green",
+              markersize=3, label="workers idle (right)")
+    ax_f.set_ylim(0, 1)
+    ax_f.set_ylabel("fraction of time, over the rule's window")
+    lines = ax.get_legend_handles_labels(), ax_f.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8, loc="upper left")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -700,3 +700,31 @@ def test_multinode_learner_probes(tmp_path):
     with socket.create_server(("127.0.0.1", store_port)):  # node 0's torchrun store
         assert probe(1), "node 1 while node 0's store answers"
         assert not probe(0), "node 0 without its HTTP server"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_an_autoscaled_fleet_follows_the_learners_metric_within_the_run_configs_bounds(target, tmp_path):
+    """The HorizontalPodAutoscaler (components/autoscale) scales the rollout Deployment to the
+    metric the learner exports, through the prometheus-adapter rule shipped beside it, within
+    the bounds the learner's rule uses (run.yaml autoscale): one number for every scaler."""
+    from learner.metrics import METRICS
+
+    docs = render(target)
+    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    if not hpas:
+        pytest.skip(f"{target} does not autoscale")
+    (hpa,) = hpas
+    cfg = run_config(docs, tmp_path)
+    spec = hpa["spec"]
+    ref = spec["scaleTargetRef"]
+    assert (ref["kind"], ref["name"]) == ROLES["rollout"]
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (cfg.autoscale.min_workers, cfg.autoscale.max_workers)
+    assert cfg.autoscale.min_workers <= workload(docs, "rollout")["spec"]["replicas"] <= cfg.autoscale.max_workers
+    (metric,) = spec["metrics"]
+    name = metric["external"]["metric"]["name"]
+    assert name.startswith("rlpipe_") and name[len("rlpipe_"):] in METRICS  # the learner exports it
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}  # replicas = desired
+    adapter = yaml.safe_load((K8S / "components" / "autoscale" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = adapter["rules"]["external"]
+    assert rule["name"]["as"] == name and name in rule["seriesQuery"] and "<<.Series>>" in rule["metricsQuery"]
+    assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
