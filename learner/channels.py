@@ -53,7 +53,9 @@ class SyncChannel:
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
                                    channel=precision if mixed else "", fence=fence, device=device,
-                                   gather=(lambda names: self.stream(names)) if sharded else None)
+                                   gather=(lambda names: self.stream(names)) if sharded else None,
+                                   # deltas pay for quantized wires only (weight_sync/delta.py)
+                                   full_every=cfg.sync.delta_full_every if self.wire.cast_to is None else 0)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:
@@ -119,7 +121,8 @@ class FleetSync:
         see weight_sync.sender). Returns the step's sync metrics."""
         workers = registry.live_workers(self.r, self.keys)
         out = {"weight_sync_seconds": 0.0, "weight_sync_pack_seconds": 0.0, "weight_sync_transfer_seconds": 0.0,
-               "weight_sync_form_seconds": 0.0, "weight_sync_members": 0}
+               "weight_sync_form_seconds": 0.0, "weight_sync_members": 0, "weight_sync_bytes": 0,
+               "weight_sync_full_bytes": 0, "weight_sync_deltas": 0}
         by_precision = {}
         for precision, ch in self.channels.items():
             try:
@@ -142,6 +145,9 @@ class FleetSync:
             out["weight_sync_transfer_seconds"] += stats.transfer_s
             out["weight_sync_form_seconds"] += stats.form_s
             out["weight_sync_members"] += stats.members
+            out["weight_sync_bytes"] += stats.bytes
+            out["weight_sync_full_bytes"] += stats.full_bytes
+            out["weight_sync_deltas"] += int(stats.delta)
             by_precision[precision] = {"members": stats.members, "seconds": seconds, "bytes": stats.bytes,
                                        "generation": stats.generation}
         out["weight_sync_generation"] = max(ch.sender.state.generation for ch in self.channels.values())

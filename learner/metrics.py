@@ -117,6 +117,12 @@ _SYNC = {
     "weight_sync_transfer_seconds": "time broadcasting the last step's weights",
     "weight_sync_form_seconds": "time forming sync generations in the last step",
     "weight_sync_members": "workers that received the last step's weights, all precisions",
+    "weight_sync_bytes": "bytes per worker the last step's sync put on the wire, all precisions (a delta's "
+                         "changes, or the whole version)",
+    "weight_sync_full_bytes": "bytes per worker of the last step's version whole, all precisions (what a sync "
+                              "without deltas sends)",
+    "weight_sync_deltas": "precisions whose last version went as a delta against the one before "
+                          "(sync.delta_full_every)",
     "weight_sync_failed": "precisions whose weight sync failed in the last step",
     "weight_sync_generation": "sync generation the learner last formed",
     "weight_sync_left_out_total": "workers left out of a sync generation since this learner started",

@@ -364,6 +364,10 @@ class SyncConfig(Section):
     timeout_s: float = Field(60.0, gt=0, description="longest a sync waits on workers: check-in, and every collective")
     bucket_mib: float = Field(256, gt=0, description="size of the packed broadcast buffers")
     join_timeout_s: float = Field(120.0, gt=0, description="how long the first generation waits for the whole fleet")
+    delta_full_every: int = Field(10, ge=0, description="int8 and learner-side fp8 over gloo: after a generation's "
+                                  "first version, versions travel as what changed against the one before "
+                                  "(weight_sync/delta.py) and every Nth whole; 0 = always whole. bf16 never: nearly "
+                                  "every value moves each update")
     transport: Literal["auto", "gloo", "nccl", "ipc"] = Field(
         "auto", description="how versions travel: gloo (staged in host memory, any device), nccl (GPU to GPU, "
         "weight_sync/nccl.py), ipc (CUDA IPC to engines on the learner's first GPU, weight_sync/ipc.py); "

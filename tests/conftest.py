@@ -97,15 +97,18 @@ class WorkerHarness:
         # What the learner would send workers of this precision (cast, or quantized with the profile).
         self.wire = rollout_weights(cfg.rollout.precision, cfg.quant, cfg.model.path)
         self.sent: dict[str, torch.Tensor] = {}  # the tensors of the last sync
+        # as learner/channels.py makes it: quantized wires send deltas after a generation's first version
         self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, bucket_bytes=1 << 20,
-                                   wire_dtype=self.wire.cast_to)
+                                   wire_dtype=self.wire.cast_to,
+                                   full_every=cfg.sync.delta_full_every if self.wire.cast_to is None else 0)
+        self.stats = None  # the last sync's SyncStats
 
     def sync(self, model) -> int:
         """Broadcast ``model``'s weights as the next version and let the worker produce for it."""
         self.version += 1
         self.sent, _ = self.wire.prepare(model, self.version)
-        stats = self.sender.sync(self.version, self.sent.items, worker_incarnations(self.r, self.keys),
-                                 self.wire.quant_profile, self.wire.compat)
+        stats = self.stats = self.sender.sync(self.version, self.sent.items, worker_incarnations(self.r, self.keys),
+                                              self.wire.quant_profile, self.wire.compat)
         assert stats.members == 1
         # the harness consumes one step's groups per version, as a learner would
         set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running",

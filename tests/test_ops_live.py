@@ -7,9 +7,10 @@ deploy/k8s loaded, and the local operations act on it.
 - two planted faults, a killed worker and a stopped learner, show their alerts going
   pending and then firing (the rules' ``for`` is shortened to 2 s here, their expressions
   are the shipped ones);
-- ``rlpipe restart learner`` and ``rlpipe scale rollout`` 2 -> 3 -> 1 during the run: no
-  group is lost or trained twice, the versions converge, and the pipeline is back at its
-  steady state (staleness within ``max_lag``, no drops) after the last change.
+- ``rlpipe restart learner`` and ``rlpipe scale rollout`` 2 -> 1 during the run: no group is
+  lost or trained twice, the versions converge, and the pipeline is back at its steady
+  state (staleness within ``max_lag``, no drops) after the last change. (A worker added to
+  a live ``up`` joining the sync and the books is tests/test_autoscale_live.py's.)
 
 One run serves every test of this module, in order.
 """
@@ -233,7 +234,7 @@ def test_a_stopped_learner_fires_the_stalled_alert(live):
     wait_for(lambda: live.learner_step() >= step + 2, 300, interval=1, what="the learner training again")
 
 
-def test_restart_learner_and_scale_workers_2_3_1_lose_nothing_and_converge(live):
+def test_restart_learner_and_scale_workers_2_1_lose_nothing_and_converge(live):
     live.wait_healthy()
     r, keys, max_lag = live.r, live.keys, live.cfg.queue.max_lag
 
@@ -242,16 +243,13 @@ def test_restart_learner_and_scale_workers_2_3_1_lose_nothing_and_converge(live)
         version = registry.learner_version(r, keys)
         return all(int(workers.get(w, {}).get("version", -1)) >= version - 1 for w in worker_ids)
 
-    live.cli("scale", "rollout", "3")
-    wait_for(lambda: converged(["w0", "w1", "w2"]), 300, interval=1, what="w2 joined and in step")
     restarts = live.roles()["learner"]["restarts"]
     step = live.learner_step()
     live.cli("restart", "learner")
     wait_for(lambda: live.roles()["learner"]["restarts"] == restarts + 1 and live.learner_step() >= step + 3, 300,
              interval=1, what="the learner restarted and training")
     live.cli("scale", "rollout", "1")
-    wait_for(lambda: live.roles()["w1"]["state"] == "stopped" and live.roles()["w2"]["state"] == "stopped", 120,
-             interval=1, what="w1 and w2 stopped")
+    wait_for(lambda: live.roles()["w1"]["state"] == "stopped", 120, interval=1, what="w1 stopped")
     step = live.learner_step()
     wait_for(lambda: live.learner_step() >= step + 8, 300, interval=1, what="8 steps with one worker")
     wait_for(lambda: converged(["w0"]), 60, interval=0.5, what="w0 on the learner's version")
@@ -260,7 +258,7 @@ def test_restart_learner_and_scale_workers_2_3_1_lose_nothing_and_converge(live)
     # Stop the whole run as an operator would (SIGTERM to `up`: workers drain, the learner checkpoints).
     os.killpg(live.up.pid, signal.SIGTERM)
     assert live.up.wait(180) in (0, 130), live.log()[-3000:]
-    books = audit(r, live.cfg, ["w0", "w1", "w2"])
+    books = audit(r, live.cfg, ["w0", "w1"])
     assert books["lost"] == 0 and books["trained_twice"] == 0, books
     # Back at the steady state: the last steps with one worker train nothing beyond max_lag, drop nothing.
     rows = segments(read_jsonl(live.run_dir / "metrics.jsonl"))[-1]

@@ -25,7 +25,7 @@ from rlpipe.config import build_config
 from rlpipe.demo import resolve_quant_profile
 from rlpipe.queue import connect
 from rlpipe.registry import live_workers, worker_incarnations
-from tests.conftest import WorkerHarness, start_worker, stop_worker, wait_for
+from tests.conftest import WorkerHarness, launch_worker, start_worker, stop_worker, wait_for
 from tests.test_worker import perturbed
 from weight_sync.transport import IncompatibleWorker
 
@@ -109,6 +109,56 @@ def test_synced_engine_equals_a_fresh_engine_on_the_same_quantized_tensors(quant
             assert f["tokens"] == s["tokens"]
             diffs += [abs(a - b) for a, b in zip(f["logprobs"], s["logprobs"])]
     assert len(diffs) >= 12 and max(diffs) == 0.0, max(diffs)
+
+
+def assert_equals_a_fresh_engine(h, toy_model_path, tmp_path) -> None:
+    kind = "int8" if h.kind.startswith("int8") else "fp8"
+    checkpoint = write_checkpoint(h.sent, toy_model_path, tmp_path / f"fresh-{h.version}",
+                                  quant_config(kind, h.cfg.quant.activations == "static" and kind == "int8"))
+    fresh = fresh_engine_samples(checkpoint, REQUESTS, tmp_path)
+    synced = worker_samples(h, REQUESTS)
+    diffs = []
+    for fr, sy in zip(fresh, synced):
+        for f, s in zip(fr, sy):
+            assert f["tokens"] == s["tokens"]
+            diffs += [abs(a - b) for a, b in zip(f["logprobs"], s["logprobs"])]
+    assert len(diffs) >= 12 and max(diffs) == 0.0, max(diffs)
+
+
+@pytest.mark.parametrize("quant_worker", ["int8-dynamic"], indirect=True)
+def test_int8_deltas_keep_the_engine_equal_to_a_fresh_one_through_recalibration_and_a_restart(
+        quant_worker, toy_model_path, tmp_path):
+    """20 versions as deltas (weight_sync/delta.py) over small updates, then a recalibrated
+    profile (a new generation: whole), more deltas, the worker restarted (it rejoins: whole),
+    and more deltas: the engine equals a fresh one loaded from the full tensors, exactly,
+    after the 20 and at the end."""
+    h = quant_worker
+    model = perturbed(toy_model_path, seed=31, scale=0.02)
+    gen = torch.Generator().manual_seed(32)
+
+    def step():  # an update of about the demo's learning rate
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(3e-4 * torch.randn(p.shape, generator=gen))
+        h.sync(model)
+        return "delta" if h.stats.delta else "full"
+
+    kinds = [step() for _ in range(20)]
+    assert kinds == (["full"] + ["delta"] * 9) * 2, kinds  # whole every sync.delta_full_every (10)
+    assert h.stats.delta and h.stats.bytes < 0.5 * h.stats.full_bytes, h.stats
+    assert_equals_a_fresh_engine(h, toy_model_path, tmp_path)
+    h.wire.recalibrate(model, dict(model.named_parameters()), step=h.version + 1)
+    assert [step() for _ in range(3)] == ["full", "delta", "delta"]  # a new manifest: a new generation
+    stop_worker(h.proc)
+    # The learner drops a generation whose member left. (The hash is cleared too: a worker that
+    # restarts under the same id would otherwise first try to join the dead generation it is
+    # still listed in, and miss the next one's check-in while that join times out.)
+    h.sender.drop()
+    h.r.delete(h.keys.sync)
+    h.proc, h.address = launch_worker(h.cfg, h.run_dir / "config.yaml", "w0")  # same run, same id
+    h.http = type(h.http)(base_url=f"http://{h.address}", timeout=60)
+    assert [step() for _ in range(3)] == ["full", "delta", "delta"]  # it rejoined: whole, then deltas again
+    assert_equals_a_fresh_engine(h, toy_model_path, tmp_path)
 
 
 @pytest.mark.parametrize("quant_worker", ["int8-dynamic"], indirect=True)

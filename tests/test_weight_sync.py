@@ -333,3 +333,67 @@ def test_the_benchmark_runs_and_reports_side_by_side_ratios(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync.py"), "--sizes", "2B"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--sizes: unknown ['2B']" in bad.stderr
+
+
+def int8_versions(n: int, changed: float = 0.02) -> list[dict[str, torch.Tensor]]:
+    """``n`` versions of an int8 wire: weights whose values mostly keep from one version to
+    the next (a few move one step, fewer further), and fp32 scales that all change."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (400_000,), generator=gen, dtype=torch.int32).to(torch.int8)
+    out = []
+    for _ in range(n):
+        w = w.clone()
+        pos = torch.randperm(w.numel(), generator=gen)[: int(changed * w.numel())]
+        step = torch.randint(0, 2, (pos.numel(),), generator=gen) * 2 - 1
+        step[: pos.numel() // 20] *= 5  # a twentieth move further than one step
+        w[pos] = (w[pos].to(torch.int32) + step).clamp(-127, 127).to(torch.int8)
+        out.append({"layer.weight": w.view(400, 1000), "layer.weight_scale": torch.rand(400, 1, generator=gen),
+                    "norm.weight": torch.ones(1000, dtype=torch.bfloat16)})
+    return out
+
+
+def test_a_quantized_generation_sends_deltas_bit_exactly_and_a_full_version_every_kth(redis_server, r):
+    """After a generation's first version, versions go as what changed (weight_sync/delta.py)
+    and arrive bit for bit; every ``full_every``-th goes whole, and a re-formed generation
+    (a member that joined) starts whole again."""
+    run_id = free_run_id("ws")
+    versions = int8_versions(7)
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok", "w1": "ok"}, versions=len(versions))
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=30, bucket_bytes=256 << 10, wire_dtype=None,
+                          full_every=4)
+    live = {"w0": "a", "w1": "a"}
+    kinds = []
+    for version, weights in enumerate(versions, 1):
+        stats = sender.sync(version, lambda: weights.items(), live)
+        got = sorted(results.get(timeout=60) for _ in procs)
+        assert got == [("w0", checksum(weights.items()), version), ("w1", checksum(weights.items()), version)]
+        kinds.append("delta" if stats.delta else "full")
+        assert stats.full_bytes == sum(t.numel() * t.element_size() for t in weights.values())
+        if stats.delta:  # 2% of the int8 values moved: the delta is a small part of the version
+            assert stats.bytes < 0.25 * stats.full_bytes, (stats.bytes, stats.full_bytes)
+        else:
+            assert stats.bytes == stats.full_bytes
+    assert kinds == ["full", "delta", "delta", "delta", "full", "delta", "delta"]
+    assert stats.form_s == 0 and sender.manifest.delta  # one generation throughout
+    stop(procs)
+    sender.drop()
+    assert sender.held is None  # the next generation's members hold nothing: it starts whole
+
+
+def test_a_delta_against_another_base_is_refused_before_anything_is_written():
+    from quant.delta import DeltaMismatch
+    from weight_sync.delta import apply_version, bucket_checksums, encode_version, payload_sizes
+
+    v1, v2, v3 = int8_versions(3)
+    m = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in v1.items()], 256 << 10, delta=True)
+    packed = [[pack_bucket(b, v) for b in m.buckets] for v in (v1, v2, v3)]
+    index, payloads, crcs = encode_version(m, packed[0], packed[1], bucket_checksums(packed[0]))
+    assert [p.numel() for p in payloads] == payload_sizes(index)
+    held = [b.clone() for b in packed[0]]
+    assert apply_version(m, held, bucket_checksums(held), index, payloads) == crcs
+    assert all(torch.equal(a, b) for a, b in zip(held, packed[1]))  # bit for bit the new version
+    # a member holding version 3 (not the delta's base): refused, its buffers untouched
+    other = [b.clone() for b in packed[2]]
+    with pytest.raises(DeltaMismatch, match="another base"):
+        apply_version(m, other, bucket_checksums(other), index, payloads)
+    assert all(torch.equal(a, b) for a, b in zip(other, packed[2]))

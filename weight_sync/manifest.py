@@ -24,6 +24,8 @@ DTYPES = {
     "int8": torch.int8,
     "int32": torch.int32,
     "uint8": torch.uint8,
+    "int16": torch.int16,  # the gaps of a delta (weight_sync/delta.py)
+    "int64": torch.int64,
 }
 
 
@@ -52,6 +54,7 @@ class Manifest:
     quant_profile: str = ""  # hash of the quantization profile the tensors were made with ("" = none)
     quant_compat: str = ""  # what an engine must have been started for to load them (quant/profile.py)
     transport: str = "gloo"  # how versions travel: gloo (in the buckets), nccl or ipc (weight_sync/nccl.py, ipc.py)
+    delta: bool = False  # versions after the first of a generation may travel as deltas (weight_sync/delta.py)
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +65,8 @@ class Manifest:
                 "quant_compat": self.quant_compat}
         if self.transport != "gloo":  # gloo's manifests read as they always did
             data["transport"] = self.transport
+        if self.delta:
+            data["delta"] = True
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -72,20 +77,25 @@ class Manifest:
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
         return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""),
-                   data.get("transport", "gloo"))
+                   data.get("transport", "gloo"), data.get("delta", False))
 
     @property
     def hash(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-def header_tensor(version: int, manifest_hash: str) -> torch.Tensor:
-    """What every transfer starts with: its version and (part of) its manifest's hash."""
-    return torch.tensor([version, int(manifest_hash[:15], 16)], dtype=torch.int64)
+HEADER_LEN = 4
+
+
+def header_tensor(version: int, manifest_hash: str, base: int = -1, index_nbytes: int = 0) -> torch.Tensor:
+    """What every transfer starts with: its version, (part of) its manifest's hash, and for
+    a delta version the version it applies to and its index's size (-1 and 0: the buckets
+    follow whole)."""
+    return torch.tensor([version, int(manifest_hash[:15], 16), base, index_nbytes], dtype=torch.int64)
 
 
 def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, quant_profile: str = "",
-                 quant_compat: str = "", transport: str = "gloo") -> Manifest:
+                 quant_compat: str = "", transport: str = "gloo", delta: bool = False) -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
@@ -107,7 +117,7 @@ def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
             used += nbytes
         if slots:
             buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
-    return Manifest(tuple(buckets), quant_profile, quant_compat, transport)
+    return Manifest(tuple(buckets), quant_profile, quant_compat, transport, delta)
 
 
 def _numel(shape) -> int:

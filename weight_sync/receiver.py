@@ -5,6 +5,11 @@
 never serves a half-applied update. The buckets land in buffers kept for the whole
 generation, and the tensors are views into them (no copies); the caller must load them
 before the next receive reuses the buffers.
+
+In a generation whose manifest allows deltas, the buffers also hold the last version
+received, and a version that arrives as a delta (weight_sync/delta.py) is applied to them
+in place; a delta against anything but what they hold is refused (:class:`SyncError`:
+the worker leaves the generation and rejoins, which brings it a full version).
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import signal
 
 import torch
 
+from quant.delta import DeltaMismatch
 from rlpipe.auth import sync_token
+from weight_sync.delta import apply_version, bucket_checksums, payload_sizes
 from weight_sync.gate import GateClient
-from weight_sync.manifest import Manifest, header_tensor, unpack_bucket
+from weight_sync.manifest import HEADER_LEN, Manifest, header_tensor, unpack_bucket
 from weight_sync.transport import GlooGroup, SyncError, check_in
 
 # Fault injection for the tests: RLPIPE_CRASH_AT=receiving:<version>:<k> SIGKILLs the
@@ -44,13 +51,13 @@ def join_group(host: str, port: int, slot: int | str, generation: int, timeout_s
 
 def expect_header(group: GlooGroup, version: int, manifest: Manifest) -> None:
     """Receive a version's header and check it is ``version`` of ``manifest``."""
-    header = torch.zeros(2, dtype=torch.int64)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     group.wait(group.recv(header, 0, 0))
     _check_header(header, version, manifest)
 
 
 def _check_header(header: torch.Tensor, version: int, manifest: Manifest) -> None:
-    if not torch.equal(header, header_tensor(version, manifest.hash)):
+    if not torch.equal(header[:2], header_tensor(version, manifest.hash)[:2]):
         raise SyncError(f"expected version {version} with manifest {manifest.hash}, got header {header.tolist()}")
 
 
@@ -61,6 +68,8 @@ class WeightReceiver:
         self.manifest = manifest
         self.relay = relay  # the way through the learner's gate, with a sync token
         self.buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        self.held: int | None = None  # the version the buffers hold whole (a delta's base), None when none
+        self.crcs: list[int] = []  # their checksums, when the manifest allows deltas
 
     @classmethod
     def join(cls, host: str, port: int, slot: int | str, generation: int, manifest: Manifest, timeout_s: float,
@@ -78,23 +87,48 @@ class WeightReceiver:
     def receive(self, version: int, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
         if manifest.hash != self.manifest.hash:
             raise SyncError(f"manifest {manifest.hash} is not generation {self.generation}'s {self.manifest.hash}")
+        held, self.held = self.held, None  # until this version is whole in the buffers
         group = self.group
-        header = torch.zeros(2, dtype=torch.int64)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header_work = group.recv(header, 0, 0)
-        # The first bucket is posted with the header (one round trip less for small
-        # models); it is only loaded after the header checked out.
-        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers else []
+        # Without deltas the first bucket is posted with the header (one round trip less
+        # for small models); it is only loaded after the header checked out.
+        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers and not manifest.delta else []
         group.wait(header_work)
         _check_header(header, version, manifest)
-        weights = []
-        for i, (bucket, buf) in enumerate(zip(manifest.buckets, self.buffers)):
-            if i + 1 < len(self.buffers):
-                if CRASH_AT == f"receiving:{version}:{i + 1}":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                works.append(group.recv(self.buffers[i + 1], 0, i + 2))
-            group.wait(works[i])
-            weights += unpack_bucket(bucket, buf)
-        return weights
+        base, index_nbytes = int(header[2]), int(header[3])
+        if base >= 0:
+            self._apply_delta(version, base, held, index_nbytes)
+        else:
+            if not works and self.buffers:
+                works.append(group.recv(self.buffers[0], 0, 1))
+            for i in range(len(self.buffers)):
+                if i + 1 < len(self.buffers):
+                    if CRASH_AT == f"receiving:{version}:{i + 1}":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    works.append(group.recv(self.buffers[i + 1], 0, i + 2))
+                group.wait(works[i])
+            if manifest.delta:
+                self.crcs = bucket_checksums(self.buffers)
+        self.held = version
+        return [w for bucket, buf in zip(manifest.buckets, self.buffers) for w in unpack_bucket(bucket, buf)]
+
+    def _apply_delta(self, version: int, base: int, held: int | None, index_nbytes: int) -> None:
+        """Receive a delta version whole (so the sender's sends all complete), then apply it
+        to the buffers if they hold its base."""
+        index = torch.empty(index_nbytes, dtype=torch.uint8)
+        self.group.wait(self.group.recv(index, 0, 1))
+        payloads = [torch.empty(n, dtype=torch.uint8) for n in payload_sizes(index)]
+        works = [self.group.recv(p, 0, i + 2) for i, p in enumerate(payloads) if p.numel()]
+        for work in works:
+            self.group.wait(work)
+        if held != base:
+            raise SyncError(f"version {version} came as a delta against version {base}, but this worker holds "
+                            f"{'nothing whole' if held is None else f'version {held}'}: rejoining for a full one")
+        try:
+            self.crcs = apply_version(self.manifest, self.buffers, self.crcs, index, payloads)
+        except DeltaMismatch as e:
+            raise SyncError(f"version {version}'s delta: {e}: rejoining for a full one") from e
 
     def close(self) -> None:
         self.group.close()

@@ -45,6 +45,7 @@ from rlpipe.fence import Fence
 from rlpipe.queue import Keys
 from weight_sync.gate import Gate
 from weight_sync.ipc import IpcBroadcast
+from weight_sync.delta import bucket_checksums, encode_version
 from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
@@ -64,21 +65,25 @@ class SyncStats:
     pack_s: float = 0.0  # packing buckets (overlapped with the transfer)
     transfer_s: float = 0.0  # wall time of the transfer not hidden by packing
     sync_s: float = 0.0  # the whole broadcast, packing included
-    bytes: int = 0  # per worker
+    bytes: int = 0  # per worker, on the wire
+    full_bytes: int = 0  # per worker, of the version whole (what a full sync sends)
+    delta: bool = False  # the version went as a delta against the previous one (weight_sync/delta.py)
 
 
 class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
                  wire_dtype: torch.dtype | None, channel: str = "",
                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
-                 device: NcclBroadcast | IpcBroadcast | None = None):
+                 device: NcclBroadcast | IpcBroadcast | None = None, full_every: int = 0):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
         just before packing it, so the whole model is never gathered at once. ``fence``: the
         learner lease's (rlpipe/fence.py), so a learner that lost its lease publishes nothing.
         ``device``: versions travel over it (``sync.transport: nccl`` or ``ipc``, GPU only),
         the gloo group carrying only the generation, its control messages and each
-        version's header; it names the manifest's transport."""
+        version's header; it names the manifest's transport. ``full_every``: with K > 0
+        (gloo only), a generation's versions after its first travel as deltas against the
+        one before (weight_sync/delta.py), and every K-th version whole."""
         self.r, self.keys, self.fence = r, keys, fence
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
@@ -93,6 +98,9 @@ class WeightSender:
         self._members: dict[str, str] = {}  # id -> incarnation of the current generation ({} without one)
         self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
         self.left_out_total = 0
+        self.full_every = full_every if device is None else 0
+        self.held: tuple[int, list[torch.Tensor], list[int]] | None = None  # (version, buckets, crcs) every member holds
+        self.since_full = 0  # versions sent as deltas since the last whole one
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -117,7 +125,7 @@ class WeightSender:
         specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
                   tuple(t.shape)) for name, t in tensors.items()]
         return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat,
-                            self.device.transport if self.device else "gloo")
+                            self.device.transport if self.device else "gloo", delta=self.full_every > 0)
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
              live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> SyncStats:
@@ -230,6 +238,8 @@ class WeightSender:
                 except SyncError as e:
                     failed.setdefault(rank, str(e))
 
+        if self.manifest.delta:
+            return self._send_keeping(version, tensors, post, finish, failed, t0)
         in_flight = post(header_tensor(version, self.manifest.hash), 0)
         if self.device:
             return self._broadcast_device(version, tensors, in_flight, finish, failed, t0)
@@ -251,8 +261,52 @@ class WeightSender:
         total = time.perf_counter() - t0
         self.state.version = version
         # transfer_s is the wall time not spent packing (the part packing did not hide).
-        return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=self.manifest.nbytes), \
-            failed
+        return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=self.manifest.nbytes,
+                         full_bytes=self.manifest.nbytes), failed
+
+    def _send_keeping(self, version: int, tensors: dict[str, torch.Tensor], post: Callable, finish: Callable,
+                      failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
+        """A generation that allows deltas: every bucket is packed first and kept (the next
+        version's base, as each member keeps it), then the version goes as deltas against
+        the last one every member holds, or whole: the generation's first, every
+        ``full_every``-th, and any whose deltas would not save a tenth."""
+        manifest = self.manifest
+        tp = time.perf_counter()
+        packed = []
+        for bucket in manifest.buckets:
+            source = self.gather([slot.name for slot in bucket.tensors]) if self.gather else tensors
+            packed.append(pack_bucket(bucket, source))
+            del source
+        held, self.held = self.held, None  # until every member has this version
+        payloads, index = packed, None
+        if held is not None and self.since_full + 1 < self.full_every:
+            index, deltas, crcs = encode_version(manifest, held[1], packed, held[2])
+            if index.numel() + sum(d.numel() for d in deltas) < 0.9 * manifest.nbytes:
+                payloads = deltas
+            else:
+                index = None
+        if index is None:
+            crcs = bucket_checksums(packed)
+        pack_s = time.perf_counter() - tp
+        header = header_tensor(version, manifest.hash, held[0] if index is not None else -1,
+                               index.numel() if index is not None else 0)
+        works = [post(header, 0)] + ([post(index, 1)] if index is not None else [])
+        first = 2 if index is not None else 1
+        for i, payload in enumerate(payloads):
+            if payload.numel():
+                works.append(post(payload, first + i))
+        for w in works:
+            finish(w)
+        if len(failed) == self.group.world_size - 1:
+            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
+        total = time.perf_counter() - t0
+        self.state.version = version
+        if not failed:
+            self.held = (version, packed, crcs)
+            self.since_full = self.since_full + 1 if index is not None else 0
+        sent = sum(p.numel() for p in payloads) + (index.numel() if index is not None else 0)
+        return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=sent,
+                         full_bytes=manifest.nbytes, delta=index is not None), failed
 
     def _broadcast_device(self, version: int, tensors: dict[str, torch.Tensor], headers: dict, finish: Callable,
                           failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
@@ -271,7 +325,8 @@ class WeightSender:
             raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
         total = time.perf_counter() - t0
         self.state.version = version
-        return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes), failed
+        return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes,
+                         full_bytes=self.manifest.nbytes), failed
 
     def drop(self) -> None:
         if self.device is not None:
@@ -282,3 +337,4 @@ class WeightSender:
             self.gate.close()
         self.group = self.gate = None
         self._members = {}
+        self.held = None  # a new generation's members hold nothing: its first version goes whole
