@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import redis
@@ -62,9 +62,11 @@ class SyncStats:
     generation: int
     form_s: float = 0.0  # forming a new generation (0 when the current one was reused)
     pack_s: float = 0.0  # packing buckets (overlapped with the transfer)
+    prepare_s: float = 0.0  # quantizing and packing: set by the learner's channel (learner/channels.py)
     transfer_s: float = 0.0  # wall time of the transfer not hidden by packing
     sync_s: float = 0.0  # the whole broadcast, packing included
     bytes: int = 0  # per worker
+    received: dict[str, str] = field(default_factory=dict)  # id -> incarnation of the workers it reached
 
 
 class WeightSender:
@@ -136,7 +138,7 @@ class WeightSender:
             t0 = time.perf_counter()
             self._form(candidates, version, manifest, deadline)
             form_s = time.perf_counter() - t0
-        members = list(self._members)
+        members = dict(self._members)
         try:
             stats, failed = self._send(version, tensors)
         except SyncError:
@@ -146,6 +148,7 @@ class WeightSender:
         if failed:
             self.drop()  # the next sync forms a generation without them
         stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
+        stats.received = {w: inc for rank, (w, inc) in enumerate(members.items(), 1) if rank not in failed}
         return stats
 
     def _leave_out_ranks(self, failed: dict[int, str]) -> None:
