@@ -330,6 +330,10 @@ def test_the_benchmark_runs_and_reports_side_by_side_ratios(tmp_path):
         assert row[key] > 0
     assert row["rlpipe_vs_raw"] == pytest.approx(row["raw_s"] / row["rlpipe_s"])
     assert "rlpipe/raw" in proc.stdout
+    # rlpipe's syncs by phase: each measured, and within the time until every receiver activated
+    assert section["tables"][1]["columns"] == ["size", "prepare s", "transfer s", "pause s", "convergence s"]
+    assert all(row[f"{phase}_s"] > 0 for phase in ("prepare", "transfer", "pause", "convergence"))
+    assert row["prepare_s"] + row["transfer_s"] <= row["rlpipe_s"] < row["convergence_s"]
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync.py"), "--sizes", "2B"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--sizes: unknown ['2B']" in bad.stderr
