@@ -419,6 +419,37 @@ def start_serving(redis_server, run_id, pauses: dict[str, float], ttl_s=4.0):
     return procs, results
 
 
+def test_convergence_counts_the_members_that_switched_from_their_registry_entries():
+    """The rules of weight_sync/convergence.py on registry entries as workers write them: only
+    the members the transfer reached count; one still on the old version holds the version
+    open; a restarted one (another incarnation) or a gone one is not counted; one already on a
+    later version counts with that later switch; a re-sent version keeps its first start."""
+    from weight_sync.convergence import Convergence
+
+    def entry(version, activated_at, pause_s=0.01, incarnation="a"):
+        return {"version": str(version), "incarnation": incarnation,
+                "last_sync": json.dumps({"version": version, "pause_s": pause_s, "activated_at": activated_at})}
+
+    conv = Convergence(max_open=2)
+    conv.started(5, 100.0, {"w0": "a", "w1": "a"})  # w2 was left out: not a member
+    conv.started(5, 200.0, {"w0": "a", "w1": "a", "w2": "a"})  # sent again to a new generation: ignored
+    workers = {"w0": entry(5, 100.5, 0.2), "w1": entry(4, 90.0), "w2": entry(4, 90.0)}
+    assert conv.observe(workers) == []  # w1 has not switched
+    (c,) = conv.observe({**workers, "w1": entry(5, 101.0, 0.1)})
+    assert (c.version, c.seconds, c.pause_max_s, c.workers) == (5, 1.0, 0.2, 2)
+
+    conv.started(6, 110.0, {"w0": "a", "w1": "a"})
+    assert conv.observe({"w0": entry(6, 110.5), "w1": entry(5, 101.0, incarnation="b")})[0].workers == 1
+    conv.started(7, 120.0, {"w0": "a", "w1": "a"})
+    (c,) = conv.observe({"w0": entry(8, 123.0), "w1": entry(7, 121.0, 0.3)})  # w0 switched twice since
+    assert (c.version, c.seconds, c.pause_max_s) == (7, 3.0, 0.3)
+    conv.started(9, 130.0, {"w0": "a"})
+    assert conv.observe({}) == [] and conv.open == []  # its only member is gone: nothing to report
+    for v in (10, 11, 12):  # never served: the oldest is given up past max_open
+        conv.started(v, 140.0 + v, {"w0": "a"})
+    assert [o.version for o in conv.open] == [11, 12]
+
+
 def test_convergence_waits_for_a_stopped_member_and_leaves_it_out_once_its_entry_expires(redis_server, r):
     """Convergence counts the workers that really switched: a member stopped (SIGSTOP) after its
     transfer, before it activated the version, holds the version open as long as it is
