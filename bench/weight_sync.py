@@ -18,6 +18,15 @@ Each timing ends with a tiny all-reduce, so it counts until every receiver holds
 data. Repetitions are interleaved (raw, rlpipe, per-tensor, raw, ...) and the medians
 are reported with the ratio raw_time / time (1.0 = as fast as the raw broadcast).
 
+rlpipe's syncs are also split into the phases the learner and the workers report
+(README, 'Weight sync'): prepare (cast + pack on the sender; this bench quantizes nothing,
+bench/quant.py times that), transfer (the send not hidden by packing), the activation
+pause and convergence. A receiver here has no engine, so its *pause* is the part of an
+engine's pause it can do: copying the received tensors into its own weights, the copy
+vLLM's ``reload_weights`` makes with generation paused; the engine's pause/resume and
+prefix-cache reset are not in it (the worker's ``rlpipe_weight_sync_pause_seconds`` is the
+whole). *Convergence* runs from the start of the sync until every receiver made that copy.
+
     python bench/weight_sync.py                      # tiny .. 1B, bf16 on the wire
     python bench/weight_sync.py --sizes tiny,100M --repeats 5
 """
@@ -71,7 +80,16 @@ def barrier(group) -> None:
     group.pg.allreduce([torch.zeros(1)]).wait(group.timeout)
 
 
-def receiver(redis_url: str, run_id: str, worker_id: str, specs, wire: str, repeats: int) -> None:
+def activate(staged: list[tuple[str, torch.Tensor]], weights: dict[str, torch.Tensor]) -> float:
+    """Copy the received tensors into the receiver's weights (what an engine does with generation
+    paused); returns the seconds it took."""
+    t0 = time.perf_counter()
+    for name, t in staged:
+        weights[name].copy_(t)
+    return time.perf_counter() - t0
+
+
+def receiver(redis_url: str, run_id: str, worker_id: str, specs, wire: str, repeats: int, pauses) -> None:
     from weight_sync.receiver import WeightReceiver
 
     torch.set_num_threads(1)
@@ -82,7 +100,9 @@ def receiver(redis_url: str, run_id: str, worker_id: str, specs, wire: str, repe
     manifest = Manifest.from_json(st.manifest)
     recv = WeightReceiver.join(st.master_addr, st.master_port, st.candidate_of(worker_id), st.generation,
                                manifest, 600)
-    recv.receive(0, manifest)  # the warm-up sync that formed the generation
+    staged = recv.receive(0, manifest)  # the warm-up sync that formed the generation
+    weights = {name: torch.empty_like(t) for name, t in staged}  # this receiver's copy, activated into
+    activate(staged, weights)
     barrier(recv.group)
     dtype = DTYPES[wire]
     for rep in range(repeats):
@@ -92,8 +112,10 @@ def receiver(redis_url: str, run_id: str, worker_id: str, specs, wire: str, repe
         recv.group.wait(recv.group.recv(flat, 0, RAW_TAG))
         barrier(recv.group)
         del flat
-        recv.receive(rep + 1, manifest)
+        staged = recv.receive(rep + 1, manifest)
         barrier(recv.group)
+        pauses.put((rep, activate(staged, weights)))
+        barrier(recv.group)  # every receiver activated: the version has converged
         for _, shape in specs:
             recv.group.broadcast(torch.empty(shape, dtype=dtype))
         barrier(recv.group)
@@ -107,8 +129,9 @@ def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: st
     params = sum(t.numel() for t in weights.values())
     run_id = f"bench-{name}-{time.monotonic_ns()}"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=receiver, args=(redis_url, run_id, f"w{i}", specs, wire, repeats), daemon=True)
-             for i in range(receivers)]
+    pauses = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(redis_url, run_id, f"w{i}", specs, wire, repeats, pauses),
+                         daemon=True) for i in range(receivers)]
     for p in procs:
         p.start()
     sender = WeightSender(connect(redis_url), Keys(run_id), "127.0.0.1", timeout_s=600,
@@ -119,7 +142,7 @@ def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: st
     barrier(group)
     dtype = DTYPES[wire]
     times: dict[str, list[float]] = {"raw": [], "raw_p2p": [], "rlpipe": [], "per_tensor": []}
-    pack = []
+    phases: dict[str, list[float]] = {"prepare": [], "transfer": [], "convergence": []}
     for rep in range(repeats):
         flat = torch.zeros(sender.manifest.nbytes, dtype=torch.uint8)
         t0 = time.perf_counter()
@@ -136,20 +159,31 @@ def bench_size(redis_url: str, name: str, receivers: int, repeats: int, wire: st
         stats = sender.sync(rep + 1, weights.items, live)
         barrier(group)
         times["rlpipe"].append(time.perf_counter() - t0)
-        pack.append(stats.pack_s)
+        barrier(group)  # the receivers copied the version into their weights
+        phases["convergence"].append(time.perf_counter() - t0)
+        phases["prepare"].append(stats.pack_s)  # the cast happens while packing; nothing is quantized here
+        phases["transfer"].append(stats.transfer_s)
         assert stats.members == receivers and stats.form_s == 0
         t0 = time.perf_counter()
         for n, _ in specs:
             group.broadcast(weights[n].to(dtype))
         barrier(group)
         times["per_tensor"].append(time.perf_counter() - t0)
+    # each version's pause is its slowest receiver's
+    slowest: dict[int, float] = {}
+    for _ in range(repeats * receivers):
+        rep, pause = pauses.get(timeout=120)
+        slowest[rep] = max(slowest.get(rep, 0.0), pause)
     for p in procs:
         p.join(120)
     sender.drop()
     med = {k: statistics.median(v) for k, v in times.items()}
+    phase = {k: statistics.median(v) for k, v in phases.items()}
     nbytes = sender.manifest.nbytes
     return {"size": name, "params": params, "bytes": nbytes, "buckets": len(sender.manifest.buckets),
-            "raw_s": med["raw"], "raw_p2p_s": med["raw_p2p"], "rlpipe_s": med["rlpipe"], "pack_s": statistics.median(pack),
+            "raw_s": med["raw"], "raw_p2p_s": med["raw_p2p"], "rlpipe_s": med["rlpipe"], "pack_s": phase["prepare"],
+            "prepare_s": phase["prepare"], "transfer_s": phase["transfer"],
+            "pause_s": statistics.median(slowest.values()), "convergence_s": phase["convergence"],
             "per_tensor_s": med["per_tensor"], "rlpipe_vs_raw": med["raw"] / med["rlpipe"],
             "rlpipe_vs_raw_p2p": med["raw_p2p"] / med["rlpipe"],
             "per_tensor_vs_raw": med["raw"] / med["per_tensor"],
@@ -189,6 +223,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"{row['raw_s']:>7.3f} {row['raw_p2p_s']:>9.3f} {row['rlpipe_s']:>8.3f} {row['pack_s']:>8.3f} "
                       f"{row['per_tensor_s']:>12.3f} {row['rlpipe_vs_raw']:>10.2f} {row['rlpipe_vs_raw_p2p']:>10.2f} "
                       f"{row['per_tensor_vs_raw']:>14.2f}", flush=True)
+            print(f"rlpipe's syncs by phase (median; pause: the slowest receiver's copy into its weights)\n"
+                  f"{'size':>6} {'prepare s':>9} {'transfer s':>10} {'pause s':>8} {'convergence s':>13}")
+            for row in rows:
+                print(f"{row['size']:>6} {row['prepare_s']:>9.4f} {row['transfer_s']:>10.4f} {row['pause_s']:>8.4f} "
+                      f"{row['convergence_s']:>13.4f}", flush=True)
         finally:
             server.stop()
     if args.json:
@@ -207,6 +246,13 @@ def report(rows: list[dict], args) -> Section:
                for r in rows],
               note="Ratios are throughput relative to the raw transfer of the same bytes (1.0 = as fast); "
                    "rlpipe's time includes casting and packing, overlapped with the transfer.")
+    sec.table("rlpipe's syncs by phase (median)", ["size", "prepare s", "transfer s", "pause s", "convergence s"],
+              [[r["size"], r["prepare_s"], r["transfer_s"], r["pause_s"], r["convergence_s"]] for r in rows],
+              note="Prepare: cast and pack on the sender (nothing quantized here; bench/quant.py times "
+                   "quantization). Transfer: the send not hidden by packing. Pause: the slowest receiver's copy "
+                   "of the received tensors into its weights, the part of an engine's activation pause a receiver "
+                   "without an engine has (vLLM's pause, resume and prefix-cache reset are not in it). "
+                   "Convergence: from the start of the sync until every receiver made that copy.")
     fig, ((ax,),) = figure()
     width = 0.2
     for k, (key, label) in enumerate([("raw_s", "raw broadcast"), ("raw_p2p_s", "raw point-to-point"),

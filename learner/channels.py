@@ -21,6 +21,7 @@ import torch
 from quant.transfer import Stream, rollout_weights
 from rlpipe import registry
 from rlpipe.gpus import role_transport
+from weight_sync.convergence import Converged, Convergence
 from weight_sync.ipc import IpcBroadcast
 from weight_sync.names import served_names, served_parameters
 from weight_sync.nccl import NcclBroadcast
@@ -77,9 +78,12 @@ class SyncChannel:
             else:
                 tensors, quant_metrics = self.wire.prepare(model, step)
             self._prepared = (version, tensors)
+        # Quantized before the sync (not sharded); sharded, each bucket is quantized as it is packed.
+        quant_s = 0.0 if self.sharded else quant_metrics.get("quant_seconds", 0.0)
         if self.sharded:
             self.stream = Stream(self.wire, self.sharded.gather, list(served_parameters(model)))
         stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat)
+        stats.prepare_s = quant_s + stats.pack_s
         if self.sharded and self.wire.cast_to is None and quant_metrics:
             quant_metrics["quant_seconds"] = self.stream.seconds
         return stats, quant_metrics
@@ -106,24 +110,46 @@ class FleetSync:
         precisions = list(dict.fromkeys(cfg.rollout.fleet)) or [cfg.rollout.precision]
         self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet), sharded, fence) for p in precisions}
         self._started = time.monotonic()
+        self.convergence = Convergence()
+        self._converged: Converged | None = None  # the newest version that converged since the last row
 
     def maybe_resync(self, model, version: int, step: int) -> None:
         workers = registry.live_workers(self.r, self.keys)
+        self._observe(workers)
         if not any(ch.sender.group for ch in self.channels.values()) and len(workers) < self.cfg.workers \
                 and time.monotonic() - self._started < self.cfg.sync.join_timeout_s:
             return
         if any(ch.sender.needs_forming(ch.live(workers)) for ch in self.channels.values()):
-            self.sync(model, version, step)
+            self._sync(model, version, step, workers)
+
+    def _observe(self, workers: dict[str, dict[str, str]]) -> None:
+        """Versions every member now serves (weight_sync/convergence.py): their convergence
+        goes into the next step's row, and into the convergence histogram."""
+        for done in self.convergence.observe(workers):
+            self.metrics.sync_seconds.labels(phase="convergence").observe(done.seconds)
+            self._converged = done
 
     def sync(self, model, version: int, step: int) -> dict:
+        """The step's sync (:meth:`_sync`), and the convergence of the newest version that
+        converged since the last step's (``weight_sync_converged_version``, usually the
+        previous one): measured from the workers' registry timestamps, never waited for."""
+        workers = registry.live_workers(self.r, self.keys)
+        self._observe(workers)
+        out = self._sync(model, version, step, workers)
+        if self._converged is not None:
+            out.update(self._converged.metrics())
+            self._converged = None
+        return out
+
+    def _sync(self, model, version: int, step: int, workers: dict[str, dict[str, str]]) -> dict:
         """Bring every live worker to ``version``, each precision on its channel; never
         blocks longer than sync.timeout_s per channel on workers (a dead one is left out,
-        see weight_sync.sender). Returns the step's sync metrics."""
-        workers = registry.live_workers(self.r, self.keys)
-        out = {"weight_sync_seconds": 0.0, "weight_sync_pack_seconds": 0.0, "weight_sync_transfer_seconds": 0.0,
-               "weight_sync_form_seconds": 0.0, "weight_sync_members": 0, "weight_sync_bytes": 0,
-               "weight_sync_full_bytes": 0, "weight_sync_deltas": 0}
-        by_precision = {}
+        see weight_sync.sender). Returns the sync metrics; opens the version's convergence."""
+        started_at, t0 = time.time(), time.perf_counter()
+        out = {"weight_sync_seconds": 0.0, "weight_sync_prepare_seconds": 0.0, "weight_sync_pack_seconds": 0.0,
+               "weight_sync_transfer_seconds": 0.0, "weight_sync_form_seconds": 0.0, "weight_sync_members": 0,
+               "weight_sync_sent_bytes": 0, "weight_sync_full_bytes": 0, "weight_sync_deltas": 0}
+        by_precision, received = {}, {}
         for precision, ch in self.channels.items():
             try:
                 stats, quant_metrics = ch.sync(model, version, step, ch.live(workers))
@@ -136,21 +162,26 @@ class FleetSync:
                 continue
             out.update(quant_metrics)
             if stats.sync_s:  # a version was sent (not an empty generation)
+                self.metrics.sync_seconds.labels(phase="prepare").observe(stats.prepare_s)
                 self.metrics.sync_seconds.labels(phase="pack").observe(stats.pack_s)
                 self.metrics.sync_seconds.labels(phase="transfer").observe(stats.transfer_s)
             self.metrics.sync_bytes.inc(stats.bytes * stats.members)
+            received.update(stats.received)
             seconds = stats.form_s + stats.sync_s
-            out["weight_sync_seconds"] += seconds
+            out["weight_sync_prepare_seconds"] += stats.prepare_s
             out["weight_sync_pack_seconds"] += stats.pack_s
             out["weight_sync_transfer_seconds"] += stats.transfer_s
             out["weight_sync_form_seconds"] += stats.form_s
             out["weight_sync_members"] += stats.members
-            out["weight_sync_bytes"] += stats.bytes
+            out["weight_sync_sent_bytes"] += stats.bytes
             out["weight_sync_full_bytes"] += stats.full_bytes
             out["weight_sync_deltas"] += int(stats.delta)
             by_precision[precision] = {"members": stats.members, "seconds": seconds, "bytes": stats.bytes,
                                        "generation": stats.generation}
         out["weight_sync_generation"] = max(ch.sender.state.generation for ch in self.channels.values())
+        # The whole wall time: quantizing (and the int8 monitors), forming, packing, sending, every channel.
+        out["weight_sync_seconds"] = time.perf_counter() - t0
+        self.convergence.started(version, started_at, received)
         out["weight_sync_left_out_total"] = self.left_out_total
         if len(self.channels) > 1:
             out["weight_sync_by_precision"] = by_precision

@@ -113,11 +113,22 @@ _ROLLOUT = {
                            "rule's window",
 }
 _SYNC = {
-    "weight_sync_pack_seconds": "time packing the last step's weights for the broadcast",
-    "weight_sync_transfer_seconds": "time broadcasting the last step's weights",
+    "weight_sync_prepare_seconds": "sync phase prepare: time quantizing (int8, fp8) and packing the last step's "
+                                   "weights on the learner",
+    "weight_sync_pack_seconds": "time packing the last step's weights for the broadcast (part of prepare)",
+    "weight_sync_transfer_seconds": "sync phase transfer: wall time sending the last step's weights that packing "
+                                    "did not hide",
+    "weight_sync_convergence_seconds": "sync phase convergence: seconds from the start of the sync of version "
+                                       "weight_sync_converged_version until every worker it reached served it "
+                                       "(weight_sync/convergence.py)",
+    "weight_sync_pause_max_seconds": "sync phase pause: the longest activation pause (generation paused to load "
+                                     "the weights) among the workers, for version weight_sync_converged_version",
+    "weight_sync_converged_version": "the version the convergence and pause gauges are of (usually the previous "
+                                     "step's)",
+    "weight_sync_converged_workers": "workers counted in the convergence of weight_sync_converged_version",
     "weight_sync_form_seconds": "time forming sync generations in the last step",
     "weight_sync_members": "workers that received the last step's weights, all precisions",
-    "weight_sync_bytes": "bytes per worker the last step's sync put on the wire, all precisions (a delta's "
+    "weight_sync_sent_bytes": "bytes per worker the last step's sync put on the wire, all precisions (a delta's "
                          "changes, or the whole version)",
     "weight_sync_full_bytes": "bytes per worker of the last step's version whole, all precisions (what a sync "
                               "without deltas sends)",
@@ -265,7 +276,8 @@ class LearnerMetrics:
         self.dropped_stale = Counter("rlpipe_dropped_stale", "groups dropped as too stale", registry=self.registry)
         self.queue_dead = Counter("rlpipe_queue_dead", "malformed entries moved to the dead-letter stream",
                                   registry=self.registry)
-        self.sync_seconds = Histogram("rlpipe_weight_sync_seconds", "learner-side weight sync time, by phase",
+        self.sync_seconds = Histogram("rlpipe_weight_sync_seconds", "learner-side weight sync time, by phase: "
+                                      "prepare (quantize and pack), pack, transfer, convergence",
                                       ["phase"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                       registry=self.registry)
         self.sync_bytes = Counter("rlpipe_weight_sync_bytes", "bytes broadcast to workers", registry=self.registry)

@@ -265,9 +265,11 @@ class RolloutEngine:
                     self.prefix_cache_reset_failures += 1
         finally:
             await self.llm.resume_generation()
+        # The activation pause: from asking the scheduler to pause until it resumed on the new
+        # weights (staging, the transfer itself under gloo, happened before, while generating).
         pause = time.perf_counter() - t0
         self.paused_seconds_total += pause
-        return {**result, "pause_s": pause}
+        return {**result, "pause_s": pause, "activated_at": time.time()}
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -278,4 +280,4 @@ class RolloutEngine:
 def _outcome(result: dict) -> SyncOutcome:
     """The engine process's reply (JSON-able, through collective_rpc) as a typed outcome."""
     return SyncOutcome(bool(result.get("ok")), result.get("error") or "", bool(result.get("refused")),
-                       {k: v for k, v in result.items() if k.endswith("_s")})
+                       {k: v for k, v in result.items() if k.endswith("_s")}, float(result.get("activated_at", 0.0)))

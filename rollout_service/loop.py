@@ -340,8 +340,10 @@ class RolloutLoop:
             if f"{phase}_s" in t:
                 self.metrics.sync_seconds.labels(**self.metrics.labels, phase=phase).observe(t[f"{phase}_s"])
         self.metrics.generation.set(synced.generation)
+        # activated_at: when this version began being served, for the learner's fleet convergence
+        # (weight_sync/convergence.py reads it, with pause_s, from the registry).
         self.last_sync = {"version": synced.version, "source": synced.source, "generation": synced.generation,
-                          **{k: round(v, 6) for k, v in t.items()}}
+                          **{k: round(v, 6) for k, v in t.items()}, "activated_at": synced.activated_at}
         self._publish()
 
     def _sync_failed(self, error: str) -> None:

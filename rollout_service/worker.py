@@ -220,6 +220,9 @@ class Worker:
             "queue": backlog,
             "sync_generation": loop.generation if loop else 0,
             "paused_seconds_total": engine.paused_seconds_total,
+            # the last update: its version, source, timings (transfer_s or read_s: staging while generating;
+            # load_s; pause_s: the activation pause, generation paused) and activated_at
+            "last_sync": loop.last_sync if loop else {},
             "idle_seconds_total": loop.idle_seconds() if loop else 0.0,  # no group in flight while serving
             # updates after which running requests kept the prefix cache from being reset
             "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,

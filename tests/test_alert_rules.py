@@ -173,3 +173,23 @@ def test_the_held_out_panels_query_what_the_learner_exports():
     assert exported == {'rlpipe_eval_accuracy{dataset="svamp",metric="pass@1",run_id="r1"}': "0.25",
                         'rlpipe_eval_accuracy{dataset="svamp",metric="mean@4",run_id="r1"}': "0.5",
                         'rlpipe_eval_version{run_id="r1"}': "9.0"}, page
+
+
+def test_the_sync_phases_panel_queries_what_the_learner_exports():
+    """Prepare, transfer, pause and convergence: gauges of the learner's rows (learner/metrics.py),
+    the last two once a version converged (weight_sync/convergence.py)."""
+    from prometheus_client import generate_latest
+
+    from learner.metrics import LearnerMetrics
+    from weight_sync.convergence import Converged
+
+    metrics = LearnerMetrics(None, run_name="r1")
+    metrics.record({"weight_sync_prepare_seconds": 0.2, "weight_sync_transfer_seconds": 0.3,
+                    "weight_sync_form_seconds": 0.0, **Converged(4, 0.9, 0.05, 2).metrics()})
+    page = generate_latest(metrics.registry).decode()
+    exprs = [e for title, e in dashboard_queries() if title.startswith("Weight sync phases")]
+    queried = {name for e in exprs for name in re.findall(r"\brlpipe_\w+", e)}
+    assert queried == {f"rlpipe_weight_sync_{p}_seconds" for p in ("prepare", "transfer", "pause_max", "convergence")}
+    for name in queried:
+        assert re.search(rf'^{name}{{run_id="r1"}} \S+$', page, re.M), name
+    assert re.search(r'^rlpipe_weight_sync_pause_max_seconds\{run_id="r1"\} 0\.05$', page, re.M)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlpipe.queue import Keys, connect
-from tests.conftest import free_run_id
+from tests.conftest import free_run_id, wait_for
 from weight_sync.manifest import Manifest, pack_bucket, plan_buckets, unpack_bucket
 from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
 from weight_sync.sender import WeightSender
@@ -330,6 +330,10 @@ def test_the_benchmark_runs_and_reports_side_by_side_ratios(tmp_path):
         assert row[key] > 0
     assert row["rlpipe_vs_raw"] == pytest.approx(row["raw_s"] / row["rlpipe_s"])
     assert "rlpipe/raw" in proc.stdout
+    # rlpipe's syncs by phase: each measured, and within the time until every receiver activated
+    assert section["tables"][1]["columns"] == ["size", "prepare s", "transfer s", "pause s", "convergence s"]
+    assert all(row[f"{phase}_s"] > 0 for phase in ("prepare", "transfer", "pause", "convergence"))
+    assert row["prepare_s"] + row["transfer_s"] <= row["rlpipe_s"] < row["convergence_s"]
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync.py"), "--sizes", "2B"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--sizes: unknown ['2B']" in bad.stderr
@@ -397,3 +401,233 @@ def test_a_delta_against_another_base_is_refused_before_anything_is_written():
     with pytest.raises(DeltaMismatch, match="another base"):
         apply_version(m, other, bucket_checksums(other), index, payloads)
     assert all(torch.equal(a, b) for a, b in zip(other, packed[2]))
+
+# -- sync phases: prepare, transfer, the workers' activation pause, fleet convergence -------------
+
+PAUSE_S = 0.05  # the stand-in's activation pause
+
+
+class ServingEngine(ChecksumEngine):
+    """The checksum engine as a worker that serves what it receives: each version is staged
+    (received; reported as ``(id, "staged", version)``) and then activated with a pause of
+    ``pause_s``, as the vLLM engine pauses generation to load staged weights, and it says
+    when it began serving it."""
+
+    pause_s = PAUSE_S
+
+    async def update(self, version, manifest_json):
+        from weight_sync.follower import SyncOutcome
+
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.receiver.receive, version, Manifest.from_json(manifest_json))
+        except SyncError as e:
+            return SyncOutcome.failed(str(e))
+        staged = time.perf_counter()
+        self.results.put((self.worker_id, "staged", version))
+        await asyncio.sleep(self.pause_s)
+        self.version = version
+        return SyncOutcome(True, timings={"transfer_s": staged - t0, "pause_s": time.perf_counter() - staged},
+                           activated_at=time.time())
+
+
+def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results):
+    """A stand-in rollout worker that registers as one does (rollout_service/loop.py): the
+    production follower on a :class:`ServingEngine`, its registry entry (TTL ``ttl_s``)
+    heart-beaten every 0.1 s and rewritten after every update with ``last_sync``."""
+    from rlpipe import registry
+    from weight_sync.follower import WeightFollower
+
+    r, keys = connect(redis_url), Keys(run_id)
+    engine = ServingEngine(worker_id, "ok", results)
+    engine.pause_s = pause_s
+    last_sync = {}
+
+    def publish():
+        registry.heartbeat_worker(r, keys, worker_id, ttl_s, version=engine.version, incarnation="a",
+                                  last_sync=json.dumps(last_sync))
+
+    def synced(s):
+        last_sync.update(version=s.version, **s.timings, activated_at=s.activated_at)
+        publish()
+
+    async def published(incarnation):
+        pass
+
+    async def main():
+        follower = WeightFollower(r, keys.sync, worker_id, engine, 5.0, lambda: None, synced, lambda e: None,
+                                  published)
+        publish()
+        results.put((worker_id, "ready"))
+
+        async def heartbeat():
+            while True:
+                publish()
+                await asyncio.sleep(0.1)
+
+        await asyncio.gather(follower.run(asyncio.Event(), poll_s=0.02), heartbeat())
+
+    asyncio.run(main())
+
+
+def start_serving(redis_server, run_id, pauses: dict[str, float], ttl_s=4.0):
+    """Stand-in workers (id -> activation pause); returns the processes and their reports."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_serving, args=(redis_server.url, run_id, w, ttl_s, pause, results), daemon=True)
+             for w, pause in pauses.items()]
+    for p in procs:
+        p.start()
+    assert sorted(results.get(timeout=120) for _ in procs) == sorted((w, "ready") for w in pauses)
+    return procs, results
+
+
+def test_convergence_counts_the_members_that_switched_from_their_registry_entries():
+    """The rules of weight_sync/convergence.py on registry entries as workers write them: only
+    the members the transfer reached count; one still on the old version holds the version
+    open; a restarted one (another incarnation) or a gone one is not counted; one already on a
+    later version counts with that later switch; a re-sent version keeps its first start."""
+    from weight_sync.convergence import Convergence
+
+    def entry(version, activated_at, pause_s=0.01, incarnation="a"):
+        return {"version": str(version), "incarnation": incarnation,
+                "last_sync": json.dumps({"version": version, "pause_s": pause_s, "activated_at": activated_at})}
+
+    conv = Convergence(max_open=2)
+    conv.started(5, 100.0, {"w0": "a", "w1": "a"})  # w2 was left out: not a member
+    conv.started(5, 200.0, {"w0": "a", "w1": "a", "w2": "a"})  # sent again to a new generation: ignored
+    workers = {"w0": entry(5, 100.5, 0.2), "w1": entry(4, 90.0), "w2": entry(4, 90.0)}
+    assert conv.observe(workers) == []  # w1 has not switched
+    (c,) = conv.observe({**workers, "w1": entry(5, 101.0, 0.1)})
+    assert (c.version, c.seconds, c.pause_max_s, c.workers) == (5, 1.0, 0.2, 2)
+
+    conv.started(6, 110.0, {"w0": "a", "w1": "a"})
+    assert conv.observe({"w0": entry(6, 110.5), "w1": entry(5, 101.0, incarnation="b")})[0].workers == 1
+    conv.started(7, 120.0, {"w0": "a", "w1": "a"})
+    (c,) = conv.observe({"w0": entry(8, 123.0), "w1": entry(7, 121.0, 0.3)})  # w0 switched twice since
+    assert (c.version, c.seconds, c.pause_max_s) == (7, 3.0, 0.3)
+    conv.started(9, 130.0, {"w0": "a"})
+    assert conv.observe({}) == [] and conv.open == []  # its only member is gone: nothing to report
+    for v in (10, 11, 12):  # never served: the oldest is given up past max_open
+        conv.started(v, 140.0 + v, {"w0": "a"})
+    assert [o.version for o in conv.open] == [11, 12]
+
+
+def test_convergence_waits_for_a_stopped_member_and_leaves_it_out_once_its_entry_expires(redis_server, r):
+    """Convergence counts the workers that really switched: a member stopped (SIGSTOP) after its
+    transfer, before it activated the version, holds the version open as long as it is
+    registered, and counts once it resumes and switches; stopped until its registry entry
+    expires, it is left out and not counted. (Stopped before its transfer, a member is not
+    one: gloo's send waits for its receive, times out, and the member is left out of the
+    version, weight_sync/sender.py.)"""
+    import os
+    import signal
+
+    from rlpipe import registry
+    from weight_sync.convergence import Convergence
+
+    run_id = free_run_id("ws")
+    keys = Keys(run_id)
+    # w1 activates slowly (1 s), long enough to be stopped between its transfer and its switch
+    procs, results = start_serving(redis_server, run_id, {"w0": PAUSE_S, "w1": 1.0}, ttl_s=4.0)
+    sender = make_sender(r, run_id, timeout_s=10)
+    weights = model_weights(0)
+    live, conv = {"w0": "a", "w1": "a"}, Convergence()
+
+    def sync(version):
+        t0 = time.time()
+        stats = sender.sync(version, weights.items, live)
+        conv.started(version, t0, stats.received)
+        assert stats.received == live
+        return t0
+
+    def stop_once_staged(version):
+        while results.get(timeout=30) != ("w1", "staged", version):
+            pass
+        os.kill(procs[1].pid, signal.SIGSTOP)
+
+    def converged():
+        return conv.observe(registry.live_workers(r, keys))
+
+    def serves(worker, version):
+        return lambda: registry.live_workers(r, keys).get(worker, {}).get("version") == str(version)
+
+    try:
+        t0 = sync(1)
+        (c,) = wait_for(converged, 30, what="version 1 served by both")
+        assert c.version == 1 and c.workers == 2
+        assert 1.0 <= c.pause_max_s < c.seconds < time.time() - t0  # w1's pause, the longest
+
+        sync(2)
+        stop_once_staged(2)
+        wait_for(serves("w0", 2), 30, what="w0 on version 2")
+        time.sleep(2.0)
+        assert converged() == []  # w1 is registered and has not switched: version 2 is open
+        os.kill(procs[1].pid, signal.SIGCONT)
+        (c,) = wait_for(converged, 30, what="w1 on version 2 once resumed")
+        assert c.version == 2 and c.workers == 2 and c.seconds > 2.0  # it waited for w1
+
+        sync(3)
+        stop_once_staged(3)
+        wait_for(serves("w0", 3), 30, what="w0 on version 3")
+        assert converged() == []
+        (c,) = wait_for(converged, 30, what="w1's registry entry to expire")
+        assert "w1" not in registry.live_workers(r, keys)
+        assert c.version == 3 and c.workers == 1 and c.seconds < 3.0  # w0's switch, not w1's expiry
+        assert c.pause_max_s < 1.0  # w0's pause alone
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        stop(procs)
+        sender.drop()
+
+
+def test_the_learners_row_has_each_phase_of_a_real_sync(redis_server, r, toy_model_path):
+    """One real sync through the learner's FleetSync (fp8 quantized on the learner, two
+    workers): prepare (quantize + pack) and transfer are each > 0 and with forming sum to no
+    more than the sync's wall time; the next step's row has the version's convergence, which
+    covers them and the slowest worker's activation, and the workers' longest pause."""
+    import re
+
+    from prometheus_client import generate_latest
+
+    from learner.channels import FleetSync
+    from learner.metrics import LearnerMetrics
+    from learner.policy import load_policy
+    from rlpipe import registry
+    from rlpipe.config import build_config
+
+    run_id = free_run_id("ws")
+    cfg = build_config({}, environ={}, run_id=run_id, redis_url=redis_server.url, workers=2, **{
+        "model.path": toy_model_path, "rollout.precision": "fp8", "quant.quantize_on": "learner",
+        "sync.bucket_mib": 0.25, "sync.timeout_s": 10.0})
+    procs, _ = start_serving(redis_server, run_id, {"w0": PAUSE_S, "w1": PAUSE_S})
+    metrics = LearnerMetrics(None, run_name=run_id)
+    fleet = FleetSync(cfg, r, Keys(run_id), metrics)
+    model = load_policy(toy_model_path)
+    try:
+        t0 = time.perf_counter()
+        first = fleet.sync(model, 1, 1)
+        wall = time.perf_counter() - t0
+        assert first["weight_sync_members"] == 2 and "weight_sync_failed" not in first
+        phases = [first[f"weight_sync_{p}_seconds"] for p in ("prepare", "transfer")]
+        assert all(p > 0 for p in phases), first
+        assert first["weight_sync_prepare_seconds"] == pytest.approx(first["quant_seconds"]
+                                                                     + first["weight_sync_pack_seconds"])
+        assert sum(phases) + first["weight_sync_form_seconds"] <= first["weight_sync_seconds"] <= wall
+        assert "weight_sync_convergence_seconds" not in first  # measured later, never waited for
+
+        wait_for(lambda: all(f.get("version") == "1" for f in registry.live_workers(r, Keys(run_id)).values()), 30,
+                 what="both workers on version 1")
+        second = fleet.sync(model, 2, 2)
+        assert second["weight_sync_converged_version"] == 1 and second["weight_sync_converged_workers"] == 2
+        assert sum(phases) + first["weight_sync_form_seconds"] < second["weight_sync_convergence_seconds"] < 30
+        assert PAUSE_S <= second["weight_sync_pause_max_seconds"] < second["weight_sync_convergence_seconds"]
+        metrics.record(second)
+        page = generate_latest(metrics.registry).decode()
+        for name in ("prepare", "convergence", "pause_max"):
+            assert re.search(rf"^rlpipe_weight_sync_{name}_seconds\{{[^}}]*\}} \S+$", page, re.M), name
+        for phase in ("prepare", "transfer", "convergence"):
+            assert f'rlpipe_weight_sync_seconds_count{{phase="{phase}",run_id="{run_id}"}} ' in page, phase
+    finally:
+        fleet.drop()
+        stop(procs)

@@ -93,6 +93,50 @@ def test_health_ready_metrics_status(worker):
     assert f'process_start_time_seconds{{run_id="{worker.cfg.run_id}"}}' in metrics
 
 
+def test_each_update_records_its_activation_pause_and_the_pause_excludes_staging(worker, toy_model_path):
+    """The pause is measured where the engine pauses generation (loading the staged weights),
+    one observation per update, on /metrics, /v1/status and in the registry: with a learner
+    that takes a second per bucket to send, the worker stages (receives) for seconds while
+    generating, and the pause stays a small part of that."""
+    import json
+    import re
+
+    def pauses() -> tuple[float, float]:
+        text = worker.http.get("/metrics").text
+        count, total = (float(re.search(rf"^rlpipe_weight_sync_pause_seconds_{k}{{[^}}]*}} (\S+)$", text, re.M)
+                              .group(1)) for k in ("count", "sum"))
+        return count, total
+
+    def last_sync(version: int) -> dict:
+        # the version shows in the engine a moment before the update is recorded
+        return wait_for(lambda: (s := worker.http.get("/v1/status").json()["last_sync"]).get("version") == version
+                        and s, 10, what=f"version {version} recorded")
+
+    model = load_policy(toy_model_path)
+    count, total = pauses()
+    last_sync(worker.sync(model))
+    assert pauses()[0] == count + 1
+
+    def slow(names):  # the learner's gather hook: called before each bucket is packed
+        time.sleep(1.0)
+        return {n: worker.sent[n] for n in names}
+
+    count, total = pauses()
+    worker.sender.gather = slow
+    try:
+        version = worker.sync(model)
+    finally:
+        worker.sender.gather = None
+    last = last_sync(version)
+    assert last["source"] == "learner"
+    new_count, new_total = pauses()
+    assert new_count == count + 1 and new_total - total == pytest.approx(last["pause_s"], abs=1e-5)
+    assert last["transfer_s"] >= 1.0 and 0 < last["pause_s"] < 0.25 * last["transfer_s"]
+    assert last["activated_at"] <= time.time()
+    published = json.loads(registry.live_workers(worker.r, worker.keys)["w0"]["last_sync"])
+    assert published["activated_at"] == last["activated_at"] and published["pause_s"] == last["pause_s"]
+
+
 def test_a_worker_held_by_back_pressure_counts_idle_seconds_and_generating_is_not_idle(worker, toy_model_path):
     """max_lag 0 and a learner that consumes nothing: once its one group is pushed the worker
     has nothing in flight, and every second of that is idle (what the learner sums into its

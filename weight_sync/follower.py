@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
@@ -57,6 +58,7 @@ class SyncOutcome:
     error: str = ""
     refused: bool = False  # the engine declined the generation: it cannot load these weights
     timings: dict[str, float] = field(default_factory=dict)  # transfer_s, read_s, load_s, pause_s
+    activated_at: float = 0.0  # wall clock when the engine resumed on the new weights (0: not said)
 
     @classmethod
     def failed(cls, error: str, refused: bool = False) -> "SyncOutcome":
@@ -71,6 +73,7 @@ class Synced:
     source: str  # "learner" or "checkpoint"
     generation: int
     timings: dict[str, float]
+    activated_at: float  # wall clock when the engine began serving it (weight_sync/convergence.py)
 
 
 @dataclass
@@ -147,7 +150,8 @@ class WeightFollower:
                     res = await self.engine.update(st.version, st.manifest)
                     if res.ok:
                         must_receive = False
-                        self.on_synced(Synced(self.engine.version, "learner", self.generation, res.timings))
+                        self.on_synced(Synced(self.engine.version, "learner", self.generation, res.timings,
+                                              res.activated_at or time.time()))
                     else:
                         self.joined = False
                         self.on_failed(res.error)
@@ -168,7 +172,8 @@ class WeightFollower:
         res = await self.engine.load_checkpoint(ckpt.path, ckpt.version, ckpt.quant_profile)
         if res.ok:
             log.info("caught up to version %d from %s", ckpt.version, ckpt.path)
-            self.on_synced(Synced(self.engine.version, "checkpoint", self.generation, res.timings))
+            self.on_synced(Synced(self.engine.version, "checkpoint", self.generation, res.timings,
+                                  res.activated_at or time.time()))
         else:
             self.on_failed(res.error)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import redis
@@ -63,11 +63,13 @@ class SyncStats:
     generation: int
     form_s: float = 0.0  # forming a new generation (0 when the current one was reused)
     pack_s: float = 0.0  # packing buckets (overlapped with the transfer)
+    prepare_s: float = 0.0  # quantizing and packing: set by the learner's channel (learner/channels.py)
     transfer_s: float = 0.0  # wall time of the transfer not hidden by packing
     sync_s: float = 0.0  # the whole broadcast, packing included
     bytes: int = 0  # per worker, on the wire
     full_bytes: int = 0  # per worker, of the version whole (what a full sync sends)
     delta: bool = False  # the version went as a delta against the previous one (weight_sync/delta.py)
+    received: dict[str, str] = field(default_factory=dict)  # id -> incarnation of the workers it reached
 
 
 class WeightSender:
@@ -144,7 +146,7 @@ class WeightSender:
             t0 = time.perf_counter()
             self._form(candidates, version, manifest, deadline)
             form_s = time.perf_counter() - t0
-        members = list(self._members)
+        members = dict(self._members)
         try:
             stats, failed = self._send(version, tensors)
         except SyncError:
@@ -154,6 +156,7 @@ class WeightSender:
         if failed:
             self.drop()  # the next sync forms a generation without them
         stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
+        stats.received = {w: inc for rank, (w, inc) in enumerate(members.items(), 1) if rank not in failed}
         return stats
 
     def _leave_out_ranks(self, failed: dict[int, str]) -> None:
