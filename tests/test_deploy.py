@@ -702,7 +702,16 @@ def test_multinode_learner_probes(tmp_path):
         assert not probe(0), "node 0 without its HTTP server"
 
 
-@pytest.mark.parametrize("target", TARGETS)
+AUTOSCALED = ["overlays/gpu", "overlays/gpu-multinode"]  # they include components/autoscale
+
+
+def test_only_the_gpu_overlays_autoscale():
+    for target in TARGETS:
+        hpas = [d["metadata"]["name"] for d in render(target) if d["kind"] == "HorizontalPodAutoscaler"]
+        assert hpas == (["rlpipe-rollout"] if target in AUTOSCALED else []), target
+
+
+@pytest.mark.parametrize("target", AUTOSCALED)
 def test_an_autoscaled_fleet_follows_the_learners_metric_within_the_run_configs_bounds(target, tmp_path):
     """The HorizontalPodAutoscaler (components/autoscale) scales the rollout Deployment to the
     metric the learner exports, through the prometheus-adapter rule shipped beside it, within
@@ -710,10 +719,7 @@ def test_an_autoscaled_fleet_follows_the_learners_metric_within_the_run_configs_
     from learner.metrics import METRICS
 
     docs = render(target)
-    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
-    if not hpas:
-        pytest.skip(f"{target} does not autoscale")
-    (hpa,) = hpas
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
     cfg = run_config(docs, tmp_path)
     spec = hpa["spec"]
     ref = spec["scaleTargetRef"]
