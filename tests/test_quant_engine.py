@@ -54,7 +54,7 @@ def quant_worker(request, redis_server, toy_model_path, tmp_path_factory):
     harness.kind, harness.run_dir = request.param, run_dir
     yield harness
     harness.sender.drop()
-    stop_worker(proc)
+    stop_worker(harness.proc)  # a test may have restarted it
 
 
 def fresh_engine_samples(checkpoint, requests, tmp_path) -> list:
