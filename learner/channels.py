@@ -55,8 +55,10 @@ class SyncChannel:
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
                                    channel=precision if mixed else "", fence=fence, device=device,
                                    gather=(lambda names: self.stream(names)) if sharded else None,
-                                   # deltas pay for quantized wires only (weight_sync/delta.py)
-                                   full_every=cfg.sync.delta_full_every if self.wire.cast_to is None else 0)
+                                   # deltas pay for quantized wires only (weight_sync/delta.py); a sharded
+                                   # learner never holds the whole wire, which a delta's base would be
+                                   full_every=cfg.sync.delta_full_every
+                                   if self.wire.cast_to is None and not sharded else 0)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:

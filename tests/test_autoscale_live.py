@@ -59,7 +59,7 @@ def test_the_fleet_grows_while_the_learner_starves_and_shrinks_while_rollout_idl
 
     try:
         wait_for(lambda: roles().get("w1", {}).get("state") == "running", 600, interval=1, what="w1 started")
-        wait_for(lambda: len(windows(2)) >= 5, 300, interval=1, what="windows measured with two workers")
+        wait_for(lambda: len(windows(2)) >= 3, 300, interval=1, what="windows measured with two workers")
         starved, fed = windows(1), windows(2)
         # Rollout turns cheap and the learner slow (a straggler node): the workers idle under back-pressure.
         group_delay.write_text("0")
