@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -56,13 +56,22 @@ class RunCounters:
     trained_groups: int = 0  # in the lineage of the current weights
     trained_digest: int = 0  # group_digest of their ids
     grad_norm_smoothed: float | None = None
+    # Per rollout precision, a mixed fleet's share of the run (the same lineage as trained_groups)
+    trained_by_precision: dict[str, int] = field(default_factory=dict)
+    dropped_stale_by_precision: dict[str, int] = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint written before a field existed restores that field's default."""
         for f in fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
+            elif f.default_factory is not MISSING:
+                setattr(self, f.name, f.default_factory())
+            else:
+                raise KeyError(f"checkpoint counters lack {f.name!r}")
 
 
 SHARDS = "optimizer"  # the sharded format's DCP directory inside a checkpoint

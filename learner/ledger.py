@@ -116,6 +116,9 @@ class Ledger:
             self.dropped_indices.add(e.record.prompt_index)
         self.counters.dropped_stale_total += len(stale)
         self.dropped_this_step += len(stale)
+        for e in stale:
+            by = self.counters.dropped_stale_by_precision
+            by[e.record.precision] = by.get(e.record.precision, 0) + 1
         self.dropped_stale_metric.inc(len(stale))
         if stale:
             log.info("dropped %d groups older than %d versions", len(stale), self.cfg.queue.max_staleness)
@@ -141,6 +144,8 @@ class Ledger:
         self.counters.trained_groups += len(entries)
         for e in entries:
             self.trained_indices.add(e.record.prompt_index)
+            by = self.counters.trained_by_precision
+            by[e.record.precision] = by.get(e.record.precision, 0) + 1
         self.counters.trained_digest = (self.counters.trained_digest + checkpoint.group_digest(
             e.record.group_id for e in entries)) % (1 << 64)
 

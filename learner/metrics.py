@@ -101,6 +101,11 @@ _ROLLOUT = {
     "staleness_mean": "mean versions between sampling and training of the step's groups",
     "staleness_max": "most versions between sampling and training of the step's groups",
     "dropped_stale_step": "groups dropped as too stale while collecting the step",
+    "trained_groups_by_precision_total": "groups trained in the current weights' lineage, per rollout precision "
+                                         "(a mixed fleet's share of the batches)",
+    "dropped_stale_by_precision_total": "groups dropped as too stale, per rollout precision",
+    "staleness_by_precision": "mean and most versions between sampling and training of the step's groups, "
+                              "per rollout precision (a slow precision's groups are the staler)",
     "queue_depth": "entries in the trajectory stream",
     "queue_pending": "stream entries read by the learner and not yet acknowledged (until a checkpoint)",
     "produced_total": "groups pushed to the trajectory stream in the run",
@@ -154,11 +159,13 @@ GROUPS = {"groups_by_precision": "rollout", "reward_by_precision": "train", "sta
           "mismatch_by_precision": "train", "lr_schedule": "train", "weight_sync_by_precision": "sync",
           "quant_worst": "sync", "dropped_stale_total": "rollout", "queue_dead_total": "rollout",
           "rollout_idle_seconds_total": "rollout", "weight_sync_seconds": "sync"}
+# (the *_by_precision_total and staleness_by_precision keys are nested too, described in _ROLLOUT)
 LR_SCHEDULE_HELP = {"lr": "learning rate the schedule gives the next step",
                     "surge_step": "step of the last response-length surge the schedule reacted to",
                     "decay_period": "steps between the schedule's LR halvings",
                     "halvings": "LR halvings so far"}
 BEFORE_RECALIBRATION = "_before_recalibration"
+BY_PRECISION_TOTALS = ("trained_groups_by_precision_total", "dropped_stale_by_precision_total")
 
 
 def describe(key: str) -> tuple[str, str]:
@@ -290,15 +297,17 @@ class LearnerMetrics:
             self.series[name] = kind(f"rlpipe_{name}", text, labels, registry=self.registry)
         return self.series[name]
 
-    def _export(self, name: str, value: float) -> None:
+    def _export(self, name: str, value: float, precision: str | None = None) -> None:
         """A gauge is set; a ``_total`` counter grows by the value's increase since the last row.
         (Its first row in this process adds the whole value: a run total restored from a
         checkpoint continues where the previous process left it, unless that process got past
-        the checkpoint, which Prometheus reads as a counter reset.)"""
-        series = self._series(name, describe(name)[1])
+        the checkpoint, which Prometheus reads as a counter reset.) ``precision``: the series
+        of that rollout precision."""
+        series = self._series(name, describe(name)[1], ("precision",) if precision else ())
+        series, key = (series.labels(precision=precision), (name, precision)) if precision else (series, name)
         if isinstance(series, Counter):
-            series.inc(max(value - self.totals.get(name, 0.0), 0.0))
-            self.totals[name] = max(value, self.totals.get(name, 0.0))
+            series.inc(max(value - self.totals.get(key, 0.0), 0.0))
+            self.totals[key] = max(value, self.totals.get(key, 0.0))
         else:
             series.set(value)
 
@@ -313,11 +322,15 @@ class LearnerMetrics:
                 continue
             if isinstance(value, (int, float)):
                 self._export(name, value)
-        for precision, values in step_metrics.get("mismatch_by_precision", {}).items():
-            for name, value in values.items():
-                gauge = self._series(f"{name}_by_precision", f"{describe(name)[1]}, per rollout precision",
-                                     ("precision",))
-                gauge.labels(precision=precision).set(value)
+        for key in ("mismatch_by_precision", "staleness_by_precision"):  # {precision: {name: value}}
+            for precision, values in step_metrics.get(key, {}).items():
+                for name, value in values.items():
+                    gauge = self._series(f"{name}_by_precision", f"{describe(name)[1]}, per rollout precision",
+                                         ("precision",))
+                    gauge.labels(precision=precision).set(value)
+        for name in BY_PRECISION_TOTALS:  # {precision: run total}: counters labelled by precision
+            for precision, value in step_metrics.get(name, {}).items():
+                self._export(name, value, precision)
         for name, value in step_metrics.get("lr_schedule", {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._series(f"lr_schedule_{name}", LR_SCHEDULE_HELP.get(name, f"LR schedule state {name}")).set(value)

@@ -300,11 +300,14 @@ class PPOStep:
             self.counters.grad_norm_smoothed = step_norm if self.counters.grad_norm_smoothed is None else \
                 a * self.counters.grad_norm_smoothed + (1 - a) * step_norm
         self.counters.groups_skipped_total += int((~informative).sum())
-        by_precision = {}
+        by_precision, staleness_by_precision = {}, {}  # a slow precision's groups are the staler ones
         precisions = [r.precision for r in records for _ in r.samples]
         for p in sorted(set(precisions)):
             rows = torch.tensor([q == p for q in precisions], device=mask.device)
             by_precision[p] = mismatch_metrics(pi_old[rows], mu[rows], mask[rows], clamp)
+            lag = batch.staleness[rows.to(batch.staleness.device)]
+            staleness_by_precision[p] = {"staleness_mean": lag.float().mean().item(),
+                                         "staleness_max": int(lag.max().item())}
         fresh = batch.staleness == 0  # the precision effect alone, without policy lag
         staleness = Counter(int(self.version - r.oldest_version) for r in records)  # oldest model token
         for s, count in staleness.items():
@@ -335,6 +338,7 @@ class PPOStep:
             "staleness_mean": batch.staleness.float().mean().item(),
             "staleness_max": int(batch.staleness.max().item()),
             "staleness_hist": {str(s): c for s, c in sorted(staleness.items())},
+            "staleness_by_precision": staleness_by_precision,
             **mismatch_metrics(pi_old, mu, mask, clamp),
             "mismatch_kl_fresh": mismatch_metrics(pi_old[fresh], mu[fresh], mask[fresh], clamp)["mismatch_kl"]
             if fresh.any() else None,

@@ -382,6 +382,10 @@ class Learner:
             "produced_total": counters["produced"],
             "queue_dead_total": counters["dead"],
             "trained_groups_total": self.run_counters.trained_groups,
+            # every precision of the fleet, from 0: its series exists before its first group
+            **{name: {p: by.get(p, 0) for p in dict.fromkeys([*self.queue.check.precisions, *by])}
+               for name, by in (("trained_groups_by_precision_total", self.run_counters.trained_by_precision),
+                                ("dropped_stale_by_precision_total", self.run_counters.dropped_stale_by_precision))},
             "learner_ranks": self.ranks.world,
             "learner_parallel": self.ranks.parallel,  # none, ddp or fsdp
             "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else 0,

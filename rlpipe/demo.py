@@ -308,6 +308,11 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
             summary[f"mismatch_kl_mean[{p}]"] = mean(x.get("mismatch_by_precision", {}).get(p, {}).get("mismatch_kl")
                                                      for x in rows)
             summary[f"groups[{p}]"] = sum(x.get("groups_by_precision", {}).get(p, 0) for x in rows)
+            summary[f"dropped_stale[{p}]"] = rows[-1].get("dropped_stale_by_precision_total", {}).get(p, 0) \
+                if rows else 0
+            lags = [(x["staleness_by_precision"][p]["staleness_mean"], x["groups_by_precision"][p])
+                    for x in rows if p in x.get("staleness_by_precision", {})]
+            summary[f"staleness_mean[{p}]"] = sum(s * n for s, n in lags) / sum(n for _, n in lags) if lags else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         from rlpipe.plots import plot_run

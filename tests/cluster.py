@@ -62,9 +62,9 @@ class Cluster:
         return connect(self.cfg.redis_url, wait_s=60)
 
     # -- roles -------------------------------------------------------------------------
-    def start_worker(self, worker_id: str, wait: bool = True) -> None:
-        env = {"RLPIPE_CPU_AFFINITY": str(int(worker_id.lstrip("w") or 0) % os.cpu_count())}
-        self.workers[worker_id], _ = launch_worker(self.cfg, self.cfg_path, worker_id, env=env, wait=wait)
+    def start_worker(self, worker_id: str, wait: bool = True, env: dict | None = None, args: tuple[str, ...] = ()) -> None:
+        env = {"RLPIPE_CPU_AFFINITY": str(int(worker_id.lstrip("w") or 0) % os.cpu_count()), **(env or {})}
+        self.workers[worker_id], _ = launch_worker(self.cfg, self.cfg_path, worker_id, env=env, wait=wait, args=args)
 
     def start_learner(self) -> None:
         log = open(self.dir / "learner.log", "a")

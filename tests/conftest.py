@@ -142,9 +142,11 @@ def start_worker(redis_url: str, model_path: str, run_dir: Path, worker_id: str 
     return cfg, proc, address
 
 
-def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, wait: bool = True):
+def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, wait: bool = True,
+                  args: tuple[str, ...] = ()):
     """Start worker ``worker_id`` of the run in ``cfg_path`` (log: <run_dir>/<id>.log, or
-    worker.log for w0); returns (process, address), the address once it registered."""
+    worker.log for w0), with ``rlpipe rollout``'s further ``args``; returns (process,
+    address), the address once it registered."""
     run_dir = Path(cfg.run_dir)
     log_path = run_dir / ("worker.log" if worker_id == "w0" else f"{worker_id}.log")
     address_file = run_dir / f"address-{worker_id}"
@@ -153,7 +155,7 @@ def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, 
            "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(cfg_path),
-                                 "--worker-id", worker_id, "--address-file", str(address_file)],
+                                 "--worker-id", worker_id, "--address-file", str(address_file), *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     r = connect(cfg.redis_url)
 
@@ -192,7 +194,7 @@ def standalone_worker(cfg, run_dir: Path, worker_id: str, token: str):
            "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     with open(run_dir / "worker.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
-                                 "--worker-id", worker_id, "--address-file", str(address_file)],
+                                 "--worker-id", worker_id, "--address-file", str(address_file), *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def ready():

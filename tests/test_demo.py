@@ -162,6 +162,9 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     assert summary["completed"] and summary["precision"] == "int8,bf16" and len(rows) == 5
     assert summary["groups[int8]"] > 0 and summary["groups[bf16]"] > 0
     assert summary["groups_trained"] == summary["groups[int8]"] + summary["groups[bf16]"]
+    assert rows[-1]["trained_groups_by_precision_total"] == {"int8": summary["groups[int8]"],
+                                                            "bf16": summary["groups[bf16]"]}
+    assert all(summary[f"staleness_mean[{p}]"] >= 0 for p in ("int8", "bf16"))
     # every version reached both workers, each on its channel, with the int8 profile's tensors
     assert all(r["weight_sync_members"] == 2 and set(r["weight_sync_by_precision"]) == {"int8", "bf16"} for r in rows)
     assert all(r["quant_profile"] == profile.hash and r["quant_kl_vs_bf16"] < 0.05 for r in rows)
