@@ -44,18 +44,22 @@ def say(msg: str) -> None:
     print(f"[delta_sync] {msg}", file=sys.stderr, flush=True)
 
 
-def train(steps: int, groups: int, out: Path) -> Path:
-    """A whole int8 demo run that keeps every version's checkpoint; returns its run dir."""
+def train(steps: int, groups: int | None, out: Path, config: str | None = None, rid: str = "delta-int8") -> Path:
+    """A whole int8 demo run that keeps every version's checkpoint; returns its run dir.
+    ``config``: a recipe's file (the real model's), the demo's own without; ``groups``: its
+    ``learner.groups_per_step`` (None: the recipe's)."""
     import shutil
+
+    import yaml
 
     from rlpipe.config import build_config
     from rlpipe.demo import run_demo
 
-    rid = "delta-int8"
     shutil.rmtree(out / rid, ignore_errors=True)  # a kept run dir would be resumed, not trained anew
-    cfg = build_config({}, environ={}, seed=0, run_id=rid, steps=steps, workers=1,
-                       **{"rollout.precision": "int8", "learner.groups_per_step": groups,
-                          "learner.checkpoint_every": 1, "learner.checkpoint_keep": 10_000})
+    base = yaml.safe_load(Path(config).read_text()) if config else {}
+    cfg = build_config(base, environ={}, seed=0, run_id=rid, steps=steps, workers=1,
+                       **{"rollout.precision": "int8", "learner.checkpoint_every": 1, "learner.checkpoint_keep": 10_000,
+                          "eval.every": 0, **({"learner.groups_per_step": groups} if groups else {})})
     t0 = time.time()
     run_demo(cfg, runs_dir=str(out), progress=False, timeout_s=3600)
     say(f"trained {steps} steps in {time.time() - t0:.0f}s")
@@ -161,7 +165,7 @@ def measure(run: Path, repeats: int) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], run: Path, args):
+def report(rows: list[dict], run: Path, args, real: tuple[list[dict], Path] | None = None):
     from rlpipe.results import Section, figure
 
     sec = Section("delta_sync", "Delta weight sync: bytes per sync over a real int8 run, delta vs full vs bf16")
@@ -218,9 +222,27 @@ def report(rows: list[dict], run: Path, args):
              "checksums (CRC-32 of each held and produced tensor) included in encode and in apply; 'unchecked' "
              "skips them. At this size (0.5 MB, 40 tensors per sync) the times are mostly per-tensor overhead, and "
              "this machine is shared: read them as an order of magnitude.")
+    if real:
+        real_rows, real_run = real
+        real_cfg = yaml.safe_load((real_run / "config.yaml").read_text())
+        by_wire = []
+        for wire in dict.fromkeys(r["wire"] for r in real_rows):
+            rs = [r for r in real_rows if r["wire"] == wire]
+            by_wire.append([wire, rs[0]["full_bytes"], statistics.median(r["delta_bytes"] for r in rs),
+                            statistics.median(r["ratio"] for r in rs), max(r["ratio"] for r in rs),
+                            statistics.median(r["visible"] for r in rs) if "visible" in rs[0] else None,
+                            statistics.median(r["encode_s"] for r in rs) * 1e3 if "encode_s" in rs[0] else None,
+                            statistics.median(r["apply_s"] for r in rs) * 1e3 if "apply_s" in rs[0] else None])
+        sec.table(f"The real model's recipe: {real_cfg['model']['path'].rstrip('/').split('/')[-1]}, int8 rollout, "
+                  f"learning rate {real_cfg['learner']['lr']:g}, median over {len(real_rows) // len(by_wire)} syncs",
+                  ["wire", "full B", "delta B", "delta / full", "worst delta / full", "int8/fp8 weights changed",
+                   "encode ms", "apply ms"], by_wire,
+                  note=f"`rlpipe demo --config configs/smollm2-math.yaml --precision int8`, {real_cfg['steps']} steps "
+                       f"of {real_cfg['learner']['groups_per_step']} groups, checkpoint every step ({real_run.name}); "
+                       "the same measurement as above, on the recipe's own learning rate.")
     if args.quick:
         sec.note("--quick: a few steps of the toy, CI-sized; the numbers mean little.")
-    sec.data = {"run": str(run), "rows": rows}
+    sec.data = {"run": str(run), "rows": rows, **({"real_run": str(real[1]), "real_rows": real[0]} if real else {})}
     return sec
 
 
@@ -234,6 +256,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", help="where the run is kept (runs/delta_sync, or runs/delta_sync-quick)")
     ap.add_argument("--from-run", help="measure this kept run instead of training one")
     ap.add_argument("--reuse", help="measure this run if it is an int8 run with a checkpoint at step 1, else train")
+    ap.add_argument("--real-steps", type=int, default=0,
+                    help="also train the real model's recipe (configs/smollm2-math.yaml) this many steps in int8 "
+                         "and measure its syncs (0: not)")
+    ap.add_argument("--real-from-run", help="measure this kept run of the real model's recipe instead")
     ap.add_argument("--json", help="write the report section here (rlpipe/results.py)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -249,8 +275,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t0 = time.time()
     rows = measure(run, args.repeats)
     say(f"measured {len(rows)} syncs in {time.time() - t0:.0f}s")
+    real = None
+    if args.real_from_run or args.real_steps:
+        out = Path(args.out) if args.out else ROOT / "runs" / "delta_sync"
+        real_run = Path(args.real_from_run) if args.real_from_run else \
+            train(args.real_steps, None, out.resolve(), str(ROOT / "configs" / "smollm2-math.yaml"), "delta-int8-smollm2")
+        real = (measure(real_run, args.repeats), real_run)
     if args.json:
-        report(rows, run, args).write(args.json)
+        report(rows, run, args, real).write(args.json)
     return rows
 
 

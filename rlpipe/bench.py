@@ -67,7 +67,7 @@ PARTS = (
          ("--finding", "int8", "--steps", "40"), ("--finding", "int8", "--quick"), ("int8",), "--json-dir"),
     # --quick measures the int8 part's quick run (it checkpoints every step) instead of training one
     Part("delta_sync", "delta weight sync: bytes per sync over a real int8 run, delta vs full int8 vs bf16",
-         "bench/delta_sync.py", (), ("--quick", "--reuse", "runs/seeds/int8/runs/int8-tis-s0"), ("delta_sync",)),
+         "bench/delta_sync.py", ("--real-steps", "6"), ("--quick", "--reuse", "runs/seeds/int8/runs/int8-tis-s0"), ("delta_sync",)),
     Part("real", "GRPO on SmolLM2-135M-Instruct, held-out accuracy", "bench/seeds.py",
          ("--finding", "real"), ("--finding", "real", "--quick"), ("real",), "--json-dir"),
     Part("real-int8", "int8 calibration on SmolLM2: the monitors per layer, the engines' mismatch on real answers",
