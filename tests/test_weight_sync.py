@@ -16,7 +16,7 @@ import torch
 
 from rlpipe.queue import Keys, connect
 from tests.conftest import free_run_id, wait_for
-from weight_sync.manifest import Manifest, pack_bucket, plan_buckets, unpack_bucket
+from weight_sync.manifest import Manifest, chunks, pack_bucket, pack_chunk, plan_buckets, unpack_bucket
 from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync
 from weight_sync.sender import WeightSender
 from weight_sync.transport import IncompatibleWorker, SyncError
@@ -63,6 +63,27 @@ def test_wire_dtype_cast_happens_in_packing():
     m = plan_buckets([("w", torch.bfloat16, (3,))], bucket_bytes=64)
     (name, got), = unpack_bucket(m.buckets[0], pack_bucket(m.buckets[0], t))
     assert got.dtype == torch.bfloat16 and torch.equal(got, t["w"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("chunk_bytes", [8, 24, 4096, 0])
+def test_chunks_cut_through_tensors_and_pack_what_whole_buckets_pack(chunk_bytes):
+    """A whole version goes in chunks that need not respect tensors: a tensor cut between
+    chunks packs (and casts) each part where whole-bucket packing puts it."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(37, 3, generator=gen), "b": torch.randn(5, generator=gen),
+               "c": torch.randint(-128, 127, (1001,), dtype=torch.int8, generator=gen),
+               "d": torch.randn(2, 2, generator=gen)}
+    specs = [(n, torch.bfloat16 if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    m = plan_buckets(specs, bucket_bytes=200, chunk_bytes=chunk_bytes)
+    spans = chunks(m)
+    whole = [pack_bucket(b, tensors) for b in m.buckets]
+    got = [torch.full((b.nbytes,), 0xAB, dtype=torch.uint8) for b in m.buckets]
+    for c in spans:
+        assert 0 < c.end - c.start <= (chunk_bytes or m.buckets[c.bucket].nbytes)
+        pack_chunk(m.buckets[c.bucket], c, tensors, got[c.bucket][c.start: c.end])
+    assert all(torch.equal(w, g) for w, g in zip(whole, got))
+    assert sum(c.end - c.start for c in spans) == m.nbytes  # each byte in exactly one chunk
+    assert Manifest.from_json(m.to_json()) == m
 
 
 def test_a_version_is_published_only_into_the_hash_of_its_generation(r):
@@ -175,9 +196,9 @@ def start_receivers(redis_server, run_id, modes: dict[str, str], versions: int =
     return procs, results
 
 
-def make_sender(r, run_id, timeout_s, bucket_bytes=256 << 10):
+def make_sender(r, run_id, timeout_s, bucket_bytes=256 << 10, **kw):
     return WeightSender(r, Keys(run_id), "127.0.0.1", timeout_s=timeout_s, bucket_bytes=bucket_bytes,
-                        wire_dtype=torch.float32)
+                        wire_dtype=torch.float32, **kw)
 
 
 def stop(procs):
@@ -187,9 +208,13 @@ def stop(procs):
 
 
 def test_broadcast_to_two_receivers_is_bit_exact(redis_server, r):
+    """In chunks of 40,008 bytes: most cut through a tensor, and the sender packs them into a
+    ring of a few buffers it reuses while earlier chunks are still on the wire."""
+    from weight_sync.sender import RING
+
     run_id = free_run_id("ws")
     procs, results = start_receivers(redis_server, run_id, {"w0": "ok", "w1": "ok"}, versions=2)
-    sender = make_sender(r, run_id, timeout_s=30)
+    sender = make_sender(r, run_id, timeout_s=30, chunk_bytes=40_008)
     live = {"w0": "a", "w1": "a"}
     for version, seed in [(5, 0), (6, 1)]:
         weights = model_weights(seed)
@@ -199,6 +224,8 @@ def test_broadcast_to_two_receivers_is_bit_exact(redis_server, r):
         assert stats.members == 2 and stats.bytes == sum(t.numel() * 4 for t in weights.values())
     assert stats.form_s == 0  # the second version reused the generation
     assert len(sender.manifest.buckets) >= 2  # "big" (1.2 MB) exceeds a 256 KiB bucket
+    assert len(chunks(sender.manifest)) > 30 and len(sender.buffers) == RING  # each buffer used many times
+    assert all(b.numel() == 40_008 for b in sender.buffers)
     assert read_sync(r, Keys(run_id).sync).members == ("w0", "w1")
     stop(procs)
     sender.drop()

@@ -55,6 +55,7 @@ class Manifest:
     quant_compat: str = ""  # what an engine must have been started for to load them (quant/profile.py)
     transport: str = "gloo"  # how versions travel: gloo (in the buckets), nccl or ipc (weight_sync/nccl.py, ipc.py)
     delta: bool = False  # versions after the first of a generation may travel as deltas (weight_sync/delta.py)
+    chunk_bytes: int = 0  # gloo sends a whole version in chunks of this many bytes (0: a bucket a send)
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +68,8 @@ class Manifest:
             data["transport"] = self.transport
         if self.delta:
             data["delta"] = True
+        if self.chunk_bytes:
+            data["chunk_bytes"] = self.chunk_bytes
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -77,7 +80,7 @@ class Manifest:
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
         return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""),
-                   data.get("transport", "gloo"), data.get("delta", False))
+                   data.get("transport", "gloo"), data.get("delta", False), data.get("chunk_bytes", 0))
 
     @property
     def hash(self) -> str:
@@ -95,7 +98,8 @@ def header_tensor(version: int, manifest_hash: str, base: int = -1, index_nbytes
 
 
 def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, quant_profile: str = "",
-                 quant_compat: str = "", transport: str = "gloo", delta: bool = False) -> Manifest:
+                 quant_compat: str = "", transport: str = "gloo", delta: bool = False,
+                 chunk_bytes: int = 0) -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
@@ -117,7 +121,7 @@ def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
             used += nbytes
         if slots:
             buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
-    return Manifest(tuple(buckets), quant_profile, quant_compat, transport, delta)
+    return Manifest(tuple(buckets), quant_profile, quant_compat, transport, delta, chunk_bytes)
 
 
 def _numel(shape) -> int:
@@ -137,6 +141,42 @@ def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Ten
         view = out[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)
         view.copy_(src)  # casts to the wire dtype where the source differs
     return out
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes ``[start, end)`` of bucket ``bucket``: one send of a version over gloo."""
+
+    bucket: int
+    start: int
+    end: int
+
+
+def chunks(manifest: Manifest) -> list[Chunk]:
+    """How a whole version travels over gloo: every bucket cut into ``chunk_bytes`` pieces
+    (whole buckets without), in order. Chunk ``j`` goes with tag ``j + 1`` (the header has
+    tag 0). Small sends let the sender pack a piece while the one before is on the wire,
+    so packing hides behind the transfer even for a model of one bucket."""
+    out = []
+    for i, b in enumerate(manifest.buckets):
+        step = manifest.chunk_bytes or b.nbytes
+        out += [Chunk(i, start, min(start + step, b.nbytes)) for start in range(0, b.nbytes, step)]
+    return out
+
+
+def pack_chunk(bucket: Bucket, chunk: Chunk, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Copy the parts of the bucket's tensors that fall in ``chunk`` (cast to the bucket's
+    dtype) into ``out``, a uint8 buffer of the chunk's size. A chunk's bounds are multiples
+    of the dtype's size, as every tensor's offset is."""
+    dtype = DTYPES[bucket.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for slot in bucket.tensors:
+        lo, hi = max(chunk.start, slot.offset), min(chunk.end, slot.offset + slot.nbytes)
+        if lo >= hi:
+            continue
+        src = tensors[slot.name].detach().reshape(-1)
+        dst = out[lo - chunk.start: hi - chunk.start].view(dtype)
+        dst.copy_(src[(lo - slot.offset) // itemsize: (hi - slot.offset) // itemsize])
 
 
 def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

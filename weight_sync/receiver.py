@@ -23,13 +23,15 @@ from quant.delta import DeltaMismatch
 from rlpipe.auth import sync_token
 from weight_sync.delta import apply_version, bucket_checksums, payload_sizes
 from weight_sync.gate import GateClient
-from weight_sync.manifest import HEADER_LEN, Manifest, header_tensor, unpack_bucket
+from weight_sync.manifest import HEADER_LEN, Manifest, chunks, header_tensor, unpack_bucket
 from weight_sync.transport import GlooGroup, SyncError, check_in
 
 # Fault injection for the tests: RLPIPE_CRASH_AT=receiving:<version>:<k> SIGKILLs the
 # receiving process (a worker's engine) as it is about to receive bucket k of that
-# version. Unset in normal runs.
+# version (its first chunk). Unset in normal runs.
 CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
+
+AHEAD = 4  # chunks of a whole version posted ahead of the one waited on (the sender packs into a ring of 4)
 
 
 def join_group(host: str, port: int, slot: int | str, generation: int, timeout_s: float,
@@ -93,21 +95,22 @@ class WeightReceiver:
         header_work = group.recv(header, 0, 0)
         # Without deltas the first bucket is posted with the header (one round trip less
         # for small models); it is only loaded after the header checked out.
-        works = [group.recv(self.buffers[0], 0, 1)] if self.buffers and not manifest.delta else []
+        spans = chunks(manifest)
+        views = [self.buffers[c.bucket][c.start: c.end] for c in spans]
+        works = [group.recv(views[0], 0, 1)] if views and not manifest.delta else []
         group.wait(header_work)
         _check_header(header, version, manifest)
         base, index_nbytes = int(header[2]), int(header[3])
         if base >= 0:
             self._apply_delta(version, base, held, index_nbytes)
         else:
-            if not works and self.buffers:
-                works.append(group.recv(self.buffers[0], 0, 1))
-            for i in range(len(self.buffers)):
-                if i + 1 < len(self.buffers):
-                    if CRASH_AT == f"receiving:{version}:{i + 1}":
+            for j in range(len(views)):  # up to AHEAD chunks posted before waiting on chunk j
+                while len(works) < min(j + AHEAD, len(views)):
+                    k = len(works)
+                    if spans[k].start == 0 and CRASH_AT == f"receiving:{version}:{spans[k].bucket}":
                         os.kill(os.getpid(), signal.SIGKILL)
-                    works.append(group.recv(self.buffers[i + 1], 0, i + 2))
-                group.wait(works[i])
+                    works.append(group.recv(views[k], 0, k + 1))
+                group.wait(works[j])
             if manifest.delta:
                 self.crcs = bucket_checksums(self.buffers)
         self.held = version

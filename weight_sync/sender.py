@@ -3,7 +3,10 @@ broadcast every new version as packed buckets.
 
 Each broadcast starts with a small header (version, manifest hash) so a receiver can
 refuse a transfer that is not the one it expects. Packing is pipelined with the
-transfer: bucket i+1 is packed while gloo sends bucket i. Under ``sync.transport: nccl``
+transfer: a whole version goes over gloo in chunks of ``chunk_bytes`` (weight_sync/manifest.py
+``chunks``), and chunk j+1 is cast and packed while gloo's own thread sends chunk j, in a
+ring of a few chunk-sized buffers (so a model of one bucket overlaps too, and the sender
+holds a few chunks, not two whole buckets). Under ``sync.transport: nccl``
 or ``ipc`` the generation and the headers stay on gloo and the weights go over a device
 data plane: one NCCL broadcast (weight_sync/nccl.py), or CUDA IPC handles of a buffer on
 learner rank 0's GPU (weight_sync/ipc.py).
@@ -46,13 +49,18 @@ from rlpipe.queue import Keys
 from weight_sync.gate import Gate
 from weight_sync.ipc import IpcBroadcast
 from weight_sync.delta import bucket_checksums, encode_version
-from weight_sync.manifest import Manifest, header_tensor, pack_bucket, plan_buckets
+from weight_sync.manifest import Manifest, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
                                     read_sync)
 from weight_sync.transport import NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot
 
 log = logging.getLogger(__name__)
+
+# A whole version's gloo sends: 16 MiB chunks, packed into a ring of 4 buffers (bench/weight_sync.py
+# measured the overlap against a raw send of the same bytes).
+CHUNK_BYTES = 16 * 2**20
+RING = 4
 
 
 @dataclass
@@ -76,7 +84,8 @@ class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
                  wire_dtype: torch.dtype | None, channel: str = "",
                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
-                 device: NcclBroadcast | IpcBroadcast | None = None, full_every: int = 0):
+                 device: NcclBroadcast | IpcBroadcast | None = None, full_every: int = 0,
+                 chunk_bytes: int = CHUNK_BYTES):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
         just before packing it, so the whole model is never gathered at once. ``fence``: the
@@ -85,18 +94,22 @@ class WeightSender:
         the gloo group carrying only the generation, its control messages and each
         version's header; it names the manifest's transport. ``full_every``: with K > 0
         (gloo only), a generation's versions after its first travel as deltas against the
-        one before (weight_sync/delta.py), and every K-th version whole."""
+        one before (weight_sync/delta.py), and every K-th version whole. ``chunk_bytes``: the
+        size of a whole version's gloo sends (a multiple of 8; 0: a bucket a send)."""
         self.r, self.keys, self.fence = r, keys, fence
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
         self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
         self.bucket_bytes, self.wire_dtype, self.gather = bucket_bytes, wire_dtype, gather
+        if chunk_bytes % 8:
+            raise ValueError(f"chunk_bytes must be a multiple of 8, not {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         self.device = device
         self.group: GlooGroup | None = None
         self.gate: Gate | None = None  # the current generation's (with a token)
         self.state = SyncState()
         self.manifest: Manifest | None = None
-        self.buffers: list[torch.Tensor] = []  # two, each the size of the largest bucket: packed in turn
+        self.buffers: list[torch.Tensor] = []  # the ring a whole version's chunks are packed into in turn
         self._members: dict[str, str] = {}  # id -> incarnation of the current generation ({} without one)
         self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
         self.left_out_total = 0
@@ -127,7 +140,8 @@ class WeightSender:
         specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
                   tuple(t.shape)) for name, t in tensors.items()]
         return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat,
-                            self.device.transport if self.device else "gloo", delta=self.full_every > 0)
+                            self.device.transport if self.device else "gloo", delta=self.full_every > 0,
+                            chunk_bytes=0 if self.device else self.chunk_bytes)
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
              live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> SyncStats:
@@ -174,8 +188,13 @@ class WeightSender:
         self.drop()
         if self.manifest is None or manifest.hash != self.manifest.hash:
             self.manifest = manifest
-            largest = max((b.nbytes for b in manifest.buckets), default=0)
-            self.buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(min(2, len(manifest.buckets)))]
+            spans = chunks(manifest)
+            largest = max((c.end - c.start for c in spans), default=0)
+            # RING chunks in flight, but never more bytes than two whole buckets (what a
+            # bucket-by-bucket pipeline holds: a sharded learner's memory is measured by it)
+            two_buckets = 2 * max((b.nbytes for b in manifest.buckets), default=0)
+            ring = min(RING, len(spans), max(2, two_buckets // max(largest, 1)))
+            self.buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(ring)]
         names = list(candidates)
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
         # Never a number this process used before, even if the hash went back or is gone;
@@ -246,19 +265,25 @@ class WeightSender:
         in_flight = post(header_tensor(version, self.manifest.hash), 0)
         if self.device:
             return self._broadcast_device(version, tensors, in_flight, finish, failed, t0)
-        pack_s = 0.0
-        for i, bucket in enumerate(self.manifest.buckets):
-            # Two buffers in turn: bucket i-2's send, the last use of this one, has finished.
-            buf = self.buffers[i % len(self.buffers)][: bucket.nbytes]
+        pack_s, sending, source, packed_bucket = 0.0, [], None, -1  # sending: the chunks on the wire, oldest first
+        for j, chunk in enumerate(chunks(self.manifest)):
+            bucket = self.manifest.buckets[chunk.bucket]
+            if len(sending) == len(self.buffers):  # chunk j - RING's send, the last use of its buffer
+                finish(sending.pop(0))
+            buf = self.buffers[j % len(self.buffers)][: chunk.end - chunk.start]
             tp = time.perf_counter()
-            source = self.gather([slot.name for slot in bucket.tensors]) if self.gather else tensors
-            pack_bucket(bucket, source, buf)  # while the previous bucket is on the wire
-            del source
+            if chunk.bucket != packed_bucket:  # a sharded learner's bucket, gathered whole once
+                source = None  # (the last bucket's freed first)
+                source = self.gather([slot.name for slot in bucket.tensors]) if self.gather else tensors
+                packed_bucket = chunk.bucket
+            pack_chunk(bucket, chunk, source, buf)  # while the chunks before it are on the wire
             pack_s += time.perf_counter() - tp
-            works = post(buf, i + 1)
-            finish(in_flight)
-            in_flight = works
-        finish(in_flight)
+            sending.append(post(buf, j + 1))
+            finish(in_flight)  # the header's sends (then nothing)
+            in_flight = {}
+        del source
+        for works in [in_flight, *sending]:
+            finish(works)
         if len(failed) == group.world_size - 1:
             raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
         total = time.perf_counter() - t0
@@ -269,35 +294,40 @@ class WeightSender:
 
     def _send_keeping(self, version: int, tensors: dict[str, torch.Tensor], post: Callable, finish: Callable,
                       failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
-        """A generation that allows deltas: every bucket is packed first and kept (the next
-        version's base, as each member keeps it), then the version goes as deltas against
+        """A generation that allows deltas: every bucket is packed and kept (the next
+        version's base, as each member keeps it), and the version goes as deltas against
         the last one every member holds, or whole: the generation's first, every
-        ``full_every``-th, and any whose deltas would not save a tenth."""
+        ``full_every``-th, and any whose deltas would not save a tenth. A version known to
+        go whole sends each bucket's chunks as soon as it is packed; a delta needs every
+        bucket encoded first (its index, which comes first, sizes them all)."""
         manifest = self.manifest
-        tp = time.perf_counter()
-        packed = []
-        for bucket in manifest.buckets:
+        held, self.held = self.held, None  # until every member has this version
+        may_delta = held is not None and self.since_full + 1 < self.full_every
+        spans = list(enumerate(chunks(manifest), 1))  # (tag, chunk)
+        works = [] if may_delta else [post(header_tensor(version, manifest.hash), 0)]
+        pack_s, packed = 0.0, []
+        for i, bucket in enumerate(manifest.buckets):
+            tp = time.perf_counter()
             source = self.gather([slot.name for slot in bucket.tensors]) if self.gather else tensors
             packed.append(pack_bucket(bucket, source))
             del source
-        held, self.held = self.held, None  # until every member has this version
-        payloads, index = packed, None
-        if held is not None and self.since_full + 1 < self.full_every:
+            pack_s += time.perf_counter() - tp
+            if not may_delta:  # on the wire while the next bucket is packed
+                works += [post(packed[i][c.start: c.end], tag) for tag, c in spans if c.bucket == i]
+        index = None
+        if may_delta:
+            tp = time.perf_counter()
             index, deltas, crcs = encode_version(manifest, held[1], packed, held[2])
+            pack_s += time.perf_counter() - tp
             if index.numel() + sum(d.numel() for d in deltas) < 0.9 * manifest.nbytes:
-                payloads = deltas
+                works.append(post(header_tensor(version, manifest.hash, held[0], index.numel()), 0))
+                works += [post(index, 1)] + [post(d, 2 + i) for i, d in enumerate(deltas) if d.numel()]
             else:
                 index = None
+                works.append(post(header_tensor(version, manifest.hash), 0))
+                works += [post(packed[c.bucket][c.start: c.end], tag) for tag, c in spans]
         if index is None:
-            crcs = bucket_checksums(packed)
-        pack_s = time.perf_counter() - tp
-        header = header_tensor(version, manifest.hash, held[0] if index is not None else -1,
-                               index.numel() if index is not None else 0)
-        works = [post(header, 0)] + ([post(index, 1)] if index is not None else [])
-        first = 2 if index is not None else 1
-        for i, payload in enumerate(payloads):
-            if payload.numel():
-                works.append(post(payload, first + i))
+            crcs = bucket_checksums(packed)  # while the buckets are on the wire
         for w in works:
             finish(w)
         if len(failed) == self.group.world_size - 1:
@@ -307,7 +337,7 @@ class WeightSender:
         if not failed:
             self.held = (version, packed, crcs)
             self.since_full = self.since_full + 1 if index is not None else 0
-        sent = sum(p.numel() for p in payloads) + (index.numel() if index is not None else 0)
+        sent = manifest.nbytes if index is None else index.numel() + sum(d.numel() for d in deltas)
         return SyncStats(0, 0, pack_s=pack_s, transfer_s=total - pack_s, sync_s=total, bytes=sent,
                          full_bytes=manifest.nbytes, delta=index is not None), failed
 
