@@ -194,7 +194,7 @@ def standalone_worker(cfg, run_dir: Path, worker_id: str, token: str):
            "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     with open(run_dir / "worker.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
-                                 "--worker-id", worker_id, "--address-file", str(address_file), *args],
+                                 "--worker-id", worker_id, "--address-file", str(address_file)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def ready():
