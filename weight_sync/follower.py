@@ -64,6 +64,13 @@ class SyncOutcome:
     def failed(cls, error: str, refused: bool = False) -> "SyncOutcome":
         return cls(False, error, refused)
 
+    @classmethod
+    def of(cls, reply: dict) -> "SyncOutcome":
+        """An engine process's JSON-able reply (weight_sync/stager.py, through
+        ``collective_rpc``) as a typed outcome: its ``*_s`` keys are its timings."""
+        return cls(bool(reply.get("ok")), reply.get("error") or "", bool(reply.get("refused")),
+                   {k: v for k, v in reply.items() if k.endswith("_s")}, float(reply.get("activated_at", 0.0)))
+
 
 @dataclass
 class Synced:
