@@ -48,11 +48,10 @@ class DeviceUpdates:
         self.manifest: Manifest | None = None
         self.initialized = False
 
-    async def join(self, host: str, port: int, slot, generation: int, manifest_json: str,
+    async def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest,
                    timeout_s: float) -> SyncOutcome:
         """Check in (or refuse), take the init info, and init vLLM's transfer engine."""
         await self.leave()
-        manifest = Manifest.from_json(manifest_json)
         refuse = incompatibility(manifest, self.shapes, self.engine.profile.compat, self.transport)
         try:
             self.group, self.relay = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s,
@@ -81,10 +80,9 @@ class DeviceUpdates:
             return dict(INIT_INFO)
         return await asyncio.to_thread(worker_handshake, self.group, engine_processes(self.engine.cfg.engine))
 
-    async def update(self, version: int, manifest_json: str) -> SyncOutcome:
+    async def update(self, version: int, manifest: Manifest) -> SyncOutcome:
         """Take the version's header over gloo, then receive and load it with generation
         paused."""
-        manifest = Manifest.from_json(manifest_json)
         if self.group is None or self.manifest is None or manifest.hash != self.manifest.hash:
             return SyncOutcome.failed("not in this generation")
         try:
@@ -100,10 +98,8 @@ class DeviceUpdates:
             await llm.finish_weight_update(weight_version=str(version))
             return {"ok": True}
 
-        from rollout_service.engine import _outcome
-
         async with self.engine._update_lock:
-            return _outcome(await self.engine._apply(version, "learner", transfer))
+            return SyncOutcome.of(await self.engine._apply(version, "learner", transfer))
 
     async def _receive(self, manifest: Manifest) -> None:
         """The version's bytes into the engine: nccl's in one packed broadcast described by
