@@ -142,7 +142,7 @@ class RolloutEngine:
         if self.transport in DEVICE_TRANSPORTS:
             from rollout_service.device_updates import DeviceUpdates
 
-            self.device_updates = DeviceUpdates(self, self.transport)
+            self.device_updates = DeviceUpdates.of(self)
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
@@ -225,12 +225,21 @@ class RolloutEngine:
         """Receive ``version`` while generating, then load it with generation paused. The
         weights carry their quantization profile (a recalibrated one after a recalibration)."""
         if self.device_updates:
-            result = await self.device_updates.update(version, manifest)
+            result = await self._device_update(version, manifest)
         else:
             result = await self._stage_and_apply(version, "learner", "receive", version, manifest.hash)
         if result.ok:
             self.quant_profile = manifest.quant_profile or self.quant_profile
         return result
+
+    async def _device_update(self, version: int, manifest: Manifest) -> SyncOutcome:
+        """Under nccl or ipc: take the version's header while generating, then receive and
+        load it with generation paused (rollout_service/device_updates.py)."""
+        if error := await self.device_updates.expect(version, manifest):
+            return SyncOutcome.failed(error)
+        async with self._update_lock:
+            return SyncOutcome.of(await self._apply(version, "learner",
+                                                    lambda: self.device_updates.transfer(version, manifest)))
 
     async def load_checkpoint(self, model_dir: str, version: int, quant_profile: str | None = None) -> SyncOutcome:
         """Catch up to a checkpoint's weights (a worker that missed syncs); a quantized

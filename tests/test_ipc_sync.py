@@ -345,7 +345,7 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
 
     engine = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout, transport="ipc")
     engine.llm = FakeLLM()
-    engine.device_updates = DeviceUpdates(engine, "ipc")  # as RolloutEngine.start makes it
+    engine.device_updates = DeviceUpdates.of(engine)  # as RolloutEngine.start makes it
     gen = torch.Generator().manual_seed(1)
     tensors = {n: torch.randn(shape, generator=gen) for n, shape in checkpoint_shapes(toy_model_path).items()}
     run_id = free_run_id("ipcengine")
