@@ -109,7 +109,6 @@ class SyncEngine(Protocol):
     async def update(self, version: int, manifest: Manifest) -> SyncOutcome:
         """Receive and load ``version`` of the joined generation, whose manifest is ``manifest``."""
 
-
     async def load_checkpoint(self, path: str, version: int, quant_profile: str | None) -> SyncOutcome: ...
 
 
