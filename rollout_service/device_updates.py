@@ -11,11 +11,14 @@ pipeline parallel, nccl only) must join once, as one member. vLLM's ``AsyncLLM``
 fans the init and every update out to each of its processes, which under nccl get their
 own rank (offset + their rank in the engine) and load whole tensors narrowed to their shard.
 
-Unlike gloo's staged updates, generation is paused for the whole transfer (vLLM's engines
-load chunk by chunk as they arrive), and a transfer that fails part-way leaves a mix of
-old and new layers: that is :class:`WeightsCorrupted`, and the worker exits rather than
-serve it (rollout_service/worker.py). Catching up from a checkpoint stays on the engine's
-staged path (rollout_service/worker_ext.py).
+The rollout engine (rollout_service/engine.py) drives it one way, as it drives the staged
+path under gloo: it joins with the manifest the follower parsed, takes each version's
+header while generating (:meth:`DeviceUpdates.expect`), then pauses generation for
+:meth:`DeviceUpdates.transfer`. Unlike gloo's staged updates, generation is paused for
+the whole transfer (vLLM's engines load chunk by chunk as they arrive), and a transfer
+that fails part-way leaves a mix of old and new layers: that is the engine's
+``WeightsCorrupted``, and the worker exits rather than serve it (rollout_service/worker.py).
+Catching up from a checkpoint stays on the engine's staged path (weight_sync/stager.py).
 
 GPU only: this module needs CUDA and has never run in this project. What it decides is
 tested on CPU (tests/test_nccl_sync.py, tests/test_ipc_sync.py); the calls are vLLM's,
@@ -40,20 +43,27 @@ log = logging.getLogger(__name__)
 
 
 class DeviceUpdates:
-    def __init__(self, engine, transport: str):
-        self.engine = engine  # the RolloutEngine: its AsyncLLM, and its paused apply
+    def __init__(self, llm, transport: str, shapes: dict[str, tuple[int, ...]], quant_compat: str,
+                 engine_ranks: int):
+        self.llm = llm  # the engine's AsyncLLM: its transfer engine's lifecycle
         self.transport = transport  # nccl or ipc: vLLM's weight_transfer_config backend
-        self.shapes = checkpoint_shapes(engine.model_dir)
+        self.shapes, self.quant_compat = shapes, quant_compat  # what a manifest must fit
+        self.engine_ranks = engine_ranks  # the engine's processes, each a rank of the NCCL group
         self.group = self.relay = None
         self.manifest: Manifest | None = None
         self.initialized = False
 
-    async def join(self, host: str, port: int, slot, generation: int, manifest_json: str,
+    @classmethod
+    def of(cls, engine) -> "DeviceUpdates":
+        """For a started ``RolloutEngine`` (its AsyncLLM, transport, model and precision)."""
+        return cls(engine.llm, engine.transport, checkpoint_shapes(engine.model_dir), engine.profile.compat,
+                   engine_processes(engine.cfg.engine))
+
+    async def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest,
                    timeout_s: float) -> SyncOutcome:
         """Check in (or refuse), take the init info, and init vLLM's transfer engine."""
         await self.leave()
-        manifest = Manifest.from_json(manifest_json)
-        refuse = incompatibility(manifest, self.shapes, self.engine.profile.compat, self.transport)
+        refuse = incompatibility(manifest, self.shapes, self.quant_compat, self.transport)
         try:
             self.group, self.relay = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s,
                                                              refuse)
@@ -66,8 +76,8 @@ class DeviceUpdates:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         try:
-            await asyncio.wait_for(self.engine.llm.init_weight_transfer_engine(
-                WeightTransferInitRequest(init_info=info)), timeout_s)
+            await asyncio.wait_for(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                                   timeout_s)
         except Exception as e:  # the learner's init failed or timed out: it re-forms without us
             await self.leave()
             return SyncOutcome.failed(f"{self.transport} init: {e!r}")
@@ -79,31 +89,27 @@ class DeviceUpdates:
         ipc's needs no rendezvous."""
         if self.transport == "ipc":
             return dict(INIT_INFO)
-        return await asyncio.to_thread(worker_handshake, self.group, engine_processes(self.engine.cfg.engine))
+        return await asyncio.to_thread(worker_handshake, self.group, self.engine_ranks)
 
-    async def update(self, version: int, manifest_json: str) -> SyncOutcome:
-        """Take the version's header over gloo, then receive and load it with generation
-        paused."""
-        manifest = Manifest.from_json(manifest_json)
+    async def expect(self, version: int, manifest: Manifest) -> str | None:
+        """Take ``version``'s header over gloo, while generating; why not (the generation
+        is then left), or None."""
         if self.group is None or self.manifest is None or manifest.hash != self.manifest.hash:
-            return SyncOutcome.failed("not in this generation")
+            return "not in this generation"
         try:
             await asyncio.to_thread(expect_header, self.group, version, manifest)
         except SyncError as e:
             await self.leave()
-            return SyncOutcome.failed(str(e))
-        llm = self.engine.llm
+            return str(e)
+        return None
 
-        async def transfer() -> dict:
-            await llm.start_weight_update()
-            await self._receive(manifest)
-            await llm.finish_weight_update(weight_version=str(version))
-            return {"ok": True}
-
-        from rollout_service.engine import _outcome
-
-        async with self.engine._update_lock:
-            return _outcome(await self.engine._apply(version, "learner", transfer))
+    async def transfer(self, version: int, manifest: Manifest) -> dict:
+        """Receive and load ``version`` (the engine has paused generation): an exception
+        here may leave a mix of old and new layers."""
+        await self.llm.start_weight_update()
+        await self._receive(manifest)
+        await self.llm.finish_weight_update(weight_version=str(version))
+        return {"ok": True}
 
     async def _receive(self, manifest: Manifest) -> None:
         """The version's bytes into the engine: nccl's in one packed broadcast described by
@@ -111,7 +117,7 @@ class DeviceUpdates:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async def load(info: dict) -> None:
-            await self.engine.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
 
         if self.transport == "ipc":
             await receive_version(self.group, manifest, load)
@@ -121,7 +127,7 @@ class DeviceUpdates:
     async def leave(self) -> None:
         if self.initialized:
             try:
-                await self.engine.llm.shutdown_weight_transfer_engine()
+                await self.llm.shutdown_weight_transfer_engine()
             except Exception as e:
                 log.warning("leaving the %s transfer: %r", self.transport, e)
             self.initialized = False

@@ -8,6 +8,11 @@ weight updates in flight.
   pauses with ``mode="keep"`` (running requests are frozen, not aborted), the new weights
   are loaded, the prefix cache is reset and generation resumes. Every request in flight
   records at which of its tokens the version changed.
+- An update runs one way: the weight follower (weight_sync/follower.py) calls this
+  engine, which runs the slow steps in its worker process through ``collective_rpc``
+  (the binding, rollout_service/worker_ext.py, and its ``WeightStager``,
+  weight_sync/stager.py) and pauses only to load; under nccl or ipc it drives
+  rollout_service/device_updates.py instead.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from rollout_service import vllm_compat
 from rollout_service.engine_args import engine_args_problems, engine_processes
 from rollout_service.worker_ext import EXTENSION_CLS
 from weight_sync.follower import SyncOutcome
+from weight_sync.manifest import Manifest
 from weight_sync.nccl import DEVICE_TRANSPORTS
 
 log = logging.getLogger(__name__)
@@ -136,7 +142,7 @@ class RolloutEngine:
         if self.transport in DEVICE_TRANSPORTS:
             from rollout_service.device_updates import DeviceUpdates
 
-            self.device_updates = DeviceUpdates(self, self.transport)
+            self.device_updates = DeviceUpdates.of(self)
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
@@ -206,24 +212,34 @@ class RolloutEngine:
             if result is not None:
                 return result
 
-    async def join(self, host: str, port: int, candidate: int, generation: int, manifest_json: str,
+    async def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest,
                    timeout_s: float) -> SyncOutcome:
+        """Check in under ``slot`` and join ``generation`` (or refuse it) while generating;
+        the manifest crosses to the engine process once, as JSON, and stays there."""
         if self.device_updates:
-            return await self.device_updates.join(host, port, candidate, generation, manifest_json, timeout_s)
-        return _outcome(await self._in_worker("join", host, port, candidate, generation, manifest_json, timeout_s))
+            return await self.device_updates.join(host, port, slot, generation, manifest, timeout_s)
+        return SyncOutcome.of(await self._in_worker("join", host, port, slot, generation, manifest.to_json(),
+                                                    timeout_s))
 
-    async def update(self, version: int, manifest_json: str) -> SyncOutcome:
+    async def update(self, version: int, manifest: Manifest) -> SyncOutcome:
         """Receive ``version`` while generating, then load it with generation paused. The
         weights carry their quantization profile (a recalibrated one after a recalibration)."""
         if self.device_updates:
-            result = await self.device_updates.update(version, manifest_json)
+            result = await self._device_update(version, manifest)
         else:
-            result = await self._stage_and_apply(version, "learner", "receive", version, manifest_json)
+            result = await self._stage_and_apply(version, "learner", "receive", version, manifest.hash)
         if result.ok:
-            from weight_sync.manifest import Manifest
-
-            self.quant_profile = Manifest.from_json(manifest_json).quant_profile or self.quant_profile
+            self.quant_profile = manifest.quant_profile or self.quant_profile
         return result
+
+    async def _device_update(self, version: int, manifest: Manifest) -> SyncOutcome:
+        """Under nccl or ipc: take the version's header while generating, then receive and
+        load it with generation paused (rollout_service/device_updates.py)."""
+        if error := await self.device_updates.expect(version, manifest):
+            return SyncOutcome.failed(error)
+        async with self._update_lock:
+            return SyncOutcome.of(await self._apply(version, "learner",
+                                                    lambda: self.device_updates.transfer(version, manifest)))
 
     async def load_checkpoint(self, model_dir: str, version: int, quant_profile: str | None = None) -> SyncOutcome:
         """Catch up to a checkpoint's weights (a worker that missed syncs); a quantized
@@ -236,7 +252,7 @@ class RolloutEngine:
     async def _stage_and_apply(self, version: int, source: str, op: str, *args) -> SyncOutcome:
         async with self._update_lock:
             staged = await self._in_worker(op, *args)
-            return _outcome({**staged, **await self._apply(version, source)} if staged["ok"] else staged)
+            return SyncOutcome.of({**staged, **await self._apply(version, source)} if staged["ok"] else staged)
 
     async def _load_staged(self) -> dict:
         return (await self.llm.collective_rpc("rlpipe_apply"))[0]
@@ -276,8 +292,3 @@ class RolloutEngine:
             self.llm.shutdown()
             self.llm = None
 
-
-def _outcome(result: dict) -> SyncOutcome:
-    """The engine process's reply (JSON-able, through collective_rpc) as a typed outcome."""
-    return SyncOutcome(bool(result.get("ok")), result.get("error") or "", bool(result.get("refused")),
-                       {k: v for k, v in result.items() if k.endswith("_s")}, float(result.get("activated_at", 0.0)))

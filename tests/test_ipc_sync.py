@@ -184,18 +184,16 @@ class IpcMember(Member):
         super().__init__(worker_id, 1)
         self.fail, self.received, self.handles = fail, {}, []
 
-    async def join(self, host, port, slot, generation, manifest_json, timeout_s):
+    async def join(self, host, port, slot, generation, manifest, timeout_s):
         from weight_sync.follower import SyncOutcome
 
         self.group, _ = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s)
         self.info = dict(INIT_INFO)
         return SyncOutcome(True)
 
-    async def update(self, version, manifest_json):
+    async def update(self, version, manifest):
         from weight_sync.follower import SyncOutcome
-        from weight_sync.manifest import Manifest
 
-        manifest = Manifest.from_json(manifest_json)
         try:
             await asyncio.to_thread(expect_header, self.group, version, manifest)
             await receive_version(self.group, manifest, self.load)
@@ -347,7 +345,7 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
 
     engine = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout, transport="ipc")
     engine.llm = FakeLLM()
-    engine.device_updates = DeviceUpdates(engine, "ipc")  # as RolloutEngine.start makes it
+    engine.device_updates = DeviceUpdates.of(engine)  # as RolloutEngine.start makes it
     gen = torch.Generator().manual_seed(1)
     tensors = {n: torch.randn(shape, generator=gen) for n, shape in checkpoint_shapes(toy_model_path).items()}
     run_id = free_run_id("ipcengine")

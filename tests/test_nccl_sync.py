@@ -197,17 +197,17 @@ class Member:
         self.worker_id, self.engine_ranks = worker_id, engine_ranks
         self.info, self.versions, self.group, self.version = None, [], None, -1
 
-    async def join(self, host, port, slot, generation, manifest_json, timeout_s):
+    async def join(self, host, port, slot, generation, manifest, timeout_s):
         from weight_sync.follower import SyncOutcome
 
         self.group, _ = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s)
         self.info = await asyncio.to_thread(worker_handshake, self.group, self.engine_ranks)
         return SyncOutcome(True)
 
-    async def update(self, version, manifest_json):
+    async def update(self, version, manifest):
         from weight_sync.follower import SyncOutcome
 
-        await asyncio.to_thread(expect_header, self.group, version, Manifest.from_json(manifest_json))
+        await asyncio.to_thread(expect_header, self.group, version, manifest)
         self.versions.append(version)
         self.version = version
         return SyncOutcome(True)

@@ -197,23 +197,21 @@ def test_the_sync_survives_the_loss_of_its_hash(worker, toy_model_path):
 
 def _worker_without_vllm(redis_url: str, run_id: str, model_dir: str) -> None:
     """A registered rollout worker of ``model_dir``, without vLLM: the production follower,
-    checking in through the worker extension's own join (which refuses a manifest that does
+    checking in through the engine process's own stager (which refuses a manifest that does
     not fit the model's checkpoint, as a vLLM worker does)."""
     import asyncio
 
-    from rollout_service.worker_ext import RlpipeWorkerExtension
     from weight_sync.follower import SyncOutcome, WeightFollower
-    from weight_sync.names import checkpoint_shapes
+    from weight_sync.stager import WeightStager
 
-    ext = RlpipeWorkerExtension()
-    ext._rlpipe_shapes = checkpoint_shapes(model_dir)  # what rlpipe_init reads, without the vLLM parts
+    stager = WeightStager.for_model(model_dir)  # as the worker extension's rlpipe_init makes it
 
     class Engine:
         version = -1
 
-        async def join(self, host, port, slot, generation, manifest_json, timeout_s):
-            res = await asyncio.to_thread(ext._rlpipe_join, host, port, slot, generation, manifest_json, timeout_s)
-            return SyncOutcome(res["ok"], res.get("error", ""), bool(res.get("refused")))
+        async def join(self, host, port, slot, generation, manifest, timeout_s):
+            return SyncOutcome.of(await asyncio.to_thread(stager.join, host, port, slot, generation, manifest,
+                                                          timeout_s))
 
     r, keys = connect(redis_url), Keys(run_id)
 

@@ -98,50 +98,48 @@ def test_a_version_is_published_only_into_the_hash_of_its_generation(r):
     assert not r.exists(key)
 
 
+def model_of(manifest, mode: str) -> dict[str, tuple[int, ...]]:
+    """A stand-in worker's model: the tensors the learner sends, but "embed" in ``refuse`` mode."""
+    return {t.name: t.shape for b in manifest.buckets for t in b.tensors
+            if not (mode == "refuse" and t.name == "embed")}
+
+
 class ChecksumEngine:
     """A stand-in for the vLLM engine behind the real ``WeightFollower``: it joins and
-    receives through ``WeightReceiver`` and reports each version's checksum instead of
-    loading it; or misbehaves as ``mode`` says (``refuse`` the manifest, ``hang`` after
-    joining, ``crash`` in the middle of version 3 via RLPIPE_CRASH_AT)."""
+    receives through the engine process's own ``WeightStager`` and reports each version's
+    checksum instead of loading it; or misbehaves as ``mode`` says (``refuse`` the manifest,
+    ``hang`` after joining, ``crash`` in the middle of version 3 via RLPIPE_CRASH_AT)."""
 
     def __init__(self, worker_id, mode, results, timeout_s=5.0):
         self.worker_id, self.mode, self.results, self.timeout_s = worker_id, mode, results, timeout_s
         self.version = -1
-        self.receiver = None
+        self.stager = None
 
-    async def join(self, host, port, candidate, generation, manifest_json, timeout_s):
+    async def join(self, host, port, slot, generation, manifest, timeout_s):
         from weight_sync.follower import SyncOutcome
-        from weight_sync.receiver import WeightReceiver
-        from weight_sync.transport import LeftOut
+        from weight_sync.stager import WeightStager
 
-        if self.receiver is not None:
-            self.receiver.close()
-        refuse = None
-        if self.mode == "refuse":  # its model lacks the learner's "embed"
-            from weight_sync.manifest import incompatibility
-
-            m = Manifest.from_json(manifest_json)
-            refuse = incompatibility(m, {t.name: t.shape for b in m.buckets for t in b.tensors if t.name != "embed"})
-        try:
-            self.receiver = await asyncio.to_thread(WeightReceiver.join, host, port, candidate, generation,
-                                                    Manifest.from_json(manifest_json), self.timeout_s, refuse)
-        except (LeftOut, SyncError) as e:
-            self.results.put((self.worker_id, type(e).__name__, generation))
-            return SyncOutcome.failed(str(e), refused=refuse is not None)
-        if self.mode == "hang":
+        self.stager = self.stager or WeightStager(model_of(manifest, self.mode), manifest.quant_compat)
+        reply = await asyncio.to_thread(self.stager.join, host, port, slot, generation, manifest, self.timeout_s)
+        if not reply["ok"]:
+            self.results.put((self.worker_id, "LeftOut" if reply.get("left_out") else "SyncError", generation))
+        elif self.mode == "hang":
             await asyncio.sleep(60)
-        return SyncOutcome(True)
+        return SyncOutcome.of(reply)
 
-    async def update(self, version, manifest_json):
+    async def stage(self, version, manifest):
+        """Receive ``version`` into the stager; the outcome, and the weights it staged."""
         from weight_sync.follower import SyncOutcome
 
-        try:
-            weights = await asyncio.to_thread(self.receiver.receive, version, Manifest.from_json(manifest_json))
-        except SyncError as e:
-            return SyncOutcome.failed(str(e))
-        self.version = version
-        self.results.put((self.worker_id, checksum(weights), version))
-        return SyncOutcome(True)
+        outcome = SyncOutcome.of(await asyncio.to_thread(self.stager.receive, version, manifest.hash))
+        return outcome, self.stager.take()
+
+    async def update(self, version, manifest):
+        outcome, weights = await self.stage(version, manifest)
+        if outcome.ok:
+            self.version = version
+            self.results.put((self.worker_id, checksum(weights), version))
+        return outcome
 
     async def load_checkpoint(self, path, version, quant_profile):
         raise AssertionError("no checkpoints here")
@@ -442,14 +440,13 @@ class ServingEngine(ChecksumEngine):
 
     pause_s = PAUSE_S
 
-    async def update(self, version, manifest_json):
+    async def update(self, version, manifest):
         from weight_sync.follower import SyncOutcome
 
         t0 = time.perf_counter()
-        try:
-            await asyncio.to_thread(self.receiver.receive, version, Manifest.from_json(manifest_json))
-        except SyncError as e:
-            return SyncOutcome.failed(str(e))
+        outcome, _ = await self.stage(version, manifest)
+        if not outcome.ok:
+            return outcome
         staged = time.perf_counter()
         self.results.put((self.worker_id, "staged", version))
         await asyncio.sleep(self.pause_s)

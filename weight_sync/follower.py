@@ -18,14 +18,20 @@ drive an engine through the small :class:`SyncEngine` protocol.
   A generation is new when its identity (number and random id) is one not seen before,
   not only when its number is higher: the sync hash may be lost and a learner then counts
   again from 1 (weight_sync/rendezvous.py).
+  The generation's manifest is parsed once, here, when joining; the engine's stager
+  keeps its own for the generation (parsed once, on its side of vLLM's
+  ``collective_rpc``), so an update crosses with its version and the manifest's hash.
 - A higher version in the joined generation means: receive it and load it.
 - A worker left out (it checked in late, a transfer failed, or the learner had not seen
   it yet) catches up from the newest checkpoint on disk and asks back in by drawing a
   new *incarnation*, the token the learner keys membership on.
 
-The engine protocol is what ``rollout_service.engine.RolloutEngine`` implements for vLLM;
-the weight-sync tests drive the same follower with a stand-in engine over
-:class:`~weight_sync.receiver.WeightReceiver`.
+The engine protocol is what ``rollout_service.engine.RolloutEngine`` implements for vLLM.
+An update runs one way from here: the follower, the engine (which pauses generation to
+load), its worker process's binding (rollout_service/worker_ext.py), the
+:class:`~weight_sync.stager.WeightStager` there, and its
+:class:`~weight_sync.receiver.WeightReceiver`. The weight-sync tests drive the same
+follower with stand-in engines over the same stager.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from typing import Awaitable, Callable, Protocol
 import redis
 
 from rlpipe.auth import sync_token
-from weight_sync.rendezvous import read_sync
+from weight_sync.manifest import Manifest
+from weight_sync.rendezvous import SyncState, read_sync
 from weight_sync.transport import check_in_slot
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,13 @@ class SyncOutcome:
     @classmethod
     def failed(cls, error: str, refused: bool = False) -> "SyncOutcome":
         return cls(False, error, refused)
+
+    @classmethod
+    def of(cls, reply: dict) -> "SyncOutcome":
+        """An engine process's JSON-able reply (weight_sync/stager.py, through
+        ``collective_rpc``) as a typed outcome: its ``*_s`` keys are its timings."""
+        return cls(bool(reply.get("ok")), reply.get("error") or "", bool(reply.get("refused")),
+                   {k: v for k, v in reply.items() if k.endswith("_s")}, float(reply.get("activated_at", 0.0)))
 
 
 @dataclass
@@ -88,11 +102,12 @@ class Checkpoint:
 class SyncEngine(Protocol):
     version: int
 
-    async def join(self, host: str, port: int, slot: str, generation: int, manifest_json: str,
+    async def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest,
                    timeout_s: float) -> SyncOutcome:
-        """Check in under ``slot`` and join (``WeightReceiver.join``)."""
+        """Check in under ``slot`` and join ``generation``, or refuse it (``WeightStager.join``)."""
 
-    async def update(self, version: int, manifest_json: str) -> SyncOutcome: ...
+    async def update(self, version: int, manifest: Manifest) -> SyncOutcome:
+        """Receive and load ``version`` of the joined generation, whose manifest is ``manifest``."""
 
     async def load_checkpoint(self, path: str, version: int, quant_profile: str | None) -> SyncOutcome: ...
 
@@ -121,6 +136,7 @@ class WeightFollower:
         self.held = {self.incarnation}  # every incarnation this follower has had
         self.token = sync_token()
         self.joined = False
+        self.manifest: Manifest | None = None  # the joined generation's, parsed once
 
     async def run(self, stopping: asyncio.Event, poll_s: float = 0.05) -> None:
         await self.catch_up()
@@ -129,33 +145,9 @@ class WeightFollower:
             try:
                 st = await asyncio.to_thread(read_sync, self.r, self.sync_key)
                 if st.generation and st.identity not in self.seen:
-                    self.seen.add(st.identity)
-                    self.generation = st.generation
-                    self.joined = must_receive = False
-                    candidate = st.candidate_of(self.worker_id)
-                    if candidate is None:
-                        await self.ask_back("a generation formed without this worker")
-                    else:
-                        listed = st.incarnation_of(self.worker_id)
-                        slot = check_in_slot(self.token, st.generation, candidate, self.worker_id,
-                                             listed if listed in self.held else self.incarnation, st.manifest_hash)
-                        res = await self.engine.join(st.master_addr, st.master_port, slot, st.generation,
-                                                     st.manifest, self.timeout_s)
-                        self.joined = must_receive = res.ok
-                        if not res.ok:
-                            self.on_failed(res.error)
-                            if not res.refused:
-                                await self.ask_back(res.error)
+                    must_receive = await self.join(st)
                 if self.joined and (must_receive or st.version > self.engine.version):
-                    res = await self.engine.update(st.version, st.manifest)
-                    if res.ok:
-                        must_receive = False
-                        self.on_synced(Synced(self.engine.version, "learner", self.generation, res.timings,
-                                              res.activated_at or time.time()))
-                    else:
-                        self.joined = False
-                        self.on_failed(res.error)
-                        await self.ask_back(res.error)
+                    must_receive = not await self.update(st.version)
             except asyncio.CancelledError:
                 raise
             except self.fatal:
@@ -163,6 +155,44 @@ class WeightFollower:
             except Exception as e:  # Redis hiccup: keep serving, try again
                 log.warning("sync follower: %r", e)
             await asyncio.sleep(poll_s)
+
+    async def join(self, st: SyncState) -> bool:
+        """Join a generation not seen before, or stay out of it; True when joined. Its
+        manifest is parsed here, once: the engine keeps it for the generation."""
+        self.seen.add(st.identity)
+        self.generation, self.joined, self.manifest = st.generation, False, None
+        candidate = st.candidate_of(self.worker_id)
+        if candidate is None:
+            await self.ask_back("a generation formed without this worker")
+            return False
+        try:
+            self.manifest = Manifest.from_json(st.manifest)
+        except (ValueError, KeyError, TypeError) as e:
+            res = SyncOutcome.failed(f"generation {st.generation}'s manifest is unreadable: {e!r}")
+        else:
+            listed = st.incarnation_of(self.worker_id)
+            slot = check_in_slot(self.token, st.generation, candidate, self.worker_id,
+                                 listed if listed in self.held else self.incarnation, st.manifest_hash)
+            res = await self.engine.join(st.master_addr, st.master_port, slot, st.generation, self.manifest,
+                                         self.timeout_s)
+        self.joined = res.ok
+        if not res.ok:
+            self.on_failed(res.error)
+            if not res.refused:
+                await self.ask_back(res.error)
+        return res.ok
+
+    async def update(self, version: int) -> bool:
+        """Receive and load ``version`` of the joined generation; out of it when that fails."""
+        res = await self.engine.update(version, self.manifest)
+        if res.ok:
+            self.on_synced(Synced(self.engine.version, "learner", self.generation, res.timings,
+                                  res.activated_at or time.time()))
+            return True
+        self.joined = False
+        self.on_failed(res.error)
+        await self.ask_back(res.error)
+        return False
 
     async def catch_up(self) -> None:
         """Load the newest checkpoint on disk if it is newer than the engine's weights."""

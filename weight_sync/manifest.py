@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Iterable
 
 import torch
@@ -82,7 +83,7 @@ class Manifest:
         return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""),
                    data.get("transport", "gloo"), data.get("delta", False), data.get("chunk_bytes", 0))
 
-    @property
+    @cached_property  # a manifest is frozen: its hash is computed once, not at every check
     def hash(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
