@@ -92,7 +92,8 @@ class SyncChannel:
         return stats, quant_metrics
 
 
-def rollout_from_weights(wire: Wire, served: dict[str, str], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rollout_from_weights(wire: Wire, served: dict[str, str],
+                         weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A quantized wire's tensors made from whole ``weights`` keyed by parameter name
     (``served``: parameter name -> the name it is sent under)."""
     params = {served[n]: weights[n] for n in served}
