@@ -13,7 +13,7 @@ Per sync v-1 -> v, for each wire: full bytes, delta bytes, delta / full, and for
 share of int8 weights changed (the learner's own ``quant_update_visible_fraction`` beside
 it), the encodings chosen, and the time split (1 thread): encode (compare, pick, pack,
 with both checksums), apply in place into the held tensors with the checksums checked, and
-the same apply unchecked. Also int8 in the other weight range (quant ``int8_weights``: 8-bit,
+the same apply unchecked. Also int8 in the other weight range (``quant.int8.weights``: 8-bit,
 or 7-bit on CPUs without VNNI), re-quantized here from the same weights.
 
     python bench/delta_sync.py                         # 12 steps, 16 groups per step (a few minutes)
@@ -86,7 +86,7 @@ def versions(run: Path):
     from quant.profile import QuantProfile
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    profile = QuantProfile.load(cfg["quant"]["profile"])
+    profile = QuantProfile.load(cfg["quant"]["int8"]["profile"])
     base = {n: t.float() for n, t in load_file(Path(cfg["model"]["path"]) / "model.safetensors").items()}
     yield 0, base, profile.int8_tensors(base)[0], profile
     for ck in sorted((run / "checkpoints").glob("step_*")):
@@ -192,7 +192,7 @@ def report(rows: list[dict], run: Path, args, real: tuple[list[dict], Path] | No
               ["wire", "full B", "delta B", "delta / full", "worst delta / full", "int8/fp8 weights changed",
                "encode ms", "apply ms"], summary,
               note="`int8` is the wire as sent; `int8 (7-bit|8-bit weights)` re-quantizes the same weights in the "
-                   "other weight range (quant `int8_weights`: 7-bit on CPUs without VNNI, else 8-bit); "
+                   "other weight range (`quant.int8.weights`: 7-bit on CPUs without VNNI, else 8-bit); "
                    "`fp8` is learner-side per-channel float8_e4m3fn; `bf16` is the weights cast. Each delta is against "
                    "the same wire's previous version.")
     fig, ((ax,),) = figure(1)

@@ -59,8 +59,8 @@ def profile_dir(model: str, activations: str, workdir: Path) -> str:
     from rlpipe.config import build_config
     from rlpipe.demo import resolve_quant_profile
 
-    cfg = build_config({}, environ={}, **{"model.path": model, "quant.activations": activations,
-                                          "quant.calibration_samples": 64, "quant.probe_samples": 16})
+    cfg = build_config({}, environ={}, **{"model.path": model, "quant.int8.activations": activations,
+                                          "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})
     return resolve_quant_profile(cfg, model, workdir / f"profile-{Path(model).name}-{activations}",
                                  progress=False, log=lambda m: None)
 
@@ -73,12 +73,12 @@ def engine_run(model: str, precision: str, profile: str, prompts: int, n: int, m
     from vllm.inputs import TokensPrompt
 
     from quant.profiles import profile_for
-    from rlpipe.config import QuantConfig, RolloutConfig, TaskConfig
+    from rlpipe.config import Int8Quant, QuantConfig, RolloutConfig, TaskConfig
     from rollout_service.engine import RolloutEngine
     from rollout_service.tasks import make_task
 
     kind, _, activations = precision.partition("-")
-    quant = QuantConfig(profile=profile, activations=activations or "static")
+    quant = QuantConfig(int8=Int8Quant(profile=profile, activations=activations or "static"))
     engine_profile = profile_for(kind, quant=quant, model_path=model)
 
     cfg = RolloutConfig(max_model_len=64 + max_tokens, kv_cache_gib=2)
@@ -183,7 +183,7 @@ def sync_rows(args, workdir: Path, size: str, redis_url: str) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from quant.transfer import CastWeights, Fp8Weights, Int8Weights
-    from rlpipe.config import QuantConfig
+    from rlpipe.config import Int8Quant
     from rlpipe.queue import Keys, connect
     from weight_sync.sender import WeightSender
 
@@ -193,7 +193,7 @@ def sync_rows(args, workdir: Path, size: str, redis_url: str) -> list[dict]:
     model_path = model_dir(size, workdir)
     prof = profile_dir(model_path, "static", workdir)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    wires = {"bf16": CastWeights(torch.bfloat16), "int8": Int8Weights(QuantProfile.load(prof), QuantConfig(profile=prof)),
+    wires = {"bf16": CastWeights(torch.bfloat16), "int8": Int8Weights(QuantProfile.load(prof), Int8Quant(profile=prof)),
              "fp8": Fp8Weights("bench")}
     rows = []
     ctx = mp.get_context("spawn")

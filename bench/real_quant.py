@@ -162,10 +162,10 @@ def engine_answers(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     from quant.profiles import profile_for
-    from rlpipe.config import QuantConfig, RolloutConfig
+    from rlpipe.config import Int8Quant, QuantConfig, RolloutConfig
     from rollout_service.engine import RolloutEngine
 
-    quant = QuantConfig(profile=spec["profile"], activations=spec["activations"])
+    quant = QuantConfig(int8=Int8Quant(profile=spec["profile"], activations=spec["activations"]))
     engine_profile = profile_for(spec["precision"], quant=quant, model_path=spec["model"])
     cfg = RolloutConfig(max_model_len=spec["max_model_len"], kv_cache_gib=2)
     t0 = time.perf_counter()
@@ -244,7 +244,7 @@ def measure_mismatch(cfg, model_dir: str, profile_dir: Path, workdir: Path, prom
     train, held_out = make_task(cfg.task), make_eval_task(cfg)
     train_prompts = [train.prompt(i) for i in range(prompts)]
     eval_prompts = [held_out.prompt(i) for i in range(min(eval_rows, held_out.size))]
-    spec = {"model": model_dir, "profile": str(profile_dir), "activations": cfg.quant.activations,
+    spec = {"model": model_dir, "profile": str(profile_dir), "activations": cfg.quant.int8.activations,
             "max_model_len": cfg.rollout.max_model_len, "n": cfg.sampling.n,
             "temperature": cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens,
             "train": [encode(p.text) for p in train_prompts], "eval": [encode(p.text) for p in eval_prompts],
@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     import tempfile
 
-    quick = {"sampling.max_tokens": 24, "quant.calibration_samples": 16, "quant.probe_samples": 4} if args.quick else {}
+    quick = {"sampling.max_tokens": 24, "quant.int8.calibration_samples": 16,
+             "quant.int8.probe_samples": 4} if args.quick else {}
     if args.quick:
         args.prompts, args.eval_rows = 4, 4
     results = {}

@@ -374,7 +374,8 @@ FINDINGS: dict[str, Finding] = {
                "128-row interval (about +-6 points). All three int8 runs ended lower and neither bf16 run did; "
                "a hint worth a longer run, not evidence. The int8 monitor's KL against the bf16 model of the "
                "same weights (probe set) grows as the policy trains, 0.022 at step 1 to 0.06-0.10 at step 10, "
-               "and warned from step 6-7 (`quant.max_kl_vs_bf16` 0.05, `quant.recalibrate: warn`, the default); "
+               "and warned from step 6-7 (`quant.int8.max_kl_vs_bf16` 0.05, `quant.int8.recalibrate: warn`, the "
+               "default); "
                "`auto` would have recalibrated there, which was not tried.",
                "How these runs were made: two at a time on the 2 cores, each run's worker on core 0 and learner "
                "on core 1. Three runs were killed for memory (two real-model runs need about 18 GB) and are not "
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
     ap.add_argument("--json-dir", default=str(ROOT / "docs" / "results"), help="writes <json-dir>/<finding>.json")
     ap.add_argument("--out", default="runs/seeds", help="runs are kept in <out>/<finding>/runs")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config key for every arm, e.g. --set quant.activations=dynamic")
+                    help="a config key for every arm, e.g. --set quant.int8.activations=dynamic")
     ap.add_argument("--from-runs", action="store_true", help="redo tables and plots from the runs kept in --out")
     args = ap.parse_args(argv)
     names = args.finding.split(",")

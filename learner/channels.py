@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from quant.transfer import Stream, rollout_weights
+from quant.transfer import Stream, Wire, rollout_weights
 from rlpipe import registry
 from rlpipe.gpus import role_transport
 from weight_sync.convergence import Converged, Convergence
@@ -42,10 +42,11 @@ class Collectives:
 
 
 class SyncChannel:
-    def __init__(self, cfg, r, keys, precision: str, mixed: bool, sharded: Collectives | None = None, fence=None):
+    def __init__(self, cfg, r, keys, precision: str, sharded: Collectives | None = None, fence=None):
         self.precision = precision
-        self.mixed = mixed  # a fleet of several precisions: only workers registered with ours
-        self.wire = rollout_weights(precision, cfg.quant, cfg.model.path)
+        # A fleet's precisions have a channel each, for the workers registered with theirs only.
+        self.channel = cfg.rollout.channel(precision)
+        self.wire: Wire = rollout_weights(precision, cfg.quant, cfg.model.path)
         self.sharded, self.stream = sharded, None
         bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
         transport = role_transport(cfg)
@@ -53,18 +54,18 @@ class SyncChannel:
                   IpcBroadcast(cfg.sync.timeout_s) if transport == "ipc" else None)
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
-                                   channel=precision if mixed else "", fence=fence, device=device,
+                                   channel=self.channel, fence=fence, device=device,
                                    gather=(lambda names: self.stream(names)) if sharded else None,
                                    # deltas pay for quantized wires only (weight_sync/delta.py); a sharded
                                    # learner never holds the whole wire, which a delta's base would be
                                    full_every=cfg.sync.delta_full_every
-                                   if self.wire.cast_to is None and not sharded else 0)
+                                   if self.wire.quantized and not sharded else 0)
         self._prepared: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, tensors) last sent
 
     def live(self, workers: dict[str, dict[str, str]]) -> dict[str, str]:
         """``id -> incarnation`` of the live workers this channel serves."""
         return {w: f.get("incarnation", "") for w, f in workers.items()
-                if not self.mixed or f.get("precision") == self.precision}
+                if not self.channel or f.get("precision") == self.precision}
 
     def prepared(self, version: int) -> dict[str, torch.Tensor] | None:
         """The tensors sent for ``version``, if they were."""
@@ -86,12 +87,13 @@ class SyncChannel:
             self.stream = Stream(self.wire, self.sharded.gather, list(served_parameters(model)))
         stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat)
         stats.prepare_s = quant_s + stats.pack_s
-        if self.sharded and self.wire.cast_to is None and quant_metrics:
+        if self.sharded and self.wire.quantized and quant_metrics:
             quant_metrics["quant_seconds"] = self.stream.seconds
         return stats, quant_metrics
 
 
-def rollout_from_weights(wire, served: dict[str, str], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rollout_from_weights(wire: Wire, served: dict[str, str],
+                         weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A quantized wire's tensors made from whole ``weights`` keyed by parameter name
     (``served``: parameter name -> the name it is sent under)."""
     params = {served[n]: weights[n] for n in served}
@@ -109,8 +111,7 @@ class FleetSync:
         """``sharded``: a sharded learner's collectives (:class:`Collectives`); ``fence``: the
         learner lease's, on every write to the sync hashes (rlpipe/fence.py)."""
         self.cfg, self.r, self.keys, self.metrics = cfg, r, keys, metrics
-        precisions = list(dict.fromkeys(cfg.rollout.fleet)) or [cfg.rollout.precision]
-        self.channels = {p: SyncChannel(cfg, r, keys, p, bool(cfg.rollout.fleet), sharded, fence) for p in precisions}
+        self.channels = {p: SyncChannel(cfg, r, keys, p, sharded, fence) for p in cfg.rollout.precisions}
         self._started = time.monotonic()
         self.convergence = Convergence()
         self._converged: Converged | None = None  # the newest version that converged since the last row
@@ -205,7 +206,7 @@ class FleetSync:
         same (learner/checkpoint.py ``save``)."""
         out = {}
         for p, ch in self.channels.items():
-            if ch.wire.cast_to is None and ch.prepared(version) is not None:
+            if ch.wire.quantized and ch.prepared(version) is not None:
                 out[p] = (ch.wire.quant_profile, partial(rollout_from_weights, ch.wire, served_names(model))
                           if ch.sharded else ch.prepared(version))
         return out
@@ -234,5 +235,5 @@ class FleetSync:
             "sync_left_out_total": self.left_out_total,
             "workers": self.workers_status(version),
             # per precision: its profile, and the last monitors with each one's worst linear
-            "quant": {p: ch.wire.status() for p, ch in self.channels.items() if hasattr(ch.wire, "status")},
+            "quant": {p: s for p, ch in self.channels.items() if (s := ch.wire.status()) is not None},
         }

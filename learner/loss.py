@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-IS_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
-            "bypass")
+from rlpipe.config import IS_MODES  # learner.is_mode's values; importance_weights says what each one does
+
 # Modes whose PPO ratio is taken against mu instead of pi_old (and that need no extra weight).
 RATIO_AGAINST_MU = ("ppo_is", "bypass")
 

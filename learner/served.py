@@ -13,15 +13,19 @@ import contextlib
 
 import torch
 
+from rlpipe.precisions import spec
+
 
 def served_dtype(cfg) -> torch.dtype | None:
     """The dtype the rollout engines hold the weights in when the learner ships them cast
     (bf16 or fp16 rollout, every worker the same), else None (int8/fp8 are quantized, a
     mixed fleet holds several): what :class:`ServedWeights` rounds to."""
-    precisions = set(cfg.rollout.fleet or [cfg.rollout.precision])
+    precisions = cfg.rollout.precisions
     if not cfg.learner.served_weights or len(precisions) != 1:
         return None
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precisions.pop())
+    row = spec(precisions[0])
+    # An engine holds the weights as cast only without a scheme; casting to fp32 rounds nothing.
+    return None if row.scheme or row.dtype == "float32" else getattr(torch, row.dtype)
 
 
 class ServedWeights:

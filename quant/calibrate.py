@@ -91,7 +91,7 @@ def _equal_length_batches(sequences: list[list[int]], batch_size: int = 32) -> l
 
 
 def int8_scheme(weights: str) -> str:
-    """``quant.int8_weights``: ``full`` int8 weights (``int8-w8a8``), ``7bit`` (``int8-w7a8``),
+    """``quant.int8.weights``: ``full`` int8 weights (``int8-w8a8``), ``7bit`` (``int8-w7a8``),
     or ``auto``: 7-bit where this machine's int8 GEMM would saturate (a CPU without VNNI or
     AMX, and no CUDA), full range elsewhere. Calibrate on the kind of machine the rollout
     workers run on, or set it."""

@@ -103,7 +103,7 @@ class QuantProfile:
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path, field_name: str = "quant.profile") -> "QuantProfile":
+    def load(cls, directory: str | Path, field_name: str = "quant.int8.profile") -> "QuantProfile":
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -130,7 +130,7 @@ class QuantProfile:
                                f"recorded {stored_hash})")
         return profile
 
-    def check_model(self, model_dir: str | Path, field_name: str = "quant.profile") -> None:
+    def check_model(self, model_dir: str | Path, field_name: str = "quant.int8.profile") -> None:
         """Refuse a profile calibrated for another base model."""
         fp = model_fingerprint(model_dir)
         if fp != self.base_model:
@@ -143,23 +143,33 @@ class QuantProfile:
                 "calibrated_on": self.calibrated_on, "tools": self.tools}
 
 
-def load_for_run(quant, model_path: str | Path) -> QuantProfile:
-    """The run's int8 profile (``quant.profile``), checked against the run: it exists, was
-    calibrated for ``model_path`` and for ``quant.activations``. Workers and the learner
-    make the same checks, so a bad profile is refused at start-up by every role."""
-    if quant is None or not quant.profile:
-        raise ProfileError("quant.profile: int8 rollout needs a calibration profile (`rlpipe calibrate`; "
+def load_for_run(int8, model_path: str | Path) -> QuantProfile:
+    """The run's int8 profile (``quant.int8.profile``; ``int8`` is that section), checked
+    against the run: it exists, was calibrated for ``model_path`` and for
+    ``quant.int8.activations``. Workers and the learner make the same checks, so a bad
+    profile is refused at start-up by every role."""
+    if not int8.profile:
+        raise ProfileError("quant.int8.profile: int8 rollout needs a calibration profile (`rlpipe calibrate`; "
                            "`rlpipe demo` calibrates one itself)")
-    profile = QuantProfile.load(quant.profile)
+    profile = QuantProfile.load(int8.profile)
     profile.check_model(model_path)
-    if profile.activations != quant.activations:
-        raise ProfileError(f"quant.activations: {quant.activations!r}, but profile {profile.hash} was "
+    if profile.activations != int8.activations:
+        raise ProfileError(f"quant.int8.activations: {int8.activations!r}, but profile {profile.hash} was "
                            f"calibrated for {profile.activations!r} activations")
     return profile
 
 
 def compat_key(scheme: str, activations: str, base_model: str) -> str:
     return f"{scheme}/{activations}/{base_model}"
+
+
+def fp8_identity(base_model: str) -> tuple[str, str]:
+    """Learner-side fp8's ``(compat, quant_profile hash)`` for the base model's fingerprint.
+    The engine is started for the one (quant/profiles.py) and every manifest of the wire
+    carries the other (quant/transfer.py ``Fp8Weights``): computed here only, since a worker
+    refuses every update whose pair differs from its engine's."""
+    compat = compat_key("fp8-w8a8", "dynamic", base_model)
+    return compat, hashlib.sha256(compat.encode()).hexdigest()[:16]
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

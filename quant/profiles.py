@@ -1,20 +1,21 @@
 """Precision profiles: what a rollout worker's ``precision`` means for its vLLM engine.
 
 - ``fp32``/``bf16``/``fp16``: the base model in that dtype; the learner sends weights cast to it.
-- ``fp8`` with ``quant.quantize_on: worker`` is vLLM's *online* FP8: the engine loads
+- ``fp8`` with ``quant.fp8.quantize_on: worker`` is vLLM's *online* FP8: the engine loads
   high-precision weights and quantizes them itself, on start-up and again inside every
   ``reload_weights``. On CPU only ``fp8_per_channel`` has a kernel (``fp8``/per-tensor
   needs ``static_scaled_fp8_quant``, missing from the AVX2 build); on CUDA the same
   profile uses ``fp8`` (dynamic per-tensor activations). The CUDA variant is not run here.
-- ``fp8`` with ``quantize_on: learner``: the engine starts from a compressed-tensors FP8
+- ``fp8`` with ``quant.fp8.quantize_on: learner``: the engine starts from a compressed-tensors FP8
   checkpoint of the base model (written once, cached) and the learner ships per-channel
   fp8 weights plus scales.
 - ``int8``: the engine starts from the profile's compressed-tensors INT8 checkpoint
   (``rlpipe calibrate``); the learner ships int8 weights plus scales quantized with the
   profile (calibration transfer).
 
-Quantized CPU engines must run in bfloat16. ``compat`` is what the engine was started for
-and what a sync manifest must match (quant/profile.py).
+Each precision's dtype, scheme and online quantization are its row in rlpipe/precisions.py;
+the run's ``quant`` section says who quantizes. ``compat`` is what the engine was started
+for and what a sync manifest must match (quant/profile.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rlpipe.config import QuantConfig
+from rlpipe.precisions import spec
 
 
 @dataclass(frozen=True)
@@ -62,30 +66,36 @@ def on_cuda() -> bool:
 
 
 def profile_for(precision: str, cuda: bool | None = None, quant=None, model_path: str = "") -> PrecisionProfile:
-    """The engine profile of ``precision``; ``quant`` (the run's QuantConfig) and the base
-    ``model_path`` are needed for int8 and learner-side fp8."""
+    """The engine profile of ``precision`` (its row in rlpipe/precisions.py). ``quant`` (the
+    run's QuantConfig; default its defaults) says whether the learner quantizes it, which
+    needs the base ``model_path``: the engine then starts from a quantized checkpoint."""
+    row = spec(precision)
+    quant = QuantConfig() if quant is None else quant
+    wire = quant.wire(precision)
+    if wire == "int8":
+        return _int8_profile(quant.int8, model_path)
+    if wire == "fp8":
+        return _fp8_profile(model_path)
     cuda = on_cuda() if cuda is None else cuda
-    if precision == "fp32":
-        return PrecisionProfile("fp32", "float32")
-    if precision == "bf16":
-        return PrecisionProfile("bf16", "bfloat16")
-    if precision == "fp16":
-        return PrecisionProfile("fp16", "float16")
-    if precision == "fp8" and (quant is None or quant.quantize_on == "worker"):
-        return PrecisionProfile("fp8", "bfloat16", "fp8" if cuda else "fp8_per_channel")
-    if precision == "fp8":
-        from quant.profile import compat_key, model_fingerprint
+    return PrecisionProfile(row.name, row.dtype, row.engine_quantization(cuda))
 
-        compat = compat_key("fp8-w8a8", "dynamic", model_fingerprint(model_path))
-        return PrecisionProfile("fp8", "bfloat16", checkpoint=str(fp8_checkpoint(model_path)),
-                                profile_hash=hashlib.sha256(compat.encode()).hexdigest()[:16], compat=compat)
-    if precision == "int8":
-        from quant.profile import load_for_run
 
-        profile = load_for_run(quant, model_path)
-        return PrecisionProfile("int8", "bfloat16", checkpoint=str(Path(quant.profile) / "checkpoint"),
-                                profile_hash=profile.hash, compat=profile.compat)
-    raise ValueError(f"rollout.precision: unknown value {precision!r} (fp32, bf16, fp16, fp8, int8)")
+def _fp8_profile(model_path: str) -> PrecisionProfile:
+    """Learner-side fp8: the base model's FP8 checkpoint, for the compat the wire carries."""
+    from quant.profile import fp8_identity, model_fingerprint
+
+    compat, profile_hash = fp8_identity(model_fingerprint(model_path))
+    return PrecisionProfile("fp8", spec("fp8").dtype, checkpoint=str(fp8_checkpoint(model_path)),
+                            profile_hash=profile_hash, compat=compat)
+
+
+def _int8_profile(int8, model_path: str) -> PrecisionProfile:
+    """int8: the profile's checkpoint (``quant.int8``: the run's int8 section)."""
+    from quant.profile import load_for_run
+
+    profile = load_for_run(int8, model_path)
+    return PrecisionProfile("int8", spec("int8").dtype, checkpoint=str(Path(int8.profile) / "checkpoint"),
+                            profile_hash=profile.hash, compat=profile.compat)
 
 
 def fp8_checkpoint(model_path: str) -> Path:

@@ -1,13 +1,13 @@
 """What the learner sends to the workers of one precision, prepared once per update.
 
-:func:`rollout_weights` picks the wire for a precision:
+:func:`rollout_weights` picks the wire (:class:`Wire`) for a precision:
 
 - :class:`CastWeights`: the parameters as they are, cast to the engine dtype while
   packing (bf16, fp16, fp32, and fp8 that the engine quantizes itself);
 - :class:`Fp8Weights`: per-channel fp8 plus scales, quantized here;
 - :class:`Int8Weights`: calibration transfer. Every update is smoothed and quantized with
   the frozen profile, here on the learner, so no worker re-quantizes; the monitors
-  (quant/monitor.py) run on the result, and with ``quant.recalibrate: auto`` a crossed
+  (quant/monitor.py) run on the result, and with ``quant.int8.recalibrate: auto`` a crossed
   threshold re-calibrates on the current policy and the update ships with the new profile.
 
 ``prepare(model, step)`` returns ``(tensors, metrics)``; ``quant_profile`` and ``compat``
@@ -24,21 +24,52 @@ sample (quant/monitor.py ``sampled_monitor``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
+from typing import Protocol
 
 import torch
 
 from quant.int8 import fp8_tensors, quantized_specs, source_parameter
 from quant.monitor import monitor, sampled_monitor
-from quant.profile import QuantProfile, compat_key, load_for_run, model_fingerprint
+from quant.profile import QuantProfile, fp8_identity, load_for_run, model_fingerprint
+from rlpipe.precisions import spec
 from weight_sync.names import served_parameters
 
 log = logging.getLogger(__name__)
 
 
-class CastWeights:
+class Wire(Protocol):
+    """What the learner sends to the workers of one precision (learner/channels.py
+    ``SyncChannel``): one of the three classes below, picked by :func:`rollout_weights`.
+
+    ``quantized``: the learner quantizes the weights itself, so the tensors leave in their
+    own dtypes (``cast_to`` None), a version may travel as a delta against the one before
+    (weight_sync/delta.py: most quantized values stay put, where nearly every cast value
+    moves), and the checkpoint keeps them for returning workers. ``quant_profile`` and
+    ``compat`` go into every manifest, where a worker checks them against its engine."""
+
+    quantized: bool
+    cast_to: torch.dtype | None  # the dtype the sender casts every tensor to; None = as they are
+    quant_profile: str  # the hash of the quantization in force ("" for a cast)
+    compat: str  # what the workers' engines must have been started for ("" for a cast)
+
+    def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """The whole wire of ``model`` for the update of ``step``, and its metrics."""
+
+    def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
+        """A sharded learner's wire: names, dtypes and whole shapes only (for the manifest)."""
+
+    def part(self, params: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        """The wire tensors made from ``params`` gathered whole (``names``: every served name)."""
+
+    def status(self) -> dict | None:
+        """What the learner's ``/status`` shows of this wire under ``quant``, or None: nothing."""
+        return None
+
+
+class CastWeights(Wire):
+    quantized = False
     quant_profile = ""
     compat = ""
 
@@ -55,12 +86,12 @@ class CastWeights:
         return params
 
 
-class Fp8Weights:
-    cast_to = None  # the tensors leave in their own dtypes
+class Fp8Weights(Wire):
+    quantized, cast_to = True, None
 
     def __init__(self, base_model: str):
-        self.compat = compat_key("fp8-w8a8", "dynamic", base_model)
-        self.quant_profile = hashlib.sha256(self.compat.encode()).hexdigest()[:16]
+        """``base_model``: the base model's fingerprint (quant/profile.py ``model_fingerprint``)."""
+        self.compat, self.quant_profile = fp8_identity(base_model)
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         t0 = time.perf_counter()
@@ -74,10 +105,11 @@ class Fp8Weights:
         return fp8_tensors(params)
 
 
-class Int8Weights:
-    cast_to = None
+class Int8Weights(Wire):
+    quantized, cast_to = True, None
 
     def __init__(self, profile: QuantProfile, qcfg):
+        """``qcfg``: the run's ``quant.int8`` section (the monitors and recalibration)."""
         self.profile = profile
         self.qcfg = qcfg
         self.previous: dict[str, torch.Tensor] | None = None  # the last version's int8 weights
@@ -100,12 +132,12 @@ class Int8Weights:
         return self.profile.int8_tensors(params, names)[0]
 
     def _monitored(self, step: int) -> bool:
-        """Whether this update runs the monitors: every ``quant.monitor_every``, and the first."""
+        """Whether this update runs the monitors: every ``quant.int8.monitor_every``, and the first."""
         return step % self.qcfg.monitor_every == 0 or self.previous is None
 
     def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
         """The wire's specs, and on a monitored update the monitors on a layer sample
-        (``quant.monitor_layers``) with ``collectives`` (``gather``, ``forward``: every rank's).
+        (``quant.int8.monitor_layers``) with ``collectives`` (``gather``, ``forward``: every rank's).
         Recalibrating needs the whole model and is refused at launch under FSDP."""
         metrics = {}
         if self._monitored(step):
@@ -198,7 +230,7 @@ class Stream:
     beyond its bucket is kept until its bucket comes, not gathered twice. That is the
     scales alone (one float per row), as each int8 weight precedes its scale."""
 
-    def __init__(self, wire, gather, names: list[str]):
+    def __init__(self, wire: Wire, gather, names: list[str]):
         self.wire, self.gather, self.names = wire, gather, names
         self._carry: dict[str, torch.Tensor] = {}
         self.seconds = 0.0  # quantizing, for ``quant_seconds``
@@ -216,11 +248,12 @@ class Stream:
         return {n: have[n] for n in wire_names}
 
 
-def rollout_weights(precision: str, qcfg, model_path: str):
-    """The wire for workers of ``precision`` (see the module docstring)."""
-    if precision == "int8":
-        return Int8Weights(load_for_run(qcfg, model_path), qcfg)
-    if precision == "fp8" and qcfg.quantize_on == "learner":
+def rollout_weights(precision: str, quant, model_path: str) -> Wire:
+    """The wire for workers of ``precision`` (its row in rlpipe/precisions.py; ``quant``, the
+    run's QuantConfig, says whether the learner quantizes it)."""
+    wire = quant.wire(precision)
+    if wire == "int8":
+        return Int8Weights(load_for_run(quant.int8, model_path), quant.int8)
+    if wire == "fp8":
         return Fp8Weights(model_fingerprint(model_path))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
-    return CastWeights(dtype)
+    return CastWeights(getattr(torch, spec(precision).dtype))

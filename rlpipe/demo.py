@@ -64,21 +64,21 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
 
 def calibration_sequences(cfg: RunConfig, model_path: str) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids to calibrate on and the held-out probe set of the monitors: lines of
-    ``quant.calibration_file``, else the task's prompts followed by their reference answers
+    ``quant.int8.calibration_file``, else the task's prompts followed by their reference answers
     (what a policy that solves the task would read and write; with ``task.chat_template`` the prompt ids are the
     chat template's, as the rollout workers give them to the engine)."""
     from transformers import AutoTokenizer
 
-    q = cfg.quant
+    q = cfg.quant.int8
     want = q.calibration_samples + q.probe_samples
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if q.calibration_file:
         path = Path(q.calibration_file)
         if not path.is_file():
-            raise FileNotFoundError(f"quant.calibration_file: {path} does not exist")
+            raise FileNotFoundError(f"quant.int8.calibration_file: {path} does not exist")
         texts = [line for line in path.read_text().splitlines() if line.strip()]
         if len(texts) < 2:
-            raise ValueError(f"quant.calibration_file: {path} needs at least 2 non-empty lines")
+            raise ValueError(f"quant.int8.calibration_file: {path} needs at least 2 non-empty lines")
         ids = [tokenizer(t)["input_ids"] for t in texts[:want]]
     else:
         from rollout_service.tasks import PromptEncoder, make_task
@@ -97,19 +97,19 @@ def calibration_sequences(cfg: RunConfig, model_path: str) -> tuple[list[list[in
 
 def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path | None = None, progress: bool = True,
                           log=print, apart: bool = False) -> str:
-    """The int8 profile directory: ``quant.profile`` if given, else one calibrated now and
+    """The int8 profile directory: ``quant.int8.profile`` if given, else one calibrated now and
     cached by the fingerprints of the model, the calibration set and the settings.
     ``apart``: calibrate in a child process (the launchers, which live as long as the run:
     calibrating SmolLM2 in-process left them 3.2 GB resident for the whole run)."""
-    if out_dir is None and cfg.quant.profile:
-        return cfg.quant.profile
+    if out_dir is None and cfg.quant.int8.profile:
+        return cfg.quant.int8.profile
     from quant.calibrate import cache_key, ensure_profile, int8_scheme, log_stderr
     from quant.profile import model_fingerprint
     from rlpipe.paths import cache_root
 
     calib, probe = calibration_sequences(cfg, model_path)
-    q = cfg.quant
-    scheme = int8_scheme(q.int8_weights)
+    q = cfg.quant.int8
+    scheme = int8_scheme(q.weights)
     if out_dir is None:
         key = cache_key(model_fingerprint(model_path), calib, probe, q.alpha, q.activations, scheme)
         out_dir = cache_root() / "quant" / f"int8-{key}"
@@ -140,8 +140,8 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
         redis_url = redis_server.url
     cfg = cfg.model_copy(deep=True)
     cfg.run_id, cfg.run_dir, cfg.redis_url, cfg.model.path = run_id, str(run_dir), redis_url, model_path
-    if "int8" in (cfg.rollout.fleet or [cfg.rollout.precision]):
-        cfg.quant.profile = resolve_quant_profile(cfg, model_path, log=say, apart=True)
+    if "int8" in cfg.rollout.precisions:
+        cfg.quant.int8.profile = resolve_quant_profile(cfg, model_path, log=say, apart=True)
     if cfg.learner.threads == 0 and not cfg.learner.cpus and cfg.workers >= len(os.sched_getaffinity(0)):
         # Every core already runs a worker: a multi-threaded learner would fight them
         # (OpenMP threads wait on each other at every barrier) and run slower than one.
@@ -168,10 +168,6 @@ def role_envs(cfg: RunConfig) -> tuple[list[dict[str, str]], dict[str, str]]:
             {**learner_env(cfg), **gpus.learner_env()})
 
 
-def worker_precision(cfg: RunConfig, index: int) -> str:
-    return cfg.rollout.fleet[index % len(cfg.rollout.fleet)] if cfg.rollout.fleet else cfg.rollout.precision
-
-
 def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
     """The run's summary (also in ``summary.json``); ``interrupted`` in it after a Ctrl-C or
     SIGTERM, which stop the run in order (rlpipe.launcher) and still summarize it."""
@@ -187,7 +183,7 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
         worker_envs, learner_vars = role_envs(cfg)
         for i in range(cfg.workers):
             launcher.spawn(f"rollout-{i}", ["rollout", "--config", str(cfg_path), "--worker-id", f"w{i}",
-                                            "--precision", worker_precision(cfg, i)], worker_envs[i])
+                                            "--precision", cfg.rollout.worker_precision(i)], worker_envs[i])
         launcher.spawn("learner", ["learner", "--config", str(cfg_path)], learner_vars)
         learner_done = _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress)
         # A done learner exits by itself (under torchrun, every rank, then torchrun): let it,
@@ -302,7 +298,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
                 summary[f"eval_mean@{e['k']}_{name}"] = e["mean_at_k"]
         summary["eval_dataset"] = f"{first['dataset']} ({first['rows']} rows)"
     if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
-        for p in sorted(set(cfg.rollout.fleet)):
+        for p in sorted(cfg.rollout.precisions):
             summary[f"reward_start[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[:k])
             summary[f"reward_end[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[-k:])
             summary[f"mismatch_kl_mean[{p}]"] = mean(x.get("mismatch_by_precision", {}).get(p, {}).get("mismatch_kl")

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from rlpipe.precisions import PRECISIONS
+
 SCHEMA_VERSION = 1
-# fp32 is not in DESIGN.md's list; it is the exact-reference precision the log-prob tests use.
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8")
 FINISH_REASONS = ("stop", "length", "abort")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 

@@ -192,10 +192,9 @@ class Supervisor:
         cfg_arg = ["--config", str(self.cfg_path)]
         if name == "learner":
             return Role(name, ["learner", *cfg_arg], {**learner_env(self.cfg), **self.gpus.learner_env()})
-        from rlpipe.demo import worker_precision
 
         i = int(name[1:])
-        return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", worker_precision(self.cfg, i),
+        return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", self.cfg.rollout.worker_precision(i),
                            "--address-file", str(self.run_dir / "addresses" / name)],
                     {**worker_env(i, max(i + 1, self.cfg.worker_slots), parse_cpus(self.cfg.rollout.cpus) or None),
                      **self.gpus.worker_env(i)})

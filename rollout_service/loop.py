@@ -75,7 +75,7 @@ class RolloutLoop:
         self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.worker.ApiShare)
         # Weight sync: follows the learner's generations on this precision's channel.
         self.follower = WeightFollower(
-            self.r, self.keys.sync_channel(cfg.rollout.precision if cfg.rollout.fleet else ""), worker_id, engine,
+            self.r, self.keys.sync_channel(cfg.rollout.channel(cfg.rollout.precision)), worker_id, engine,
             cfg.sync.timeout_s, self._latest_checkpoint, self._synced, self._sync_failed, self._publish_incarnation,
             fatal=(WeightsCorrupted,))
         self.last_sync: dict = {}

@@ -100,7 +100,7 @@ class WorkerHarness:
         # as learner/channels.py makes it: quantized wires send deltas after a generation's first version
         self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, bucket_bytes=1 << 20,
                                    wire_dtype=self.wire.cast_to,
-                                   full_every=cfg.sync.delta_full_every if self.wire.cast_to is None else 0)
+                                   full_every=cfg.sync.delta_full_every if self.wire.quantized else 0)
         self.stats = None  # the last sync's SyncStats
 
     def sync(self, model) -> int:

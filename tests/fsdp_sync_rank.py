@@ -96,10 +96,11 @@ def int8_channel(model, redis_url: str, run_id: str, model_dir: Path, collective
     profile = made_up_profile(model, model_dir)
     profile.save(model_dir / "profile")
     cfg = build_config({}, environ={}, **{"model.path": str(model_dir), "rollout.precision": "int8",
-                                          "quant.profile": str(model_dir / "profile"), "quant.activations": "static",
-                                          "quant.monitor_layers": 3, "sync.bucket_mib": INT8_BUCKET / 2**20,
+                                          "quant.int8.profile": str(model_dir / "profile"),
+                                          "quant.int8.activations": "static",
+                                          "quant.int8.monitor_layers": 3, "sync.bucket_mib": INT8_BUCKET / 2**20,
                                           "sync.host": "127.0.0.1", "sync.timeout_s": 60})
-    return SyncChannel(cfg, connect(redis_url), Keys(run_id), "int8", False, collectives), profile
+    return SyncChannel(cfg, connect(redis_url), Keys(run_id), "int8", collectives), profile
 
 
 def main(redis_url: str, run_id: str, out_path: str, precision: str = "bf16", model_dir: str = "") -> None:

@@ -197,7 +197,8 @@ def test_calibration_prompts_use_the_chat_template(tokenizer_dir, tokenizer, dat
     from rlpipe.demo import calibration_sequences
 
     cfg = task_cfg(dataset, chat_template=True, system_prompt=SYSTEM)
-    cfg = cfg.model_copy(update={"quant": cfg.quant.model_copy(update={"calibration_samples": 3, "probe_samples": 1})})
+    cfg = cfg.model_copy(deep=True)
+    cfg.quant.int8 = cfg.quant.int8.model_copy(update={"calibration_samples": 3, "probe_samples": 1})
     calib, probe = calibration_sequences(cfg, str(tokenizer_dir))
     task = make_task(cfg.task)
     for i, ids in enumerate(calib + probe):

@@ -41,6 +41,15 @@ def test_yaml_env_and_dotted_overrides_layer(tmp_path):
     ({"learner": {"icepop_beta": 1.0}}, "learner.icepop_beta"),
     ({"learner": {"loss": "dpo"}}, "learner.loss"),
     ({"learner": {"cispo_eps_high": -1}}, "learner.cispo_eps_high"),
+    ({"rollout": {"fleet": ["int8", "fp4"]}}, "rollout.fleet.1"),
+    ({"quant": {"int8": {"profil": "p"}}}, "quant.int8.profil"),
+    ({"quant": {"int8": {"activations": "sometimes"}}}, "quant.int8.activations"),
+    ({"quant": {"fp8": {"quantize_on": "gpu"}}}, "quant.fp8: Input tag 'gpu'"),
+    ({"quant": {"fp8": {"quantize_on": "learner", "per_tensor": True}}}, "quant.fp8.per_tensor: Extra"),
+    # the flat section of earlier versions: each key names where it went
+    ({"quant": {"profile": "p"}}, "quant.profile: now quant.int8.profile"),
+    ({"quant": {"int8_weights": "7bit"}}, "quant.int8_weights: now quant.int8.weights"),
+    ({"quant": {"quantize_on": "learner"}}, "quant.quantize_on: now quant.fp8.quantize_on"),
 ])
 def test_bad_keys_are_named(data, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -54,14 +63,15 @@ def test_cross_role_rules():
 
 def test_a_sharded_learner_quantizes_but_is_refused_automatic_recalibration():
     two_ranks = {"learner": {"ranks": 2}}
-    with pytest.raises(ConfigError, match=r"quant\.recalibrate: auto .* learner\.parallel: fsdp"):
-        validate_run(build_config({**two_ranks, "rollout": {"fleet": ["int8", "bf16"]}, "quant": {"recalibrate": "auto"}},
-                                  environ={}))
+    with pytest.raises(ConfigError, match=r"quant\.int8\.recalibrate: auto .* learner\.parallel: fsdp"):
+        validate_run(build_config({**two_ranks, "rollout": {"fleet": ["int8", "bf16"]},
+                                   "quant": {"int8": {"recalibrate": "auto"}}}, environ={}))
     validate_run(build_config({**two_ranks, "rollout": {"fleet": ["int8", "bf16"]}}, environ={}))  # warn: the default
-    validate_run(build_config({**two_ranks, "rollout": {"precision": "fp8"}, "quant": {"quantize_on": "learner",
-                                                                                      "recalibrate": "auto"}}, environ={}))
+    validate_run(build_config({**two_ranks, "rollout": {"precision": "fp8"},
+                               "quant": {"fp8": {"quantize_on": "learner"}, "int8": {"recalibrate": "auto"}}},
+                              environ={}))
     validate_run(build_config({"learner": {"ranks": 2, "parallel": "ddp"}, "rollout": {"precision": "int8"},
-                               "quant": {"recalibrate": "auto"}}, environ={}))
+                               "quant": {"int8": {"recalibrate": "auto"}}}, environ={}))
 
 
 def test_cli_names_the_bad_field_without_importing_the_engine():

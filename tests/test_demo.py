@@ -151,12 +151,12 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     from rlpipe.cli import main as rlpipe_main
 
     code = rlpipe_main(["demo", "--precision", "int8,bf16", "--steps", "5", "--run-id", "mixed", "--runs-dir",
-                        str(tmp_path), "--set", "learner.groups_per_step=16", "--set", "quant.calibration_samples=48",
-                        "--set", "quant.probe_samples=16"])
+                        str(tmp_path), "--set", "learner.groups_per_step=16", "--set", "quant.int8.calibration_samples=48",
+                        "--set", "quant.int8.probe_samples=16"])
     assert code == 0
     run_dir = tmp_path / "mixed"
     cfg = load_config(run_dir / "config.yaml", environ={})
-    profile = QuantProfile.load(cfg.quant.profile)
+    profile = QuantProfile.load(cfg.quant.int8.profile)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["precision"] == "int8,bf16" and len(rows) == 5

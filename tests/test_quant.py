@@ -24,7 +24,7 @@ from quant.monitor import monitor, probe_batch
 from quant.profile import ProfileError, QuantProfile, model_fingerprint
 from quant.profiles import profile_for
 from quant.transfer import Int8Weights
-from rlpipe.config import ConfigError, QuantConfig, build_config
+from rlpipe.config import ConfigError, Int8Quant, QuantConfig, build_config
 from rlpipe.demo import calibration_sequences, resolve_quant_profile
 
 
@@ -37,16 +37,16 @@ def base(toy_model_path):
 
 @pytest.fixture(scope="module")
 def sequences(toy_model_path):
-    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.calibration_samples": 96,
-                                          "quant.probe_samples": 32})
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.int8.calibration_samples": 96,
+                                          "quant.int8.probe_samples": 32})
     return calibration_sequences(cfg, toy_model_path)
 
 
 @pytest.fixture(scope="module", params=["static", "dynamic"])
 def profile_dir(request, toy_model_path, tmp_path_factory):
     """``rlpipe calibrate`` as the CLI runs it, into a fresh directory."""
-    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.activations": request.param,
-                                          "quant.calibration_samples": 96, "quant.probe_samples": 32})
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.int8.activations": request.param,
+                                          "quant.int8.calibration_samples": 96, "quant.int8.probe_samples": 32})
     out = tmp_path_factory.mktemp(f"profile-{request.param}")
     return resolve_quant_profile(cfg, toy_model_path, out, progress=False, log=lambda m: None)
 
@@ -133,23 +133,23 @@ def test_profile_artifact_is_content_addressed(profile_dir, tmp_path):
     meta = json.loads((copy / "profile.json").read_text())
     meta["input_scales"]["model.layers.0.self_attn.q_proj"] *= 2
     (copy / "profile.json").write_text(json.dumps(meta))
-    with pytest.raises(ProfileError, match="quant.profile: .* corrupt"):
+    with pytest.raises(ProfileError, match="quant.int8.profile: .* corrupt"):
         QuantProfile.load(copy)
-    with pytest.raises(ProfileError, match="quant.profile: .* no profile.json"):
+    with pytest.raises(ProfileError, match="quant.int8.profile: .* no profile.json"):
         QuantProfile.load(tmp_path / "nowhere")
 
 
 def test_bad_quant_settings_name_the_field(profile_dir, toy_model_path, tmp_path):
     with pytest.raises(ConfigError, match="rollout.precision"):
         build_config({}, environ={}, **{"rollout.precision": "int4"})
-    with pytest.raises(ProfileError, match="^quant.profile: int8 rollout needs"):
+    with pytest.raises(ProfileError, match="^quant.int8.profile: int8 rollout needs"):
         profile_for("int8", quant=QuantConfig(), model_path=toy_model_path)
-    with pytest.raises(ProfileError, match="^quant.profile: .* no profile.json"):
-        profile_for("int8", quant=QuantConfig(profile=str(tmp_path / "missing")), model_path=toy_model_path)
+    with pytest.raises(ProfileError, match="^quant.int8.profile: .* no profile.json"):
+        profile_for("int8", quant=QuantConfig(int8=Int8Quant(profile=str(tmp_path / "missing"))), model_path=toy_model_path)
     profile = QuantProfile.load(profile_dir)
     other = {"static": "dynamic", "dynamic": "static"}[profile.activations]
-    with pytest.raises(ProfileError, match="^quant.activations"):
-        profile_for("int8", quant=QuantConfig(profile=profile_dir, activations=other), model_path=toy_model_path)
+    with pytest.raises(ProfileError, match="^quant.int8.activations"):
+        profile_for("int8", quant=QuantConfig(int8=Int8Quant(profile=profile_dir, activations=other)), model_path=toy_model_path)
     # a profile made for another model: same architecture, other weights
     alien = tmp_path / "alien"
     shutil.copytree(toy_model_path, alien)
@@ -158,8 +158,8 @@ def test_bad_quant_settings_name_the_field(profile_dir, toy_model_path, tmp_path
     from safetensors.torch import save_file
 
     save_file(weights, alien / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ProfileError, match="^quant.profile: the profile was calibrated for base model"):
-        profile_for("int8", quant=QuantConfig(profile=profile_dir, activations=profile.activations),
+    with pytest.raises(ProfileError, match="^quant.int8.profile: the profile was calibrated for base model"):
+        profile_for("int8", quant=QuantConfig(int8=Int8Quant(profile=profile_dir, activations=profile.activations)),
                     model_path=str(alien))
 
 
@@ -206,8 +206,8 @@ def test_scaled_activations_clip_and_auto_recalibration_repairs_them(toy_model_p
 
     profile = QuantProfile.load(profile_dir)
     model = load_policy(toy_model_path)
-    qcfg = QuantConfig(profile=profile_dir, activations=profile.activations, recalibrate="auto",
-                       max_act_clip_fraction=0.01, max_kl_vs_bf16=1.0, max_saturation_fraction=1.0)
+    qcfg = Int8Quant(profile=profile_dir, activations=profile.activations, recalibrate="auto",
+                     max_act_clip_fraction=0.01, max_kl_vs_bf16=1.0, max_saturation_fraction=1.0)
     wire = Int8Weights(profile, qcfg)
     _, calm = wire.prepare(model, step=1)
     assert calm["quant_act_clip_fraction"] < 0.01 and "quant_over_threshold" not in calm
@@ -260,8 +260,8 @@ def test_a_launcher_calibrates_apart_to_the_same_profile(toy_model_path, tmp_pat
     in-process."""
     from quant.profile import QuantProfile
 
-    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.calibration_samples": 32,
-                                          "quant.probe_samples": 8})
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.int8.calibration_samples": 32,
+                                          "quant.int8.probe_samples": 8})
     here = resolve_quant_profile(cfg, toy_model_path, tmp_path / "here", progress=False, log=lambda m: None)
     apart = resolve_quant_profile(cfg, toy_model_path, tmp_path / "apart", progress=False, log=lambda m: None,
                                   apart=True)
@@ -299,7 +299,7 @@ def test_a_sharded_learner_streams_bit_for_bit_the_whole_models_quantized_tensor
     from weight_sync.names import served_names, served_parameters
 
     profile = QuantProfile.load(profile_dir)
-    wire = Int8Weights(profile, QuantConfig(profile=profile_dir, activations=profile.activations)) \
+    wire = Int8Weights(profile, Int8Quant(profile=profile_dir, activations=profile.activations)) \
         if precision == "int8" else Fp8Weights("toy")
     whole, _ = wire.prepare(base, step=1)
     gathered = []
@@ -325,14 +325,14 @@ def test_a_sharded_learner_streams_bit_for_bit_the_whole_models_quantized_tensor
 
 
 def test_monitors_on_a_layer_sample_see_its_outliers_and_clipping(toy_model_path, profile_dir):
-    """Under FSDP the monitors sample ``quant.monitor_layers`` layers: what happens in a
+    """Under FSDP the monitors sample ``quant.int8.monitor_layers`` layers: what happens in a
     sampled layer moves them as the whole-model monitors move, and a layer outside the
     sample does not."""
     from learner.policy import load_policy
 
     profile = QuantProfile.load(profile_dir)
     model = load_policy(toy_model_path)
-    qcfg = QuantConfig(profile=profile_dir, activations=profile.activations, monitor_layers=1)  # layer 0 only
+    qcfg = Int8Quant(profile=profile_dir, activations=profile.activations, monitor_layers=1)  # layer 0 only
     wire = Int8Weights(profile, qcfg)
     collectives = local_collectives(model)
     _, calm = wire.prepare_sharded(model, 1, collectives)
@@ -344,7 +344,7 @@ def test_monitors_on_a_layer_sample_see_its_outliers_and_clipping(toy_model_path
     _, unseen = wire.prepare_sharded(model, 2, collectives)
     assert unseen["quant_saturation_fraction"] == 0.0
     assert unseen["quant_update_visible_fraction"] == 0.0  # layer 0 did not move
-    wire.qcfg = QuantConfig(profile=profile_dir, activations=profile.activations, monitor_layers=2)
+    wire.qcfg = Int8Quant(profile=profile_dir, activations=profile.activations, monitor_layers=2)
     wire.previous = None
     _, seen = wire.prepare_sharded(model, 3, collectives)
     assert seen["quant_monitor_layers"] == [0, 1]

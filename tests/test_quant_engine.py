@@ -32,9 +32,9 @@ from weight_sync.transport import IncompatibleWorker
 pytestmark = pytest.mark.slow
 
 KINDS = {
-    "int8-static": {"rollout.precision": "int8", "quant.activations": "static"},
-    "int8-dynamic": {"rollout.precision": "int8", "quant.activations": "dynamic"},
-    "fp8-learner": {"rollout.precision": "fp8", "quant.quantize_on": "learner"},
+    "int8-static": {"rollout.precision": "int8", "quant.int8.activations": "static"},
+    "int8-dynamic": {"rollout.precision": "int8", "quant.int8.activations": "dynamic"},
+    "fp8-learner": {"rollout.precision": "fp8", "quant.fp8.quantize_on": "learner"},
 }
 REQUESTS = [{"prompt": [1, 5, 6, 14, 7, 8, 17], "n": 4, "max_tokens": 8, "seed": s} for s in (3, 4)] + \
            [{"prompt": [1, 12, 4, 14, 9, 9, 17], "n": 4, "max_tokens": 8, "seed": 5}]
@@ -46,8 +46,8 @@ def quant_worker(request, redis_server, toy_model_path, tmp_path_factory):
     settings = dict(KINDS[request.param])
     if settings["rollout.precision"] == "int8":
         cfg = build_config({}, environ={}, **{"model.path": toy_model_path, **settings,
-                                              "quant.calibration_samples": 64, "quant.probe_samples": 16})
-        settings["quant.profile"] = resolve_quant_profile(cfg, toy_model_path, run_dir / "profile", progress=False,
+                                              "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})
+        settings["quant.int8.profile"] = resolve_quant_profile(cfg, toy_model_path, run_dir / "profile", progress=False,
                                                           log=lambda m: None)
     cfg, proc, address = start_worker(redis_server.url, toy_model_path, run_dir, **settings)
     harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
@@ -105,7 +105,7 @@ def assert_equals_a_fresh_engine(h, toy_model_path, tmp_path) -> None:
     of the tensors last sent (``h.sent``)."""
     kind = "int8" if h.kind.startswith("int8") else "fp8"
     checkpoint = write_checkpoint(h.sent, toy_model_path, tmp_path / f"fresh-{h.version}",
-                                  quant_config(kind, h.cfg.quant.activations == "static" and kind == "int8"))
+                                  quant_config(kind, h.cfg.quant.int8.activations == "static" and kind == "int8"))
     fresh = fresh_engine_samples(checkpoint, REQUESTS, tmp_path)
     synced = worker_samples(h, REQUESTS)
     diffs = []

@@ -622,7 +622,7 @@ def test_the_learners_row_has_each_phase_of_a_real_sync(redis_server, r, toy_mod
 
     run_id = free_run_id("ws")
     cfg = build_config({}, environ={}, run_id=run_id, redis_url=redis_server.url, workers=2, **{
-        "model.path": toy_model_path, "rollout.precision": "fp8", "quant.quantize_on": "learner",
+        "model.path": toy_model_path, "rollout.precision": "fp8", "quant.fp8.quantize_on": "learner",
         "sync.bucket_mib": 0.25, "sync.timeout_s": 10.0})
     procs, _ = start_serving(redis_server, run_id, {"w0": PAUSE_S, "w1": PAUSE_S})
     metrics = LearnerMetrics(None, run_name=run_id)
