@@ -213,37 +213,55 @@ def report(rows: list[dict], run: Path, args, real: tuple[list[dict], Path] | No
              f"{cfg['learner']['schedule']['warmup_steps']} warm-up steps: the demo's), checkpoint every step. Adam moves every weight by about the learning rate whatever the "
              "batch, so the share of int8 values that change is set by the learning rate against the quantization "
              "step (row amax / 127, or / 63 for 7-bit weights), not by the batch size. The toy's weights are small "
-             "for its learning rate, so about a fifth of its int8 values move each step; a real model trained at a "
-             "smaller learning rate (1e-6 to 1e-5 is usual) should move fewer, which this run does not measure.")
+             "for its learning rate, so about a fifth of its int8 values move each step; the real model's recipe "
+             "below, at its learning rate of 2e-5, moves about one in a thousand.")
     sec.note("Encodings per tensor (quant/delta.py): dense, sparse (gaps + values), bitmap (bit mask + values), and "
              "the same positions with one sign bit per changed value where it moved by one step (the few that moved "
-             "further overwritten from a sparse list). Smallest by exact byte count. bf16 gains little: most of its "
-             "values move every update, so a bf16 wire stays on full syncs. Times: 1 thread, toy-sized tensors, "
+             "further overwritten from a sparse list). Smallest by exact byte count. On the toy bf16 gains little "
+             "(most of its values move every update); on the real model at its learning rate a bf16 delta is a few "
+             "percent of the bytes too (below), but rlpipe sends deltas for quantized wires only (README, 'Weight "
+             "sync'). Times: 1 thread, toy-sized tensors, "
              "checksums (CRC-32 of each held and produced tensor) included in encode and in apply; 'unchecked' "
              "skips them. At this size (0.5 MB, 40 tensors per sync) the times are mostly per-tensor overhead, and "
              "this machine is shared: read them as an order of magnitude.")
     if real:
-        real_rows, real_run = real
-        real_cfg = yaml.safe_load((real_run / "config.yaml").read_text())
-        by_wire = []
-        for wire in dict.fromkeys(r["wire"] for r in real_rows):
-            rs = [r for r in real_rows if r["wire"] == wire]
-            by_wire.append([wire, rs[0]["full_bytes"], statistics.median(r["delta_bytes"] for r in rs),
-                            statistics.median(r["ratio"] for r in rs), max(r["ratio"] for r in rs),
-                            statistics.median(r["visible"] for r in rs) if "visible" in rs[0] else None,
-                            statistics.median(r["encode_s"] for r in rs) * 1e3 if "encode_s" in rs[0] else None,
-                            statistics.median(r["apply_s"] for r in rs) * 1e3 if "apply_s" in rs[0] else None])
-        sec.table(f"The real model's recipe: {real_cfg['model']['path'].rstrip('/').split('/')[-1]}, int8 rollout, "
-                  f"learning rate {real_cfg['learner']['lr']:g}, median over {len(real_rows) // len(by_wire)} syncs",
-                  ["wire", "full B", "delta B", "delta / full", "worst delta / full", "int8/fp8 weights changed",
-                   "encode ms", "apply ms"], by_wire,
-                  note=f"`rlpipe demo --config configs/smollm2-math.yaml --precision int8`, {real_cfg['steps']} steps "
-                       f"of {real_cfg['learner']['groups_per_step']} groups, checkpoint every step ({real_run.name}); "
-                       "the same measurement as above, on the recipe's own learning rate.")
+        real_table(sec, *real)
     if args.quick:
         sec.note("--quick: a few steps of the toy, CI-sized; the numbers mean little.")
     sec.data = {"run": str(run), "rows": rows, **({"real_run": str(real[1]), "real_rows": real[0]} if real else {})}
     return sec
+
+
+def real_table(sec, rows: list[dict], run: Path) -> None:
+    """The real model's syncs by wire, over the versions its learning rate moved (the first
+    step's warm-up LR is 0), with the link speed below which a delta is the faster sync."""
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    moved = [r for r in rows if r["delta_bytes"] > 0] or rows
+    by_wire = []
+    for wire in dict.fromkeys(r["wire"] for r in moved):
+        rs = [r for r in moved if r["wire"] == wire]
+        timed = "encode_s" in rs[0]
+        work_s = statistics.median(r["encode_s"] + r["apply_s"] for r in rs) if timed else None
+        saved = rs[0]["full_bytes"] - statistics.median(r["delta_bytes"] for r in rs)
+        by_wire.append([wire, rs[0]["full_bytes"], statistics.median(r["delta_bytes"] for r in rs),
+                        statistics.median(r["ratio"] for r in rs), max(r["ratio"] for r in rs),
+                        statistics.median(r["visible"] for r in rs) if "visible" in rs[0] else None,
+                        statistics.median(r["encode_s"] for r in rs) * 1e3 if timed else None,
+                        statistics.median(r["apply_s"] for r in rs) * 1e3 if timed else None,
+                        saved / work_s / 1e6 if timed else None])
+    sec.table(f"The real model's recipe: {cfg['model']['path'].rstrip('/').split('/')[-1]}, int8 rollout, learning "
+              f"rate {cfg['learner']['lr']:g}, median over the {len(moved) // len(by_wire)} syncs the LR moved",
+              ["wire", "full B", "delta B", "delta / full", "worst delta / full", "int8/fp8 weights changed",
+               "encode ms", "apply ms", "delta faster below (MB/s a worker)"], by_wire,
+              note=f"`rlpipe demo --config configs/smollm2-math.yaml --precision int8`, {cfg['steps']} steps of "
+                   f"{cfg['learner']['groups_per_step']} groups, checkpoint every step ({run.name}); the same "
+                   "measurement as above on the recipe's own learning rate (the first sync, at the warm-up's LR of "
+                   "0, changed nothing and is left out). A delta costs the learner its encode once for the whole "
+                   "fleet and each worker its apply; it saves (full - delta) bytes per worker on the learner's "
+                   "link. The last column is where the two meet: the learner's link speed divided by the workers "
+                   "it feeds, below which a delta sync is the faster one (on CPU, one thread, checksums included).")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
