@@ -122,6 +122,27 @@ def held_out(which: str, field: str = "pass_at_1") -> Stat:
     return stat
 
 
+def evaluated_start_and_end(rows, settings: dict) -> list[str]:
+    """The recipe's whole pipeline on the real model ran: answers were sampled, and the held-out
+    evaluation ran at step 0 and on the final weights, on the recipe's held-out set, each
+    pass@1 inside its own interval."""
+    problems = []
+    if len(rows) != settings["steps"] or not all(r["response_length_mean"] > 1 for r in rows):
+        problems.append(f"{len(rows)} of {settings['steps']} steps, or an empty answer")
+    evals = getattr(rows, "evals", [])
+    versions = {e["requested_version"] for e in evals}
+    if not {0, settings["steps"]} <= versions:
+        problems.append(f"held-out evaluations at versions {sorted(versions)}, not at 0 and the end")
+    final = [e for e in evals if e["requested_version"] == settings["steps"]]
+    if any(e["version"] != settings["steps"] for e in final):
+        problems.append("the final evaluation did not run on the final weights")
+    for e in evals:
+        if e["dataset"] != settings["eval.dataset"] or e["rows"] != settings["eval.size"] or \
+                not e["pass_at_1_low"] <= e["pass_at_1"] <= e["pass_at_1_high"]:
+            problems.append(f"evaluation {e}")
+    return problems
+
+
 def held_out_interval(which: str) -> Stat:
     def stat(rows):
         low, high = held_out(which, "pass_at_1_low")(rows), held_out(which, "pass_at_1_high")(rows)
@@ -158,6 +179,9 @@ class Finding:
     notes: list[str] = field(default_factory=list)
     quick_arms: list[str] = field(default_factory=list)  # the arms --quick runs (default: the first)
     quick: dict = field(default_factory=dict)  # --quick's settings for this finding, beside QUICK
+    # what every run of the finding must show, whatever its numbers (problems, [] if none): a run
+    # that breaks it fails the part, and so CI's quick report
+    check: Callable[[list[dict], dict], list[str]] | None = None
 
 
 FINDINGS: dict[str, Finding] = {
@@ -319,7 +343,8 @@ FINDINGS: dict[str, Finding] = {
                "fires at step 16 in seed 1 only, the seed whose held-out accuracy fell and whose mismatch rose "
                "most (k3 0.23 against 0.13): a plausible early warning, but one run in two is no evidence that "
                "decaying there would have helped."],
-        quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2}),
+        quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2},
+        check=evaluated_start_and_end),
     "real-rollout": Finding(
         title="Seeds 000 and 002 on the real model: bf16, fp16 and int8 rollout (int8 with and without token TIS)",
         arms={"bf16": {"rollout.precision": "bf16", "learner.is_mode": "none"},
@@ -550,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
             ap.error(f"unknown finding {name!r} (have {', '.join(FINDINGS)})")
     out = Path(args.out).resolve()
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
-    sections = {}
+    sections, broken = {}, []
     for name in names:
         f = FINDINGS[name]
         if args.arms:  # with several findings, each takes the arms it has
@@ -574,6 +599,9 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
             runs = run_finding(name, f, arms, run_seeds, settings, out)
             failed = [run_id(a, s) for a in arms for s in run_seeds if s not in runs.get(a, {})]
         runs = {a: by_seed for a, by_seed in runs.items() if by_seed}
+        if f.check and not args.from_runs:
+            broken += [f"{name} {run_id(a, seed)}: {p}" for a, by_seed in runs.items()
+                       for seed, rows in by_seed.items() for p in f.check(rows, settings)]
         if not runs:
             print(f"[seeds] {name}: no runs in {out / name / 'runs'}", file=sys.stderr)
             continue
@@ -582,6 +610,8 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
         print(render_section(sec.to_dict()))
         print(f"[seeds] wrote {path} and its plots", file=sys.stderr)
         sections[name] = sec
+    if broken:
+        raise SystemExit("[seeds] runs that broke their finding's check:\n  " + "\n  ".join(broken))
     return sections
 
 

@@ -6,6 +6,7 @@ checkpoint calls ``embed_out.weight``, and waited at step 0 forever)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,8 +63,16 @@ def grpo_step(model, record) -> int:
     return sum(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+# The families whose loading differs from the toys' Llama-style layers: Qwen3's q/k norms, Gemma's
+# tied head, Phi-3's fused projections and GPT-NeoX's renamed head on vLLM's Transformers backend.
+# Llama, Qwen2 and Mistral load as the qwen2 and llama toys do, which the demo tests run end to end
+# (Qwen2 and a Llama with GQA and its own head); RLPIPE_ALL_FAMILIES=1 runs them here too.
+ENGINE_FAMILIES = list(FAMILIES) if os.environ.get("RLPIPE_ALL_FAMILIES") == "1" else \
+    ["qwen3", "gemma", "phi3", "gpt_neox"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_every_family_syncs_steps_and_recomputes_the_engines_logprobs(family, redis_server, tmp_path):
     """A worker serves the family's checkpoint; the learner syncs new weights, takes a GRPO
     step on the group it gets back, syncs again; each time the engine's log-probs equal the

@@ -89,3 +89,27 @@ def test_the_length_trigger_replayed_on_a_run_fires_where_the_smoothed_length_do
     assert replayed_surge(2.0)(growing) == 9  # (70+80+90)/3 = 80 = 2 x 40
     assert replayed_surge(1.5)(growing) == 7  # (50+60+70)/3 = 60 = 1.5 x 40
     assert replayed_surge(2.0)(rows([40, 60, 45, 55, 50, 58, 52, 61, 49, 57])) is None  # noise, no surge
+
+
+def test_the_real_recipes_check_fails_a_run_whose_final_evaluation_is_missing_or_stale():
+    """What tests/test_real_model.py asserted of a short recipe run is the `real` finding's
+    check: CI's quick report fails when a run breaks it."""
+    sys.path.insert(0, str(ROOT))
+    from bench.seeds import FINDINGS, Rows
+
+    check = FINDINGS["real"].check
+    settings = {"steps": 2, "eval.dataset": "mawps:singleeq", "eval.size": 8}
+
+    def run(evals, lengths=(5.0, 6.0)):
+        rows = Rows({"step": s, "response_length_mean": n} for s, n in enumerate(lengths, 1))
+        rows.evals = [{"requested_version": v, "version": got, "dataset": "mawps:singleeq", "rows": 8,
+                       "pass_at_1": 0.25, "pass_at_1_low": 0.05, "pass_at_1_high": 0.6} for v, got in evals]
+        return rows
+
+    assert check(run([(0, 0), (2, 2)]), settings) == []
+    assert check(run([(0, 0)]), settings)  # no evaluation at the end
+    assert check(run([(0, 0), (2, 1)]), settings)  # the final one on an older version's weights
+    assert check(run([(0, 0), (2, 2)], lengths=(5.0, 0.0)), settings)  # an empty answer
+    bad = run([(0, 0), (2, 2)])
+    bad.evals[1]["pass_at_1"] = 0.9  # outside its own interval
+    assert check(bad, settings)

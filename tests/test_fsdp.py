@@ -75,8 +75,9 @@ def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server,
     groups = synthetic_groups(load_policy(toy_model_path), 16, seed=5, noise=0.1)
     settings = {"learner.parallel": "fsdp", "learner.checkpoint_every": 1,
                 "learner.checkpoint_format": checkpoint_format}
+    # (FSDP resuming from its own checkpoint is the killed-rank test's restart; here, across the two)
     runs = {name: prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **settings)[1]
-            for name in ("straight", "fsdp_then_one", "one_then_fsdp", "fsdp_then_fsdp")}
+            for name in ("straight", "fsdp_then_one", "one_then_fsdp")}
     fsdp_format = "full" if checkpoint_format == "full" else "sharded"
     train(runs["straight"], 1, 4)
     train(runs["fsdp_then_one"], 2, 2)
@@ -87,13 +88,11 @@ def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server,
     assert optimizer_format(runs["one_then_fsdp"]) == "full"
     train(runs["one_then_fsdp"], 2, 4)
     assert optimizer_format(runs["one_then_fsdp"]) == fsdp_format
-    train(runs["fsdp_then_fsdp"], 2, 2)
-    train(runs["fsdp_then_fsdp"], 2, 4)
     straight = final_weights(runs["straight"])
     base = load_policy(toy_model_path).state_dict()
     moved = max((straight[k] - base[k]).abs().max().item() for k in straight)
     assert moved > 1e-3, "the steps did not train"
-    for name in ("fsdp_then_one", "one_then_fsdp", "fsdp_then_fsdp"):
+    for name in ("fsdp_then_one", "one_then_fsdp"):
         got = final_weights(runs[name])
         diff = max((got[k] - straight[k]).abs().max().item() for k in straight)
         print(f"{name}: max difference from 4 steps in one process {diff:.2e} (moved {moved:.2e})")

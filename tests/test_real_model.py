@@ -10,7 +10,6 @@ every chat prompt below (about 80 tokens) is prefilled in at least two chunks.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +27,6 @@ QUESTIONS = [
     "How much did she earn? Give the final answer as a number at the end.",
 ]
 STEP_TOKENS = 64
-RECIPE = Path(__file__).resolve().parent.parent / "configs" / "smollm2-math.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -85,34 +83,6 @@ def test_seeded_chunk_prefilled_prompts_sample_the_same_however_they_are_chunked
     (reseeded,) = asyncio.run(generate(real_worker, [{**body, "seed": 9}]))
     assert tokens(reseeded) != tokens(alone)  # the seed, not greedy decoding, fixes the samples
     assert httpx.get(f"http://{real_worker}/healthz", timeout=10).status_code == 200
-
-
-def test_the_recipe_trains_the_real_model_and_evaluates_it_on_held_out_rows(real_model_path, tmp_path):
-    """configs/smollm2-math.yaml, cut to 2 steps of 2 groups with short answers: the whole pipeline on the
-    real model (chat template, MAWPS by name, the number reward, GRPO) and the held-out evaluation at step
-    0, step 1 and the end, on rows none of which is a training row."""
-    from learner.metrics import read_jsonl
-    from rlpipe.config import load_config
-    from rlpipe.demo import run_demo
-
-    cfg = load_config(RECIPE, environ={}).model_copy(update={"steps": 2, "run_id": "real"})
-    cfg = cfg.model_copy(update={
-        "sampling": cfg.sampling.model_copy(update={"max_tokens": 32}),
-        "learner": cfg.learner.model_copy(update={"groups_per_step": 2, "cpus": ""}),
-        "rollout": cfg.rollout.model_copy(update={"cpus": ""}),
-        "eval": cfg.eval.model_copy(update={"every": 1, "size": 8})})
-    summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False, timeout_s=900)
-    assert summary["completed"] and summary["groups_dead"] == 0, summary
-    metrics = tmp_path / "real" / "metrics.jsonl"
-    steps = read_jsonl(metrics)
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["response_length_mean"] > 1 for r in steps)
-    evals = read_jsonl(metrics, kind="eval")
-    assert sorted(e["requested_version"] for e in evals) == [0, 1, 2], evals
-    assert all(e["dataset"] == "mawps:singleeq" and e["rows"] == 8 and 0 <= e["pass_at_1"] <= 1 for e in evals)
-    assert all(e["pass_at_1_low"] <= e["pass_at_1"] <= e["pass_at_1_high"] for e in evals)
-    assert {e["version"] for e in evals if e["requested_version"] == 2} == {2}  # the final one, on the final weights
-    assert "eval_pass@1_start" in summary and "eval_pass@1_end" in summary
 
 
 def test_a_synced_update_of_the_tied_embedding_reaches_the_real_engines_head(real_harness, real_model_path):
