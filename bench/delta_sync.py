@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     real = None
     if args.real_from_run or args.real_steps:
         out = Path(args.out) if args.out else ROOT / "runs" / "delta_sync"
+        recipe = str(ROOT / "configs" / "smollm2-math.yaml")
         real_run = Path(args.real_from_run) if args.real_from_run else \
-            train(args.real_steps, None, out.resolve(), str(ROOT / "configs" / "smollm2-math.yaml"), "delta-int8-smollm2")
+            train(args.real_steps, None, out.resolve(), recipe, "delta-int8-smollm2")
         real = (measure(real_run, args.repeats), real_run)
     if args.json:
         report(rows, run, args, real).write(args.json)

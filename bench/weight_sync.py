@@ -379,8 +379,8 @@ def report(rows: list[dict], args, link: tuple[list[dict], str] | None = None) -
                   note="The same measurement with the wire slower than memory, as a real link is: the pack then "
                        "uses what the transfer leaves idle. 'whole buckets' sends each bucket in one piece "
                        "(`chunk_bytes` 0), bucket i+1 packed while bucket i is on the wire: the first bucket's pack "
-                       "is never hidden, and a model of one bucket hides nothing. At 10M (20 MB: two chunks) the sync takes "
-                       "tens of milliseconds and the ratios are noise; goal: >= 0.9 at 100M and 500M.")
+                       "is never hidden, and a model of one bucket hides nothing. At 10M (20 MB: two chunks) the "
+                       "sync takes tens of milliseconds and the ratios are noise; goal: >= 0.9 at 100M and 500M.")
     elif link:
         sec.note(f"No shaped-link measurement: {link[1]}.")
     fig, ((ax,),) = figure()
