@@ -248,6 +248,8 @@ def decode_group(data: bytes) -> GroupRecord:
     prompt_tokens = _array(m, "prompt_tokens", I32, "")
     if not len(prompt_tokens):
         raise SchemaError("prompt_tokens: empty prompt")
+    if prompt_tokens.min() < 0:  # an embedding would index from the end, or fail, instead of refusing it
+        raise SchemaError("prompt_tokens: negative token id")
     return GroupRecord(
         run_id=_need(m, "run_id", str),
         group_id=_need(m, "group_id", str),

