@@ -122,8 +122,12 @@ class FleetSync:
         if not any(ch.sender.group for ch in self.channels.values()) and len(workers) < self.cfg.workers \
                 and time.monotonic() - self._started < self.cfg.sync.join_timeout_s:
             return
-        if any(ch.sender.needs_forming(ch.live(workers)) for ch in self.channels.values()):
-            self._sync(model, version, step, workers)
+        # Only the channels whose workers changed: the others' members already hold
+        # ``version``, and a follower never takes a version again, so re-sending it to them
+        # would block this learner for sync.timeout_s and then drop their generation.
+        changed = [p for p, ch in self.channels.items() if ch.sender.needs_forming(ch.live(workers))]
+        if changed:
+            self._sync(model, version, step, workers, changed)
 
     def _observe(self, workers: dict[str, dict[str, str]]) -> None:
         """Versions every member now serves (weight_sync/convergence.py): their convergence
@@ -144,16 +148,20 @@ class FleetSync:
             self._converged = None
         return out
 
-    def _sync(self, model, version: int, step: int, workers: dict[str, dict[str, str]]) -> dict:
-        """Bring every live worker to ``version``, each precision on its channel; never
-        blocks longer than sync.timeout_s per channel on workers (a dead one is left out,
-        see weight_sync.sender). Returns the sync metrics; opens the version's convergence."""
+    def _sync(self, model, version: int, step: int, workers: dict[str, dict[str, str]],
+              precisions: list[str] | None = None) -> dict:
+        """Bring every live worker to ``version``, each precision on its channel (of
+        ``precisions``, default all); never blocks longer than sync.timeout_s per channel on
+        workers (a dead one is left out, see weight_sync.sender). Returns the sync metrics;
+        opens the version's convergence."""
         started_at, t0 = time.time(), time.perf_counter()
         out = {"weight_sync_seconds": 0.0, "weight_sync_prepare_seconds": 0.0, "weight_sync_pack_seconds": 0.0,
                "weight_sync_transfer_seconds": 0.0, "weight_sync_form_seconds": 0.0, "weight_sync_members": 0,
                "weight_sync_sent_bytes": 0, "weight_sync_full_bytes": 0, "weight_sync_deltas": 0}
         by_precision, received = {}, {}
         for precision, ch in self.channels.items():
+            if precisions is not None and precision not in precisions:
+                continue
             try:
                 stats, quant_metrics = ch.sync(model, version, step, ch.live(workers))
             except SyncError as e:

@@ -468,10 +468,11 @@ class ServingEngine(ChecksumEngine):
                            activated_at=time.time())
 
 
-def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results):
+def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results, precision=""):
     """A stand-in rollout worker that registers as one does (rollout_service/loop.py): the
     production follower on a :class:`ServingEngine`, its registry entry (TTL ``ttl_s``)
-    heart-beaten every 0.1 s and rewritten after every update with ``last_sync``."""
+    heart-beaten every 0.1 s and rewritten after every update with ``last_sync``. With a
+    ``precision`` it is a mixed fleet's worker: registered with it, on its channel."""
     from rlpipe import registry
     from weight_sync.follower import WeightFollower
 
@@ -482,7 +483,7 @@ def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results):
 
     def publish():
         registry.heartbeat_worker(r, keys, worker_id, ttl_s, version=engine.version, incarnation="a",
-                                  last_sync=json.dumps(last_sync))
+                                  last_sync=json.dumps(last_sync), **({"precision": precision} if precision else {}))
 
     def synced(s):
         last_sync.update(version=s.version, **s.timings, activated_at=s.activated_at)
@@ -492,7 +493,7 @@ def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results):
         pass
 
     async def main():
-        follower = WeightFollower(r, keys.sync, worker_id, engine, 5.0, lambda: None, synced, lambda e: None,
+        follower = WeightFollower(r, keys.sync_channel(precision), worker_id, engine, 5.0, lambda: None, synced, lambda e: None,
                                   published)
         publish()
         results.put((worker_id, "ready"))
@@ -507,11 +508,13 @@ def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results):
     asyncio.run(main())
 
 
-def start_serving(redis_server, run_id, pauses: dict[str, float], ttl_s=4.0):
-    """Stand-in workers (id -> activation pause); returns the processes and their reports."""
+def start_serving(redis_server, run_id, pauses: dict[str, float], ttl_s=4.0, precisions: dict[str, str] | None = None):
+    """Stand-in workers (id -> activation pause; ``precisions``: id -> its precision in a
+    mixed fleet); returns the processes and their reports."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_serving, args=(redis_server.url, run_id, w, ttl_s, pause, results), daemon=True)
+    procs = [ctx.Process(target=_serving, args=(redis_server.url, run_id, w, ttl_s, pause, results,
+                                                (precisions or {}).get(w, "")), daemon=True)
              for w, pause in pauses.items()]
     for p in procs:
         p.start()
@@ -665,6 +668,46 @@ def test_the_learners_row_has_each_phase_of_a_real_sync(redis_server, r, toy_mod
             assert re.search(rf"^rlpipe_weight_sync_{name}_seconds\{{[^}}]*\}} \S+$", page, re.M), name
         for phase in ("prepare", "transfer", "convergence"):
             assert f'rlpipe_weight_sync_seconds_count{{phase="{phase}",run_id="{run_id}"}} ' in page, phase
+    finally:
+        fleet.drop()
+        stop(procs)
+
+
+def test_a_worker_lost_from_one_precision_costs_the_other_precisions_channel_nothing(redis_server, r,
+                                                                                     toy_model_path):
+    """A mixed fleet's learner re-forms only the channel whose worker went. It used to send the
+    version again on every channel, to members that already held it and never take a version
+    twice: the learner blocked for sync.timeout_s and the other channel's generation was
+    dropped (seen live: a killed bf16 worker stalled an int8 channel 60 s)."""
+    from learner.channels import FleetSync
+    from learner.metrics import LearnerMetrics
+    from learner.policy import load_policy
+    from rlpipe import registry
+    from rlpipe.config import build_config
+
+    run_id = free_run_id("ws")
+    cfg = build_config({}, environ={}, run_id=run_id, redis_url=redis_server.url, workers=2, **{
+        "model.path": toy_model_path, "rollout.fleet": ["fp32", "bf16"], "sync.timeout_s": 6.0})
+    procs, _ = start_serving(redis_server, run_id, {"w0": 0.0, "w1": 0.0}, ttl_s=1.0,
+                             precisions={"w0": "fp32", "w1": "bf16"})
+    fleet = FleetSync(cfg, r, Keys(run_id), LearnerMetrics(None, run_name=run_id))
+    model = load_policy(toy_model_path)
+    kept = fleet.channels["fp32"].sender
+    try:
+        first = fleet.sync(model, 1, 1)
+        assert first["weight_sync_members"] == 2 and "weight_sync_failed" not in first, first
+        wait_for(lambda: all(f.get("version") == "1" for f in registry.live_workers(r, Keys(run_id)).values()), 30,
+                 what="both workers on version 1")
+        generation = kept.state.generation
+        procs[1].kill()
+        wait_for(lambda: "w1" not in registry.live_workers(r, Keys(run_id)), 30, what="w1's entry to expire")
+        t0 = time.perf_counter()
+        fleet.maybe_resync(model, 1, 1)  # as the learner does while it waits for groups
+        assert time.perf_counter() - t0 < cfg.sync.timeout_s / 2
+        assert kept.state.generation == generation and kept.group is not None and kept.left_out_total == 0
+        second = fleet.sync(model, 2, 2)
+        assert second["weight_sync_members"] == 1 and "weight_sync_failed" not in second, second
+        assert second["weight_sync_by_precision"]["fp32"]["generation"] == generation
     finally:
         fleet.drop()
         stop(procs)
