@@ -516,8 +516,8 @@ def _serving(redis_url, run_id, worker_id, ttl_s, pause_s, results, precision=""
         pass
 
     async def main():
-        follower = WeightFollower(r, keys.sync_channel(precision), worker_id, engine, 5.0, lambda: None, synced, lambda e: None,
-                                  published)
+        follower = WeightFollower(r, keys.sync_channel(precision), worker_id, engine, 5.0, lambda: None, synced,
+                                  lambda e: None, published)
         publish()
         results.put((worker_id, "ready"))
 
