@@ -76,6 +76,8 @@ PARTS = (
          "bench/real_quant.py", (), ("--quick",), ("real-int8",)),
     Part("real-rollout", "seeds 000 and 002 on SmolLM2: bf16, fp16, int8 and int8+TIS rollout", "bench/seeds.py",
          ("--finding", "real-rollout"), ("--finding", "real-rollout", "--quick"), ("real-rollout",), "--json-dir"),
+    Part("soak", "soak tests: the long experiments left out of CI's suite (pytest -m soak)", "bench/soak.py",
+         (), ("--quick",), ("soak",)),
     # without CUDA the full run is the smoke too, and its section says the numbers are meaningless
     Part("gpu", "GPU: learner MFU, per-update quantization to 32B, W8A8 kernels, checkpoint save (CPU smoke "
          "without a GPU)", "bench/gpu.py", (), ("--quick",), ("gpu",)),

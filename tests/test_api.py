@@ -317,6 +317,7 @@ def fuzz_operation(api: str, operation, mode) -> list[int]:
     return made
 
 
+@pytest.mark.soak
 def test_fuzz_the_served_openapi_schema(api):
     """Requests generated from the served schema, valid ones and invalid ones, each get
     a documented, non-5xx answer that matches the schema (schemathesis' default checks:

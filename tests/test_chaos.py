@@ -27,7 +27,7 @@ import pytest
 from tests.cluster import Cluster, back_to_steady, segments, steady
 from tests.test_restarts import SETTINGS, SETTLE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 STEPS = 30
 FAULTS = ("learner", "learner", "worker", "redis", "poison")

@@ -51,6 +51,7 @@ def processes_of_run(launcher_pid: int, run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.soak
 def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
     steps = 30
     cfg = build_config({}, environ={}, steps=steps, seed=0, run_id="e2e")
@@ -128,7 +129,10 @@ def check_http_interfaces(run_dir: Path, worker_ids: list[str]) -> None:
         assert httpx.get(f"http://{w['address']}/readyz", timeout=30).status_code == 200
 
 
-@pytest.mark.parametrize("precision,is_mode,dtype", [("fp8", "seq_mis", "fp32"), ("bf16", "bypass", "bf16")])
+# bf16 rollout, no correction and a bf16 learner: the demo's default engine, and the options' own tests
+# (test_loss, test_learner) cover the rest: a soak test
+@pytest.mark.parametrize("precision,is_mode,dtype", [("fp8", "seq_mis", "fp32"),
+                                                     pytest.param("bf16", "bypass", "bf16", marks=pytest.mark.soak)])
 def test_short_demo_runs_and_stamps_its_records(tmp_path, precision, is_mode, dtype):
     cfg = build_config({}, environ={}, steps=3, run_id=precision, workers=1, **{
         "rollout.precision": precision, "learner.groups_per_step": 16, "learner.is_mode": is_mode,

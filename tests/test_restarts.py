@@ -31,6 +31,7 @@ SETTINGS = {"steps": 27, "learner.groups_per_step": 8, "learner.checkpoint_every
 SETTLE = 4  # "within a few steps": steps after a restart before it must be steady again
 
 
+@pytest.mark.soak
 def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_model_path):
     cluster = Cluster(tmp_path, toy_model_path, workers=2, password="s3cret-file", **SETTINGS)
     try:

@@ -95,6 +95,8 @@ def test_sigkill_at_every_point_of_a_step_trains_each_group_exactly_once(run):
     load_policy(str(checkpoint.latest(f"{cfg.run_dir}/checkpoints")))
 
 
+@pytest.mark.slow
+@pytest.mark.soak
 def test_sigkill_at_random_moments_trains_each_group_exactly_once(run):
     cfg, queue, ids, start, no_loss = run
     r, rng = connect(cfg.redis_url), random.Random(7)

@@ -415,6 +415,8 @@ def _collect(results, timeout: float) -> list:
         return got
 
 
+@pytest.mark.slow
+@pytest.mark.soak
 def test_syncs_go_on_intact_through_a_flood_of_malformed_and_forged_connections(redis_server, r, token):
     run_id = free_run_id("auth")
     ctx = mp.get_context("spawn")  # children inherit the token from the environment
