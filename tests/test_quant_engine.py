@@ -165,8 +165,8 @@ def test_weights_for_another_scheme_are_refused_and_the_worker_keeps_serving(qua
         h.sender.sync(version + 1, tensors.items, worker_incarnations(h.r, h.keys), "f00d" * 4, other)
     # the refusal, not an error before it: the dropped generation's store closing under the
     # worker may be reported first (seen once: "Failed to recv ... Connection was likely closed")
-    status = wait_for(lambda: f"quantized as {other}" in (st := h.http.get("/v1/status").json())["last_error"] and st,
-                      30, what="the refusal in /v1/status")
+    status = wait_for(lambda: f"quantized as {other}" in ((st := h.http.get("/v1/status").json())["last_error"] or "")
+                      and st, 30, what="the refusal in /v1/status")
     assert status["version"] == version and f"quantized as {other}" in status["last_error"]
     assert f"this worker's engine was started for {h.wire.compat}" in status["last_error"]
     # the learner's /status reads the same error from the registry

@@ -181,18 +181,6 @@ class WeightSender:
         stats.received = {w: inc for rank, (w, inc) in enumerate(members.items(), 1) if rank not in failed}
         return stats
 
-    def _reached_no_worker(self, version: int, failed: dict[int, str]) -> SyncError:
-        """Every member failed. A generation's only member is left out in its incarnation, as
-        a failed member beside others is: when it died, its registry entry outlives it (its
-        TTL), and forming again with it would block for the whole check-in deadline, while
-        its restart, or itself once its receive fails and it asks back in, comes with a new
-        incarnation. Of several members none is: gloo closes every pair when one of them
-        hangs (test_a_hung_member_costs_one_version_and_the_next_reaches_the_others), so
-        their failures do not say which one it was."""
-        if len(failed) == 1:
-            self._leave_out_ranks(failed)
-        return SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
-
     def _leave_out_ranks(self, failed: dict[int, str]) -> None:
         """Leave out the members of the current generation whose transfer failed (rank -> why)."""
         members = list(self._members)
@@ -305,7 +293,7 @@ class WeightSender:
         for works in [in_flight, *sending]:
             finish(works)
         if len(failed) == group.world_size - 1:
-            raise self._reached_no_worker(version, failed)
+            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
         total = time.perf_counter() - t0
         self.state.version = version
         # transfer_s is the wall time not spent packing (the part packing did not hide).
@@ -351,7 +339,7 @@ class WeightSender:
         for w in works:
             finish(w)
         if len(failed) == self.group.world_size - 1:
-            raise self._reached_no_worker(version, failed)
+            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
         total = time.perf_counter() - t0
         self.state.version = version
         if not failed:
@@ -375,7 +363,7 @@ class WeightSender:
                             f"transfer: {next(iter(failed.values()))}")
         failed = self.device.broadcast(self.manifest, tensors, self.gather)
         if len(failed) == self.group.world_size - 1:
-            raise self._reached_no_worker(version, failed)
+            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
         total = time.perf_counter() - t0
         self.state.version = version
         return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes,
