@@ -169,6 +169,15 @@ def _array(m: dict, key: str, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).copy()
 
 
+def _token_ids(m: dict, key: str, where: str) -> np.ndarray:
+    """Token ids: int32, none negative (an embedding would index from its end, or fail,
+    instead of refusing them; the run's vocabulary bounds them above, rlpipe/admission.py)."""
+    ids = _array(m, key, I32, where)
+    if len(ids) and ids.min() < 0:
+        raise SchemaError(f"{where}{key}: negative token id")
+    return ids
+
+
 def _mask(s: dict, tokens: np.ndarray, logprobs: np.ndarray, where: str) -> np.ndarray:
     """A sample's loss mask, validated: one 0/1 per token, at least one model token, and a
     behavior log-prob of exactly 0 at every environment position (the schema's rule; a
@@ -217,12 +226,10 @@ def decode_group(data: bytes) -> GroupRecord:
         where = f"samples[{i}]."
         if not isinstance(s, dict):
             raise SchemaError(f"samples[{i}]: expected map")
-        tokens = _array(s, "tokens", I32, where)
+        tokens = _token_ids(s, "tokens", where)
         logprobs = _array(s, "logprobs", F32, where)
         if len(tokens) != len(logprobs):
             raise SchemaError(f"{where}logprobs: {len(logprobs)} values for {len(tokens)} tokens")
-        if len(tokens) and (tokens.min() < 0):
-            raise SchemaError(f"{where}tokens: negative token id")
         if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
             raise SchemaError(f"{where}logprobs: not finite non-positive log-probabilities")
         mask = _mask(s, tokens, logprobs, where) if "mask" in s else None
@@ -245,11 +252,9 @@ def decode_group(data: bytes) -> GroupRecord:
         if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):
             raise SchemaError(f"{key}: expected a non-negative int, got {m[key]!r}")
     prompt_index, attempt = m.get("prompt_index", -1), m.get("attempt", 0)
-    prompt_tokens = _array(m, "prompt_tokens", I32, "")
+    prompt_tokens = _token_ids(m, "prompt_tokens", "")
     if not len(prompt_tokens):
         raise SchemaError("prompt_tokens: empty prompt")
-    if prompt_tokens.min() < 0:  # an embedding would index from the end, or fail, instead of refusing it
-        raise SchemaError("prompt_tokens: negative token id")
     return GroupRecord(
         run_id=_need(m, "run_id", str),
         group_id=_need(m, "group_id", str),
