@@ -25,6 +25,24 @@ from typing import Callable
 from learner import checkpoint
 
 
+def load_weights(path: Path, model) -> None:
+    """Checkpoint ``path``'s weights copied into ``model`` in place: its parameters stay the
+    objects the optimizer, the DDP wrapper and FSDP's shards hold (every rank runs this and
+    keeps its own shard)."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from learner.policy import load_policy
+
+    saved = load_policy(str(path)).state_dict()
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            value = saved[name].to(t.device, t.dtype)
+            if isinstance(t, DTensor):
+                value = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(value)
+
+
 def _done(value) -> Future:
     future = Future()
     future.set_result(value)
@@ -39,6 +57,29 @@ class Checkpointer:
         self._writing: tuple[Future, dict] | None = None  # rank 0: the write in progress, and what it holds
         self._shards_writing: Future | None = None  # ranks other than 0: their shards of the last checkpoint
         self.blocking_s = 0.0  # time the caller spent on checkpoints since it last reset this (the critical path)
+        self.loaded: tuple[str, dict] | None = None  # the checkpoint restored last: its name and meta.json
+
+    def load(self, path: Path, weights: bool = False) -> dict:
+        """Checkpoint ``path``'s trainer state, its optimizer state loaded (either format, any
+        number of ranks) and, with ``weights``, its weights too (the model was built from
+        another checkpoint: :meth:`newer`)."""
+        if weights:
+            load_weights(path, self.model)
+        state = checkpoint.load_state(path)
+        checkpoint.load_optimizer(path, state, self.model, self.opt)
+        self.loaded = (path.name, checkpoint.read_meta(path))
+        return state
+
+    def newer(self) -> Path | None:
+        """Rank 0: the newest complete checkpoint if it is not the one loaded last. A learner
+        restores at start, then may wait for the lease while another learner trains and
+        checkpoints: continuing from what it loaded would retrain, and roll back the books of,
+        every step since. The same step written again (a resumed learner that stopped at once)
+        differs in its meta.json."""
+        latest = checkpoint.latest(self.root)
+        if latest is None or (latest.name, checkpoint.read_meta(latest)) == self.loaded:
+            return None
+        return latest
 
     @property
     def background(self) -> bool:

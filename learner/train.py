@@ -63,6 +63,23 @@ CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 CRASH_ON_PROMPT = os.environ.get("RLPIPE_CRASH_ON_PROMPT", "")
 
 
+def acquire_lease(r, keys, ttl_s: float, run_id: str) -> registry.LearnerLease:
+    """Wait until no other learner holds the run's lease (registry.LearnerLease); losing
+    it later stops this process at once. (The run's state hash belongs to the holder:
+    nothing is published while waiting.)"""
+    lease = registry.LearnerLease(r, keys, ttl_s)
+
+    def waiting():
+        log.warning("another learner holds the lease of run %s; waiting for it", run_id)
+
+    def lost():
+        log.critical("lost the learner lease to another learner: stopping")
+        os._exit(3)
+
+    lease.acquire(on_wait=waiting, on_lost=lost)
+    return lease
+
+
 class Learner:
     @property
     def step(self) -> int:
@@ -110,7 +127,8 @@ class Learner:
         # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
         self._commands = {"gather": partial(self.ranks.full_tensors, self.model),
                           "probe": partial(self.ranks.probe, self.model),
-                          "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards}
+                          "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards,
+                          "restore": self._restore_newer}
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
         self.fleet_sizer = FleetSizer(cfg.autoscale)
         self.fleet_advice: dict = {}  # the rule's last output, published for `rlpipe up --autoscale`
@@ -150,7 +168,13 @@ class Learner:
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> None:
         if self.ranks.is_main:
-            self._acquire_lease()
+            # From now on Redis refuses this learner's acknowledgements, dead letters, state and weights once
+            # another learner takes the lease (rlpipe/fence.py): the queue's fence is also the sync's.
+            self.lease = self.queue.fence.lease = acquire_lease(self.r, self.keys, self.cfg.learner.lease_ttl_s,
+                                                                self.cfg.run_id)
+            if newer := self.checkpoints.newer():  # another learner trained while this one waited
+                self.ranks.command("restore", str(newer))
+                self._restore_newer(str(newer))
             self.queue.check.version = self.version  # what is taken over is admitted against the restored version
             self.ledger.take_over_pending()
             self._set_status("running")
@@ -288,9 +312,14 @@ class Learner:
                                 "seconds": time.perf_counter() - started["started"], "time": time.time()}
         log.info("checkpoint %s durable (%.2fs after the step)", path.name, self.last_checkpoint["seconds"])
 
-    def _restore(self, path: Path) -> None:
-        state = checkpoint.load_state(path)
-        checkpoint.load_optimizer(path, state, self.model, self.opt)  # either format, any number of ranks
+    def _restore_newer(self, path: str) -> None:
+        """Every rank, once rank 0 holds the lease: the weights and state of a checkpoint
+        written since this learner restored at start (learner/checkpointer.py ``newer``)."""
+        self._restore(Path(path), weights=True)
+        apply_lr(self.opt, self.schedule.next_lr())
+
+    def _restore(self, path: Path, weights: bool = False) -> None:
+        state = self.checkpoints.load(path, weights)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
@@ -301,33 +330,13 @@ class Learner:
         self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
         if self.ranks.is_main:
             # The workers' versions too: the learner hash may be older than they are (restored, cleaned).
-            published = max([registry.learner_version(self.r, self.keys)] + [
-                int(f.get("version", 0) or 0) for f in registry.live_workers(self.r, self.keys).values()])
+            published = registry.published_version(self.r, self.keys)
             if published > self.version:
                 # Workers may hold weights of versions this checkpoint never saw: the restored
                 # weights get a new, higher version so versions only ever grow (and their
                 # records stay within the version range the reader admits).
                 self.run_counters.version = published + 1
         log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
-
-    def _acquire_lease(self) -> None:
-        """Wait until no other learner holds the run's lease (registry.LearnerLease); losing
-        it later stops this process at once. (The run's state hash belongs to the holder:
-        nothing is published while waiting.)"""
-        self.lease = registry.LearnerLease(self.r, self.keys, self.cfg.learner.lease_ttl_s)
-
-        def waiting():
-            log.warning("another learner holds the lease of run %s; waiting for it", self.cfg.run_id)
-
-        def lost():
-            log.critical("lost the learner lease to another learner: stopping")
-            os._exit(3)
-
-        self.lease.acquire(on_wait=waiting, on_lost=lost)
-        # From now on Redis refuses this learner's acknowledgements, dead letters and published
-        # state and weights once another learner takes the lease (rlpipe/fence.py): the queue's
-        # fence is also the sync's.
-        self.queue.fence.lease = self.lease
 
     def _crash_point(self, point: str, step: int | None = None) -> None:
         if CRASH_AT == f"{point}:{self.step if step is None else step}":

@@ -40,6 +40,11 @@ FIXED_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens")
 # bitmap holds 2x the cursor in bits).
 INDEX_SLACK = 1024
 ATTEMPT_SLACK = 2
+# The most prompt indices a run hands out (67M groups; 8 MB as a bitmap). The learner keeps
+# the indices it trained and Redis those dropped as dense bitmaps, 1 bit per index up to the
+# highest: a cursor overwritten to 2**31 grew the learner's to 2 GB and its checkpoints to
+# 525 MB. The hand-out never goes past this (rlpipe/queue.py) and the reader refuses past it.
+MAX_PROMPT_INDEX = 1 << 26
 
 
 def longest_model_turn(mask) -> int:
@@ -103,6 +108,9 @@ class RunCheck:
             if s.versions is not None:
                 self._check_versions(where, rec, s)
         if rec.prompt_index >= 0:  # -1: not from the cursor (imported data, tools)
+            if rec.prompt_index >= MAX_PROMPT_INDEX:
+                raise SchemaError(f"prompt_index: {rec.prompt_index} is beyond the run's limit of {MAX_PROMPT_INDEX} "
+                                  f"prompts")
             if rec.prompt_index >= 2 * handed_out + INDEX_SLACK:
                 raise SchemaError(f"prompt_index: {rec.prompt_index} was never handed out (the cursor is at "
                                   f"{handed_out})")

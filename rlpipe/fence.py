@@ -61,10 +61,10 @@ class Fence:
     def check(self) -> None:
         """Raise :class:`Fenced` if another learner took the lease: for writes Redis cannot
         fence, such as a checkpoint put in place on disk (checked just before the rename)."""
-        epoch = self.r.get(self.epoch_key)
-        if self.epoch is not None and (epoch is None or int(epoch) != self.epoch):
-            raise Fenced(f"FENCED: lease epoch {self.epoch} is stale (now {epoch and int(epoch)}): another "
-                         f"learner holds the lease")
+        raw = self.r.get(self.epoch_key)
+        epoch = None if raw is None else raw.decode(errors="replace")  # as text: an overwritten one need not parse
+        if self.epoch is not None and epoch != str(self.epoch):
+            raise Fenced(f"FENCED: lease epoch {self.epoch} is stale (now {epoch}): another learner holds the lease")
 
     def hset(self, key: str, mapping: dict) -> None:
         self.run(self._hset, [key], [x for kv in mapping.items() for x in kv])

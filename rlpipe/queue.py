@@ -33,8 +33,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from rlpipe.admission import RunCheck
+from rlpipe.admission import MAX_PROMPT_INDEX, RunCheck
 from rlpipe.fence import FENCE_CHECK, Fence
+from rlpipe.readback import number
 from rlpipe.schema import GroupRecord, SchemaError, decode_group, encode_group
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,22 @@ end
 return out
 """
 
+# KEYS: cursor, counters, returned; ARGV: MAX_PROMPT_INDEX. A cursor that is not a count below
+# the limit (overwritten: INCR fails on text, and a far one blows up the bitmaps of prompt
+# indices) is set back to the most the books say was handed out: each index was pushed (counted
+# in produced, re-issues too), is leased or was given back, so while the books are right no
+# index in use is handed out again; past the limit as well, to 0. Returns the new value.
+_RESET_CURSOR = """
+local cursor, limit = redis.call('GET', KEYS[1]), tonumber(ARGV[1])
+local count = cursor == '0' or (string.match(cursor or '', '^[1-9]%d*$') and #cursor < 16)
+if not cursor or (count and tonumber(cursor) < limit) then return false end
+local c = redis.call('HMGET', KEYS[2], 'produced', 'leased')
+local bound = (tonumber(c[1] or 0) or 0) + (tonumber(c[2] or 0) or 0) + redis.call('LLEN', KEYS[3])
+if not (bound >= 0 and bound < limit) then bound = 0 end
+redis.call('SET', KEYS[1], math.floor(bound))
+return math.floor(bound)
+"""
+
 # KEYS: leases:{worker}, traj, counters; ARGV: index, data
 _LEASED_PUSH = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
@@ -397,6 +414,7 @@ class TrajectoryQueue:
         self.check = check
         self.fence = Fence(r, self.keys.epoch)  # the learner sets its lease's (rlpipe/fence.py)
         self._hand_out = r.register_script(_HAND_OUT)
+        self._reset_cursor = r.register_script(_RESET_CURSOR)
         self._leased_push = r.register_script(_LEASED_PUSH)
         self._reissue = r.register_script(_REISSUE)
         self._rederive = r.register_script(_REDERIVE)
@@ -446,10 +464,22 @@ class TrajectoryQueue:
         at max_staleness and a quarter of the groups dropped).
         """
         keys = self.keys
+        self._check_cursor()
         raw = self._hand_out(keys=[keys.returned, keys.cursor, keys.leases(worker_id), keys.attempts, keys.counters,
                                    keys.learner], args=[time.time(), wanted, *(backpressure or ())])
         return Lease(allowance=int(raw[0]), prompts=[(int(raw[i]), int(raw[i + 1])) for i in range(3, len(raw), 2)],
                      unconsumed=int(raw[1]), fleet_leased=int(raw[2]))
+
+    def _check_cursor(self) -> None:
+        """Set back a cursor that is not a count below MAX_PROMPT_INDEX (see _RESET_CURSOR)."""
+        raw = self.r.get(self.keys.cursor)
+        if raw is None or raw == b"0" or (raw[:1] != b"0" and raw.isdigit() and int(raw) < MAX_PROMPT_INDEX):
+            return
+        reset = self._reset_cursor(keys=[self.keys.cursor, self.keys.counters, self.keys.returned],
+                                   args=[MAX_PROMPT_INDEX])
+        if reset is not None:
+            log.warning("prompts:cursor was %r, not a count below %d: set back to %d, what the books say was handed "
+                        "out at most", raw[:80], MAX_PROMPT_INDEX, reset)
 
     def next_prompt_index(self, worker_id: str) -> tuple[int, int]:
         """One prompt for ``worker_id``, without back-pressure (tools and tests)."""
@@ -568,8 +598,10 @@ class TrajectoryQueue:
                                       "as produced")
                 if self.check is not None:
                     if handed_out is None:
-                        handed_out = int(self.r.get(self.keys.cursor) or 0)
-                    reissued = int(self.r.hget(self.keys.attempts, rec.prompt_index) or 0) if rec.attempt else 0
+                        # unreadable (overwritten): any index is admitted up to the limit
+                        handed_out = number(self.r.get(self.keys.cursor), "prompts:cursor", MAX_PROMPT_INDEX, low=0)
+                    reissued = number(self.r.hget(self.keys.attempts, rec.prompt_index), "prompts:attempts", 0,
+                                      low=0) if rec.attempt else 0
                     self.check.check(rec, handed_out, reissued)
             except SchemaError as e:
                 self.dead_letter(entry_id, fields, str(e))

@@ -33,6 +33,7 @@ import redis
 from rlpipe.fence import Fence
 from rlpipe.proc import process_start_ticks
 from rlpipe.queue import Keys
+from rlpipe.readback import number
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,9 @@ def fleet_idle_seconds(r: redis.Redis, keys: Keys, now: float | None = None) -> 
     workers = live_workers(r, keys)
     total = 0.0
     for fields in workers.values():
-        since = float(fields.get("idle_since", 0) or 0)
-        total += float(fields.get("idle_seconds", 0) or 0) + (max(0.0, now - since) if since > 0 else 0.0)
+        since = number(fields.get("idle_since"), "worker idle_since", 0.0, float)
+        total += number(fields.get("idle_seconds"), "worker idle_seconds", 0.0, float, low=0) + \
+            (max(0.0, now - since) if since > 0 else 0.0)
     return total, len(workers)
 
 
@@ -92,8 +94,14 @@ def learner_state(r: redis.Redis, keys: Keys) -> dict[str, str]:
 
 
 def learner_version(r: redis.Redis, keys: Keys) -> int:
-    v = r.hget(keys.learner, "version")
-    return int(v) if v is not None else 0
+    return number(r.hget(keys.learner, "version"), "learner version", 0, low=0)
+
+
+def published_version(r: redis.Redis, keys: Keys) -> int:
+    """The highest weights version the learner hash or any live worker names: a restored
+    learner labels its weights above it, so versions only ever grow."""
+    workers = [number(f.get("version"), "worker version", 0, low=0) for f in live_workers(r, keys).values()]
+    return max([learner_version(r, keys), *workers])
 
 
 # Renewing also re-creates a lease that vanished (a Redis restart lost its last writes), but
@@ -104,10 +112,20 @@ if holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 if not holder then return redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
 return 0"""
 _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"""
-# KEYS: lease, epoch; ARGV: token, ttl ms. The lease and the next epoch, or nothing.
+# KEYS: lease, epoch; ARGV: token, ttl ms. The lease, the next epoch and, if the epoch was
+# not a counter (overwritten: INCR would fail every start for good), what it was; or nothing.
+# Such an epoch starts again from the clock in microseconds: above any epoch taken before, so
+# no learner that still holds an old one (a zombie) can ever match it.
 _ACQUIRE = """
-if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('incr', KEYS[2]) end
-return false"""
+if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+local epoch = redis.call('get', KEYS[2])
+if epoch and not (epoch == '0' or (string.match(epoch, '^[1-9]%d*$') and #epoch <= 18)) then
+  local t = redis.call('time')
+  redis.call('set', KEYS[2], t[1] .. string.format('%06d', tonumber(t[2])))
+else
+  epoch = ''
+end
+return {redis.call('incr', KEYS[2]), epoch}"""
 
 
 def holder_is_dead(holder: str) -> bool:
@@ -137,10 +155,14 @@ class LearnerLease:
         return Fence(self.r, self.keys.epoch, self)
 
     def _take(self) -> bool:
-        epoch = self.r.eval(_ACQUIRE, 2, self.key, self.keys.epoch, self.token, int(self.ttl_s * 1000))
-        if epoch:
-            self.epoch = int(epoch)
-        return bool(epoch)
+        taken = self.r.eval(_ACQUIRE, 2, self.key, self.keys.epoch, self.token, int(self.ttl_s * 1000))
+        if not taken:
+            return False
+        self.epoch, overwritten = int(taken[0]), taken[1]
+        if overwritten:
+            log.warning("the lease epoch was %r, not a counter: restarted it from the clock at %d",
+                        overwritten.decode(errors="replace")[:80], self.epoch)
+        return True
 
     def try_acquire(self) -> bool:
         if self._take():

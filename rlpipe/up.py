@@ -49,6 +49,7 @@ from rlpipe.config import RunConfig, secret_env
 from rlpipe.gpus import launch_plan
 from rlpipe.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
 from rlpipe.proc import parse_cpus
+from rlpipe.readback import number
 
 STATE_FILE, DESIRED_FILE = "up.json", "desired.json"
 BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 1.0, 30.0, 60.0
@@ -145,9 +146,10 @@ class Supervisor:
 
     def _autoscale(self, r, desired: dict) -> None:
         """Set the workers to the learner's ``fleet_desired_workers`` (rlpipe/autoscale.py),
-        within this run's bounds, as a ``scale rollout`` would: it owns the count while enabled."""
+        within this run's bounds, as a ``scale rollout`` would: it owns the count while enabled.
+        Advice that is not a count (the hash overwritten) is no advice."""
         state = registry.learner_state(r, _keys(self.cfg))
-        want = int(float(state.get("fleet_desired_workers") or 0))
+        want = number(state.get("fleet_desired_workers"), "learner fleet_desired_workers", 0, low=0)
         if not want:
             return  # no advice yet (no step trained)
         a = self.cfg.autoscale
@@ -266,10 +268,11 @@ class Supervisor:
         workers = registry.live_workers(r, keys) if any(role.name != "learner" for role in starting) else {}
         for role in starting:
             if role.name == "learner":
-                ready = float(registry.learner_state(r, keys).get("heartbeat", 0)) >= role.started_wall
+                heartbeat = registry.learner_state(r, keys).get("heartbeat")
+                ready = number(heartbeat, "learner heartbeat", 0.0, float) >= role.started_wall
             else:
                 fields = workers.get(role.name, {})
-                ready = float(fields.get("heartbeat", 0)) >= role.started_wall and \
+                ready = number(fields.get("heartbeat"), "worker heartbeat", 0.0, float) >= role.started_wall and \
                     _answers_ready(fields.get("address", ""))
             if ready:
                 role.ready, role.start_failures = True, 0
@@ -281,7 +284,7 @@ class Supervisor:
         now = time.monotonic()
         keys = _keys(self.cfg)
         state = registry.learner_state(r, keys)
-        step = int(state.get("step", 0))
+        step = number(state.get("step"), "learner step", 0)
         if now - self.last_progress < (PROGRESS_EVERY_S if step != self.last_step else PROGRESS_IDLE_S):
             return
         self.last_progress, self.last_step = now, step
@@ -340,7 +343,8 @@ class Supervisor:
 
 
 def _share(state: dict, key: str) -> str:
-    return f"{float(state[key]):.0%}" if state.get(key) else "?"
+    share = number(state.get(key), f"learner {key}", None, float)
+    return "?" if share is None else f"{share:.0%}"
 
 
 def _answers_ready(address: str) -> bool:
@@ -555,8 +559,8 @@ def status_table(run_dir: Path) -> str:
         except (httpx.HTTPError, KeyError, ValueError):
             pass
     if not workers:
-        version = int(learner.get("version", 0))
-        workers = {w: {"version": int(f.get("version", -1)), "behind": version - int(f.get("version", -1)),
+        version = number(learner.get("version"), "learner version", 0)
+        workers = {w: {"version": (v := number(f.get("version"), "worker version", -1)), "behind": version - v,
                        "generation": f.get("generation", ""), "precision": f.get("precision", "")}
                    for w, f in registry.live_workers(r, keys).items()}
     lines = [f"run {state['run_id']} (supervisor pid {state['pid']}{', finished' if state.get('finished') else ''})",

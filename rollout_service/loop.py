@@ -177,8 +177,7 @@ class RolloutLoop:
     def _lease(self, free: int) -> list[tuple[int, int]]:
         """Lease up to ``free`` prompts within the back-pressure allowance (one script with
         the hand-out: rlpipe.queue.TrajectoryQueue.lease_prompts)."""
-        learner = registry.learner_state(self.r, self.keys)
-        learner_version = int(learner.get("version", 0))
+        learner_version = registry.learner_version(self.r, self.keys)
         if self.engine.weights_source != "learner" and self.engine.version < learner_version:
             return []  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
         lease = self.queue.lease_prompts(

@@ -7,6 +7,7 @@ import time
 import msgpack
 
 from rlpipe import registry
+from rlpipe.admission import MAX_PROMPT_INDEX, RunCheck
 from rlpipe.queue import Entry, IndexSet, Keys, TrajectoryQueue, connect
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
@@ -248,3 +249,43 @@ def test_a_drop_is_recorded_for_good_in_redis(r):
     q.ack([], q.read("learner-0", 10))
     assert list(q.dropped_indices()) == [3, 17] and q.counters()["dropped_stale"] == 2
     assert r.getbit(q.keys.dropped, 17) == 1  # the same bit order as Redis's own bitmaps
+
+
+# -- a cursor overwritten in Redis (issue 33, item 15) -----------------------------------------
+def test_a_cursor_overwritten_far_or_with_text_is_set_back_below_every_index_in_use(r, caplog):
+    """``prompts:cursor`` set to 2**31 had the workers hand out indices from there, and the
+    learner's bitmap of trained indices grow to 2 GB; set to text, INCR failed every lease.
+    Either way the cursor goes back to what the books say was handed out at most."""
+    q = TrajectoryQueue(r, free_run_id("cursor"))
+    first = [q.next_prompt_index("w0")[0] for _ in range(5)]
+    q.push(make_record(group_id="g0", prompt_index=first[0]), worker_id="w0")
+    for forged in (2**31, "abc", "-3", "007"):
+        r.set(q.keys.cursor, forged)
+        index = q.next_prompt_index("w1")[0]
+        assert index not in first and index < MAX_PROMPT_INDEX, (forged, index)
+        assert int(r.get(q.keys.cursor)) == index + 1
+        assert f"prompts:cursor was {str(forged).encode()!r}" in caplog.text
+    r.set(q.keys.cursor, MAX_PROMPT_INDEX - 1)  # the last index of the run's range is still handed out
+    assert q.next_prompt_index("w1")[0] == MAX_PROMPT_INDEX - 1
+
+
+def test_a_prompt_index_past_the_limit_is_refused_before_it_sizes_the_index_sets(r):
+    """With the cursor at 2**31 the reader admitted indices up to twice that, and each trained
+    one grew the learner's dense bitmap (rlpipe/queue.py IndexSet) to its index in bits, and
+    every checkpoint with it. Past MAX_PROMPT_INDEX a group is dead-lettered instead."""
+    run_id = free_run_id("far")
+    check = RunCheck(run_id=run_id, vocab_size=32, n=2, max_tokens=8, max_model_len=64, precisions=("fp8",),
+                     sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8}, version=10)
+    q = TrajectoryQueue(r, run_id, check=check)
+    q.ensure_consumer_group()
+    r.set(q.keys.cursor, 2**31)
+    q.push(make_record(run_id=run_id, group_id="far", prompt_index=2**31))
+    q.push(make_record(run_id=run_id, group_id="near", prompt_index=MAX_PROMPT_INDEX - 1))
+    got = q.read("learner-0", count=10, block_ms=100)
+    assert [e.record.group_id for e in got] == ["near"]
+    (_, dead), = r.xrange(q.keys.dead)
+    assert b"beyond the run's limit" in dead[b"reason"] and q.counters()["dead"] == 1
+    trained = IndexSet()
+    for e in got:
+        trained.add(e.record.prompt_index)
+    assert len(trained.to_bytes()) == MAX_PROMPT_INDEX // 8  # 8 MB at most, what a checkpoint holds

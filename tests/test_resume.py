@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -23,11 +24,12 @@ import torch
 
 from learner import checkpoint
 from learner.policy import load_policy
+from learner.train import Learner
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import TrajectoryQueue, connect
 from tests.conftest import free_run_id, wait_for
-from tests.test_learner import for_run, synthetic_groups
+from tests.test_learner import for_run, params_vector, synthetic_groups
 
 STEPS, GROUPS_PER_STEP = 8, 3
 
@@ -165,6 +167,52 @@ def test_a_second_learner_waits_for_the_first_to_let_go(run):
     second.send_signal(signal.SIGTERM)
     assert second.wait(timeout=60) == 0
     assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP
+    no_loss()
+
+
+def test_a_learner_that_waited_for_the_lease_resumes_from_the_checkpoint_written_meanwhile(run, toy_model_path):
+    """Issue 33, item 11. A learner restores the newest checkpoint when it starts, then waits
+    for the lease while another learner trains and checkpoints. When it takes over it must go
+    on from that newer checkpoint: from the one it loaded it would retrain those steps, put
+    the books back (``trained`` re-derived from its lineage) and refuse fresh groups as of
+    versions it never reached. Both learners run in this process, so the state taken over is
+    compared with the holder's own; then the taker trains one more step from it."""
+    cfg, queue, ids, _, no_loss = run
+    entries = queue.r.xrange(queue.keys.traj)
+    queue.ack([], queue._decode(entries[2 * GROUPS_PER_STEP:]))  # two steps' groups for the holder (the rest dropped)
+    taker = Learner(cfg.model_copy(update={"steps": 3}))  # restores nothing: there is no checkpoint yet
+    holder = Learner(cfg.model_copy(update={"steps": 2}))
+    holding = threading.Thread(target=holder.run, daemon=True)
+    taking = threading.Thread(target=taker.run, daemon=True)
+    holding.start()
+    try:
+        wait_for(lambda: holder.status == "running", timeout=60, what="the holder to take the lease")
+        taking.start()  # waits for the lease while the holder trains 2 steps, checkpoints and lets go
+        holding.join(timeout=180)
+        assert not holding.is_alive() and holder.status == "done" and holder.step == 2
+        wait_for(lambda: taker.status == "running", timeout=60, what="the taker to take over")
+        # what the holder left, not what the taker loaded at its start
+        assert (taker.step, taker.version, taker.run_counters.trained_groups) == (2, holder.version, 2 * GROUPS_PER_STEP)
+        assert torch.equal(params_vector(taker.model), params_vector(holder.model))
+        want, got = holder.opt.state_dict()["state"], taker.opt.state_dict()["state"]
+        assert want and want.keys() == got.keys()
+        assert all(torch.equal(want[i]["exp_avg"], got[i]["exp_avg"]) for i in want)
+        assert queue.counters()["trained"] == 2 * GROUPS_PER_STEP  # the books are not rolled back
+        # after the takeover: the next step is trained from that state, on fresh groups
+        fresh = for_run(synthetic_groups(load_policy(toy_model_path), GROUPS_PER_STEP, seed=12), cfg)
+        for rec in fresh:
+            queue.push(rec)
+        taking.join(timeout=180)
+        assert not taking.is_alive() and taker.status == "done"
+    finally:
+        if taking.is_alive():
+            taker.request_stop()
+            taking.join(timeout=60)
+    assert (taker.step, taker.version) == (3, holder.version + 1)
+    trained = ids[:2 * GROUPS_PER_STEP] + [rec.group_id for rec in fresh]
+    assert final_lineage(cfg) == {"step": 3, "trained_groups": len(trained), "digest": checkpoint.group_digest(trained)}
+    c = queue.counters()
+    assert c["trained"] == len(trained) and c["dead"] == 0 and queue.length() == 0 and queue.pending() == 0
     no_loss()
 
 

@@ -19,7 +19,7 @@ import time
 from rlpipe import registry
 from rlpipe.config import build_config
 from rlpipe.queue import Keys
-from rlpipe.up import START_TRIES, USAGE_ERROR, Role, Supervisor, write_desired
+from rlpipe.up import START_TRIES, USAGE_ERROR, Role, Supervisor, read_desired, write_desired
 from tests.conftest import free_run_id
 
 
@@ -112,3 +112,35 @@ def test_restart_rollout_restarts_one_worker_at_a_time(tmp_path, redis_server):
         for role in (w0, w1):
             role.proc.kill()
             role.proc.wait()
+
+
+# -- a learner hash overwritten in Redis (issue 33, item 15) -----------------------------------
+def test_a_step_that_is_not_a_number_is_shown_as_step_0(tmp_path, redis_server, r):
+    """``step abc`` in the learner hash made the progress line raise in ``tick``: ``rlpipe up``
+    stopped every role and ended with a traceback."""
+    lines: list[str] = []
+    sup = supervisor(tmp_path, redis_server, lines)
+    write_desired(tmp_path, {"learner": 0, "rollout": 0, "restart": {}})
+    registry.set_learner_state(r, Keys(sup.cfg.run_id), step="abc", status="running")
+    sup.last_progress = 0.0
+    sup.tick(r)
+    assert lines[-1] == "step 0/40  workers 0/0 registered  queue 0", lines
+    assert not sup.failed and not sup.roles
+
+
+def test_autoscale_advice_that_is_not_a_count_is_no_advice(tmp_path, redis_server, r):
+    """``fleet_desired_workers nan`` made ``--autoscale`` raise in ``tick``, as ``step abc`` did."""
+    lines: list[str] = []
+    cfg = build_config({}, environ={}, run_id=free_run_id("up"), run_dir=str(tmp_path), redis_url=redis_server.url,
+                       workers=1, steps=40, **{"autoscale.enabled": True, "autoscale.max_workers": 3})
+    sup = Supervisor(cfg, tmp_path, log=lines.append)
+    write_desired(tmp_path, {"learner": 0, "rollout": 0, "restart": {}})
+    keys = Keys(cfg.run_id)
+    for junk in ("nan", "inf", "abc", "-2", "2.5"):
+        registry.set_learner_state(r, keys, fleet_desired_workers=junk, fleet_wait_fraction="nan")
+        sup.tick(r)
+        assert read_desired(tmp_path)["rollout"] == 0 and not sup.roles, (junk, lines)
+    registry.set_learner_state(r, keys, fleet_desired_workers=10**30, fleet_wait_fraction="abc")
+    sup._autoscale(r, read_desired(tmp_path))  # (not tick: it would start the workers)
+    assert read_desired(tmp_path)["rollout"] == 3  # within the run's bounds
+    assert "autoscale: 3 workers: the learner waited ? of its time" in lines[-1], lines
