@@ -91,9 +91,25 @@ class Group:
     metric: str = TOKENS
 
 
+def lever_rows() -> list[Row]:
+    """The real model's learner levers (issue: a learner fast enough for a real model), each
+    alone and together, against today's defaults before them: one PPO epoch as the recipe."""
+    old = {"learner.ppo_epochs": 1, "learner.response_logits": False, "learner.single_pass": False}
+    new = {"learner.ppo_epochs": 1}
+    return [Row("before", "before: full logits, recompute pass, fp32, 1 thread", old),
+            Row("response_logits", "+ logits at response positions only", {**old, "learner.response_logits": True}),
+            Row("single_pass", "+ no recompute pass (pi_old from the update)", {**old, "learner.single_pass": True}),
+            Row("both", "both", new),
+            Row("both_bf16", "both, bf16 autocast", {**new, "learner.dtype": "bf16"}),
+            Row("both_2threads", "both, 2 threads (2 cores)", {**new, "learner.threads": 2}),
+            Row("both_bf16_2threads", "both, bf16 autocast, 2 threads", {**new, "learner.dtype": "bf16",
+                                                                         "learner.threads": 2})]
+
+
 def groups(args) -> list[Group]:
     ckpt = {"learner.checkpoint_every": 1}
     return [
+        Group("levers", "the learner's levers on this model (one PPO epoch)", lever_rows()),
         Group("dtype", "training dtype (learner.dtype)",
               [Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")]),
         Group("is_mode", "IS correction (learner.is_mode)",
@@ -135,9 +151,10 @@ def select(all_groups: list[Group], only: str) -> list[Group]:
 
 
 def ragged_groups(model_path: str, n_groups: int, n: int, min_len: int, max_len: int, seed: int = 0,
-                  noise: float = 0.05) -> list:
+                  noise: float = 0.05, prompt_len: int = 0) -> list:
     """``n_groups`` groups of ``n`` responses of random lengths in ``min_len..max_len`` (EOS
-    included) to random sums; mu is the model's own log-prob plus Gaussian noise; rewards 0/1."""
+    included) to random sums (``prompt_len`` > 0: prompts of that many ids, as a real chat
+    prompt is long); mu is the model's own log-prob plus Gaussian noise; rewards 0/1."""
     import numpy as np
     import torch
     from transformers.utils import logging as hf_logging
@@ -151,6 +168,8 @@ def ragged_groups(model_path: str, n_groups: int, n: int, min_len: int, max_len:
     records = []
     for g in range(n_groups):
         prompt = np.array([1, *rng.integers(5, 15, 2), 14, *rng.integers(5, 15, 2), 17], dtype=np.int32)
+        if prompt_len:
+            prompt = np.array([1, *rng.integers(5, 15, prompt_len - 1)], dtype=np.int32)
         samples = []
         for i in range(n):
             length = int(rng.integers(min_len, max_len + 1))
@@ -197,7 +216,7 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
         "model.path": model_path, "learner.groups_per_step": args.groups, "learner.minibatches": 1,
         "learner.lr": 1e-5, "learner.threads": 1, "learner.checkpoint_every": args.steps,
         "queue.max_staleness": args.steps + 1, "sampling.max_tokens": args.max_len, "sync.join_timeout_s": 0.1,
-        "sampling.n": args.n, "rollout.max_model_len": args.max_len + 16,  # records of this run fit it (+ prompt)
+        "sampling.n": args.n, "rollout.max_model_len": args.max_len + args.prompt_len + 16,  # records fit it
     }
     try:
         cfg = build_config({}, environ={}, run_id=f"bench-{group.name}-{row.name}-{rnd}-{time.monotonic_ns()}",
@@ -382,6 +401,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", default="", help="comma-separated groups or group/row, e.g. dtype,parallel/fsdp "
                     "(a group's baseline row always runs)")
     ap.add_argument("--model", default="", help="a local HF model directory (default: the toy model)")
+    ap.add_argument("--prompt-len", type=int, default=0, help="prompt length in tokens (default: the toy's 7)")
+    ap.add_argument("--real", action="store_true", help="the real model's levers: SmolLM2-135M (built in), prompts "
+                    "of 96 tokens, responses of 16..160, 2 groups x 4 per step (--only levers unless given)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round (the test's)")
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed as failed")
     ap.add_argument("--seed", type=int, default=0, help="the synthetic groups and the order of each round")
@@ -395,6 +417,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU (default: by its name)")
     args = ap.parse_args(argv)
     quick = args.quick
+    if args.real:
+        from rlpipe.builtin_models import ensure_builtin_model
+        from rlpipe.paths import SMOLLM2
+
+        args.model = args.model or str(ensure_builtin_model(SMOLLM2, log=lambda m: print(m, file=sys.stderr)))
+        args.prompt_len, args.min_len = args.prompt_len or 96, max(args.min_len, 16)
+        args.max_len, args.groups, args.only = args.max_len or 160, args.groups or 2, args.only or "levers"
+        args.rounds, args.steps = args.rounds or 1, args.steps or 3
     for key, normal, small in (("rounds", 3, 1), ("steps", 4, 2), ("groups", 8, 4), ("max_len", 48, 12),
                                ("microbatch_tokens", 512, 64)):
         if getattr(args, key) is None:
@@ -421,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
     from tests.conftest import TOY_SPEC
 
     model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
-    records = ragged_groups(model_path, args.steps * args.groups, args.n, args.min_len, args.max_len, args.seed)
+    records = ragged_groups(model_path, args.steps * args.groups, args.n, args.min_len, args.max_len, args.seed,
+                            prompt_len=args.prompt_len)
     lengths = [len(s.tokens) for r in records for s in r.samples]
     rng = random.Random(args.seed)
     cores = len(os.sched_getaffinity(0))

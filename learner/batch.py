@@ -32,6 +32,7 @@ class Batch:
     advantages: torch.Tensor  # (N,)
     rewards: torch.Tensor  # (N,)
     group_index: torch.Tensor  # (N,) long: which record each row came from
+    prompt_len: torch.Tensor  # (N,) long: the record's prompt tokens, shared by the rows of a group
     staleness: torch.Tensor  # (N,) long: learner version - the row's oldest model token's version
     temperature: torch.Tensor  # (N,) float: the sampling temperature of each row
     top_p: torch.Tensor  # (N,) float32: each row's nucleus mass (1: off)
@@ -110,6 +111,7 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
         advantages=torch.cat([advantages[g, : len(rec.samples)] for g, rec in enumerate(records)]).float(),
         rewards=torch.tensor([s.reward for rec in records for s in rec.samples], dtype=torch.float32),
         group_index=group_index,
+        prompt_len=torch.tensor([len(rec.prompt_tokens) for rec in records for _ in rec.samples]),
         staleness=torch.tensor([version - s.oldest_version(rec.policy_version) for rec in records
                                 for s in rec.samples]),
         temperature=torch.tensor([float(rec.sampling.get("temperature", 1.0)) or 1.0

@@ -53,6 +53,8 @@ class RunCounters:
     version: int = 0
     dropped_stale_total: int = 0
     groups_skipped_total: int = 0
+    filtered_total: int = field(default_factory=int)  # groups with equal rewards settled untrained (dynamic sampling)
+    sample_ratio: float = field(default_factory=lambda: 1.0)  # groups sampled per group trained, smoothed
     trained_groups: int = 0  # in the lineage of the current weights
     trained_digest: int = 0  # group_digest of their ids
     grad_norm_smoothed: float | None = None

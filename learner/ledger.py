@@ -47,6 +47,7 @@ class Ledger:
         self.redis_restarts = RestartWatch(queue.r)
         self.trained_indices, self.dropped_indices = IndexSet(), IndexSet()
         self.dropped_this_step = 0  # while collecting the next batch: the drop rate per step
+        self.filtered_this_step = 0  # groups with equal rewards settled while collecting it (dynamic sampling)
         self.backlog: list[Entry] = []  # read (or taken over), not in a batch yet
         self.unacked: list[Entry] = []  # trained, waiting for a checkpoint
         self.being_written: list[Entry] = []  # trained, in the checkpoint being written
@@ -79,23 +80,26 @@ class Ledger:
                 self.backlog, deferred = entries + deferred + self.backlog, []
                 self.after_redis_restart(batch)
                 continue
-            fresh, stale, duplicate, later = self._sort(entries, batch)
+            fresh, stale, duplicate, later, filtered = self._sort(entries, batch)
             deferred += later
             not_durable = {u.record.prompt_index for u in self.not_durable()} if duplicate else set()
             if any(e.record.prompt_index in not_durable for e in duplicate):
                 # A twin trained since the last durable checkpoint may be the prompt's only copy
                 # (Redis lost its push): make it durable before the duplicate goes.
                 make_durable()
-            if stale or duplicate:
-                self._drop(stale, duplicate)
+            if stale or duplicate or filtered:
+                self._drop(stale, duplicate, filtered)
             batch += fresh
         self.backlog = list({e.entry_id: e for e in deferred + self.backlog}.values())
         return batch
 
     def _sort(self, entries: list[Entry], batch: list[Entry]):
-        """``entries`` as (fresh, stale, duplicate, later): a twin of a prompt already in
-        the batch waits (decided after this batch)."""
-        fresh, stale, duplicate, later = [], [], [], []
+        """``entries`` as (fresh, stale, duplicate, later, filtered): a twin of a prompt already
+        in the batch waits (decided after this batch); with ``learner.dynamic_sampling`` a fresh
+        group whose rewards are all equal is filtered (it carries no advantage, whatever the
+        weights: settling it at once is final)."""
+        fresh, stale, duplicate, later, filtered = [], [], [], [], []
+        dynamic = self.cfg.learner.dynamic_sampling
         in_batch = {e.record.prompt_index for e in batch}
         for e in entries:
             index = e.record.prompt_index
@@ -106,14 +110,18 @@ class Ledger:
             else:
                 in_batch.add(index)
                 too_old = self.counters.version - e.record.oldest_version > self.cfg.queue.max_staleness
-                (stale if too_old else fresh).append(e)
-        return fresh, stale, duplicate, later
+                no_signal = dynamic and not too_old and len(set(e.record.rewards)) <= 1
+                (stale if too_old else filtered if no_signal else fresh).append(e)
+        return fresh, stale, duplicate, later, filtered
 
-    def _drop(self, stale: list[Entry], duplicate: list[Entry]) -> None:
-        """A drop is final whatever happens to the weights later: acknowledged at once."""
-        self.ack([], stale, duplicate)
-        for e in stale:
+    def _drop(self, stale: list[Entry], duplicate: list[Entry], filtered: list[Entry] = ()) -> None:
+        """A drop is final whatever happens to the weights later: acknowledged at once. So is a
+        filtered group's (its prompt marked settled like a drop's: never trained, never lost)."""
+        self.ack([], stale, duplicate, filtered)
+        for e in [*stale, *filtered]:
             self.dropped_indices.add(e.record.prompt_index)
+        self.filtered_this_step += len(filtered)
+        self.counters.filtered_total += len(filtered)
         self.counters.dropped_stale_total += len(stale)
         self.dropped_this_step += len(stale)
         for e in stale:
@@ -137,6 +145,22 @@ class Ledger:
             self.suspects.discard(e.entry_id)
         self.queue.deliver(self.consumer, [e.entry_id for e in entries])
         return entries
+
+    def sampling_metrics(self, trained: int) -> dict:
+        """Dynamic sampling's books for the step just trained: the groups filtered while
+        collecting it (equal rewards), the informative fraction, and groups sampled per group
+        trained, whose smoothed value the learner publishes as ``sample_ratio``: it scales the
+        fleet's allowance (rlpipe/queue.py), so the fleet generates enough groups for the next
+        steps while the learner trains, instead of idling behind a stream of groups to filter."""
+        filtered, self.filtered_this_step = self.filtered_this_step, 0
+        sampled = trained + filtered
+        ratio = sampled / max(trained, 1)
+        c = self.counters
+        if self.cfg.learner.dynamic_sampling:
+            c.sample_ratio = 0.7 * c.sample_ratio + 0.3 * ratio
+        return {"groups_filtered_step": filtered, "groups_filtered_total": c.filtered_total,
+                "informative_fraction": trained / max(sampled, 1), "groups_sampled_per_trained": ratio,
+                "sample_ratio_smoothed": c.sample_ratio}
 
     # -- settling -----------------------------------------------------------------------
     def trained(self, entries: list[Entry]) -> None:
@@ -164,11 +188,13 @@ class Ledger:
         """Trained entries no durable checkpoint covers yet."""
         return self.unacked + self.being_written
 
-    def ack(self, trained: list[Entry], stale: list[Entry] = (), duplicate: list[Entry] = ()) -> None:
-        self.queue.ack([e.entry_id for e in trained], stale, [e.entry_id for e in duplicate])
+    def ack(self, trained: list[Entry], stale: list[Entry] = (), duplicate: list[Entry] = (),
+            filtered: list[Entry] = ()) -> None:
+        self.queue.ack([e.entry_id for e in trained], stale, [e.entry_id for e in duplicate], filtered)
         now = time.monotonic()  # the last RECENT_ACKS_S of them: far more than an AOF can lose
         self.recent_acks = {k: (how, t) for k, (how, t) in self.recent_acks.items() if now - t < RECENT_ACKS_S}
-        for how, entries in (("trained", trained), ("stale", stale), ("duplicate", duplicate)):
+        for how, entries in (("trained", trained), ("stale", stale), ("duplicate", duplicate),
+                             ("filtered", filtered)):
             self.recent_acks.update((e.entry_id, (how, now)) for e in entries)
 
     # -- restarts -----------------------------------------------------------------------
@@ -223,8 +249,8 @@ class Ledger:
             if e.entry_id not in held:
                 seen.setdefault(e.entry_id, e)
         again = {how: [e for e in seen.values() if self.recent_acks.get(e.entry_id, ("",))[0] == how]
-                 for how in ("trained", "stale", "duplicate")}
-        self.ack(again["trained"], again["stale"], again["duplicate"])
+                 for how in ("trained", "stale", "duplicate", "filtered")}
+        self.ack(again["trained"], again["stale"], again["duplicate"], again["filtered"])
         self.backlog = [e for e in seen.values() if e.entry_id not in self.recent_acks]
         # What this learner holds untrained (the batch it is collecting, its backlog) whose
         # stream entry Redis lost goes back into the stream and is read again like any other

@@ -55,6 +55,12 @@ _TRAIN = {
     "groups": "groups trained in the step",
     "groups_skipped_equal_reward": "groups of the step with equal rewards (no advantage, no gradient)",
     "groups_skipped_total": "groups with equal rewards (no gradient) in the run",
+    "groups_filtered_step": "dynamic sampling: groups with equal rewards settled untrained while the step's batch "
+                            "was collected",
+    "groups_filtered_total": "dynamic sampling: groups with equal rewards settled untrained in the run",
+    "informative_fraction": "of the groups the step read, the fraction whose rewards differ (trained / sampled)",
+    "groups_sampled_per_trained": "groups the step read per group it trained (1 / informative_fraction)",
+    "sample_ratio_smoothed": "groups sampled per group trained, smoothed: the factor of the fleet's allowance",
     "tokens": "response tokens trained in the step (model tokens only)",
     "tokens_masked": "environment tokens of the step's multi-turn episodes: context only, masked out of the loss",
     "model_turns_mean": "the model's turns per sample of the step (1 when single-turn; in the calculator task, 1 "
@@ -346,6 +352,8 @@ class LearnerMetrics:
         accuracy = self._series("eval_accuracy", "held-out accuracy: pass@1 (greedy) and mean@k (sampled)",
                                 ("dataset", "metric"))
         accuracy.labels(dataset=result["dataset"], metric="pass@1").set(result["pass_at_1"])
+        if result.get("pass_at_1_lenient") is not None:  # any number of the answer right, not only the last
+            accuracy.labels(dataset=result["dataset"], metric="pass@1_lenient").set(result["pass_at_1_lenient"])
         if result.get("mean_at_k") is not None:
             accuracy.labels(dataset=result["dataset"], metric=f"mean@{result['k']}").set(result["mean_at_k"])
         self._series("eval_version", "the policy version of the last held-out evaluation").set(result["version"])

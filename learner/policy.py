@@ -149,8 +149,16 @@ def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return keep
 
 
+def response_start(batch: Batch) -> int:
+    """The first position of ``batch``'s (N, T-1) tensors that any row's loss reads: the
+    earliest response token's predecessor. Every position before it is prompt in every row."""
+    cols = torch.nonzero(batch.mask.any(0))
+    return int(cols[0]) if len(cols) else 0
+
+
 def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool = False,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = False, response_only: bool = True,
+                   share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy of its distribution, both (N, T-1), fp32.
 
     ``model`` may be wrapped (DistributedDataParallel): its forward is what runs, so
@@ -161,6 +169,15 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     token sampled by an older policy) gets ``OUTSIDE_LOGPROB``, finite so that masked
     sums stay nan-free, and far below any log-ratio clamp.
 
+    ``response_only``: the LM head, the softmax and the entropy run only from the first
+    response position on (:func:`response_start`; the model's ``logits_to_keep``, so a
+    DDP or FSDP wrapper still sees the whole forward). The prompt is most of a real
+    model's tokens and its 49k-way head rows were computed only to be masked out; the
+    positions left out come back as 0, as every masked position reads.
+
+    ``share_prompt``: each group's prompt goes forward once for its rows (:func:`shared_prompt_logprobs`),
+    on an unwrapped model without ``fp32_lm_head``; elsewhere the plain path runs.
+
     The entropy is of the full (truncated) distribution, in fp32; it carries a gradient only
     with ``entropy_grad`` (``learner.entropy_coef`` > 0), else nothing of it outlives the
     call (learner/loss.py token_entropy keeps no (N, T, V) copy of its own either way).
@@ -170,8 +187,12 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     activation checkpointing the recomputed layers appended their keys to it a second time
     (a shape error: tests/test_activation_checkpointing.py, every family).
     """
+    if share_prompt and not hasattr(model, "module") and not (fp32_lm_head and dtype != "fp32"):
+        return shared_prompt_logprobs(model, batch, dtype, entropy_grad)
     device_type = batch.input_ids.device.type
     inner = getattr(model, "module", model)
+    start = response_start(batch) if response_only else 0
+    width = batch.input_ids.shape[1]
     with autocast(dtype, device_type):
         if fp32_lm_head and dtype != "fp32":
             # The whole forward still goes through ``model`` (DDP must see it); only the
@@ -179,18 +200,62 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
             hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                            output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
             with torch.autocast(device_type=device_type, enabled=False):
-                logits = inner.get_output_embeddings()(hidden[:, :-1].float())
+                logits = inner.get_output_embeddings()(hidden[:, start:-1].float())
         else:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                           use_cache=False).logits[:, :-1]
-    scaled = logits.float() / batch.temperature[:, None, None]  # (N, T-1, V)
-    keep = truncation_mask(scaled, batch.top_k, batch.top_p)
+                           use_cache=False, logits_to_keep=width - start).logits[:, :-1]
+    rows = torch.arange(len(batch.input_ids), device=batch.input_ids.device)
+    logp, entropy = _logp_entropy(logits, batch, rows, batch.targets[:, start:], entropy_grad)
+    if start:  # the prompt positions, which no loss or metric reads, as 0
+        logp, entropy = (torch.nn.functional.pad(t, (start, 0)) for t in (logp, entropy))
+    return logp, entropy
+
+
+def _logp_entropy(logits: torch.Tensor, batch: Batch, rows: torch.Tensor, targets: torch.Tensor,
+                  entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and entropies from ``logits`` (R, L, V) of ``batch``'s ``rows``:
+    each row's temperature, top-k and top-p applied as vLLM's sampler does, in fp32."""
+    scaled = logits.float() / batch.temperature[rows, None, None]  # (R, L, V)
+    keep = truncation_mask(scaled, batch.top_k[rows], batch.top_p[rows])
     if keep is None:  # no row truncated: the plain softmax over the vocabulary
         logp_all = torch.log_softmax(scaled, dim=-1)
     else:  # renormalised over each position's kept tokens; the others get OUTSIDE_LOGPROB
         logp_all = torch.log_softmax(scaled.masked_fill(~keep, -math.inf), dim=-1).masked_fill(~keep, OUTSIDE_LOGPROB)
-    logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)
-    entropy = token_entropy(logp_all if entropy_grad else logp_all.detach())
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    return logp, token_entropy(logp_all if entropy_grad else logp_all.detach())
+
+
+def shared_prompt_logprobs(model, batch: Batch, dtype: str = "fp32",
+                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` with each group's prompt computed once for its n rows.
+
+    A group's rows share the prompt (collate: prompt + sample), and on a real chat task the
+    prompt is most of a row: recomputing it n times was most of the learner's work. Here the
+    prompt goes forward once, its KV cache is repeated for the rows, and the responses go
+    forward on it; gradients flow back through the cache into the prompt's forward, so the
+    loss and its gradient are those of the plain path (tests/test_learner.py checks both).
+    The prompt's last position predicts the first response token. Needs a model whose
+    forward takes ``past_key_values`` (every transformers decoder); not under a DDP or FSDP
+    wrapper, which sees one forward per backward.
+    """
+    n_rows, width = batch.input_ids.shape
+    device = batch.input_ids.device
+    logp = torch.zeros(n_rows, width - 1, device=device)
+    entropy = torch.zeros(n_rows, width - 1, device=device)
+    for g in torch.unique(batch.group_index).tolist():
+        rows = torch.nonzero(batch.group_index == g).squeeze(1)
+        plen = int(batch.prompt_len[rows[0]])
+        end = int(batch.attention_mask[rows].sum(1).max())  # the group's longest row
+        with autocast(dtype, device.type):
+            head = model(input_ids=batch.input_ids[rows[:1], :plen], use_cache=True, logits_to_keep=1)
+            cache = head.past_key_values
+            cache.batch_repeat_interleave(len(rows))
+            body = model(input_ids=batch.input_ids[rows, plen:end], attention_mask=batch.attention_mask[rows, :end],
+                         past_key_values=cache, use_cache=True)
+        logits = torch.cat([head.logits.expand(len(rows), -1, -1), body.logits[:, :-1]], dim=1)  # (n, end-plen, V)
+        lp, ent = _logp_entropy(logits, batch, rows, batch.targets[rows, plen - 1:end - 1], entropy_grad)
+        logp[rows, plen - 1:end - 1] = lp
+        entropy[rows, plen - 1:end - 1] = ent
     return logp, entropy
 
 

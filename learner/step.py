@@ -118,16 +118,16 @@ class PPOStep:
         self.model.eval()  # no dropout: pi_old and pi must be the same function of the weights
         bypass = lc.is_mode == "bypass"
         self.served.begin_step()
+        if bypass or self.single_pass:
+            return self._train_step_single_pass(records, rewards, batch, bypass)
         with self.served.rounded():
-            pi_old, entropy, ref_lp = self._no_grad_pass(batch, policy=not bypass)
+            pi_old, entropy, ref_lp = self._no_grad_pass(batch)
         mu = batch.behavior_logprobs
         # kl_in reward: each sample's reward less kl_coef x its k1 sum against the reference, under
-        # the policy that sampled it as the learner sees it (pi_old; mu itself under bypass).
-        kl_metrics, scored = self._kl_before_update(mu if bypass else pi_old, ref_lp, batch.mask, rewards)
+        # the policy that sampled it as the learner sees it (pi_old).
+        kl_metrics, scored = self._kl_before_update(pi_old, ref_lp, batch.mask, rewards)
         advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm)
         batch.advantages = advantages.reshape(-1).to(self.device)  # rows are records x samples (collate)
-        if bypass:
-            return self._train_step_bypass(records, rewards, informative, batch, ref_lp, kl_metrics)
         weights, is_metrics = importance_weights(pi_old, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low,
                                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
         ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
@@ -137,6 +137,15 @@ class PPOStep:
         if (visible := self.served.visible_fraction()) is not None:
             metrics["learner_served_visible_fraction"] = visible
         return metrics
+
+    @property
+    def single_pass(self) -> bool:
+        """pi_old is the update's own first forward (``learner.single_pass``): with one epoch of
+        one minibatch and no reference model, the update runs at exactly the weights a recompute
+        pass would (the step's own, served-rounded), so that pass would give pi_old = pi, a
+        ratio of exactly 1, at the cost of one more forward of the batch."""
+        lc = self.cfg.learner
+        return lc.single_pass and lc.ppo_epochs == 1 and lc.minibatches == 1 and self.reference is None
 
     def _no_grad_pass(self, batch, policy: bool = True):
         """pi_old and the entropy of every row under the current weights (``policy``), and the
@@ -167,7 +176,8 @@ class PPOStep:
                 for name, model in models.items():
                     if at is None and name == "ref":
                         continue
-                    part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head)
+                    part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head,
+                                                       response_only=lc.response_logits, share_prompt=lc.share_prompt)
                     if at is not None:
                         out[name][at, : part_lp.shape[1]] = part_lp
                         if name == "pi_old":
@@ -192,27 +202,35 @@ class PPOStep:
         metrics["kl_loss"] = penalty.mean().item()
         return metrics, rewards - penalty
 
-    def _train_step_bypass(self, records, rewards, informative, batch, ref_lp=None, kl_metrics=None) -> dict:
-        """``is_mode: bypass``: pi_old is taken to be mu, so there is no recompute pass; the
-        mismatch is measured on the first epoch's forward passes instead (of the rows that
-        took part in one: groups without signal are never forwarded)."""
+    def _train_step_single_pass(self, records, rewards, batch, bypass: bool) -> dict:
+        """No recompute pass: pi_old is taken from the update's own forward (:attr:`single_pass`),
+        or is mu itself (``is_mode: bypass``). The IS weights and the mismatch are measured on
+        that forward, of the rows that took part in one (groups without signal are never
+        forwarded). Under bypass a reference model's KL is measured against mu."""
         lc, ranks = self.cfg.learner, self.ranks
         mu, n_rows = batch.behavior_logprobs, len(batch.rewards)
+        ref_lp = self._no_grad_pass(batch, policy=False)[2] if self.reference is not None else None
+        kl_metrics, scored = self._kl_before_update(mu, ref_lp, batch.mask, rewards)
+        advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm)
+        batch.advantages = advantages.reshape(-1).to(self.device)
         everyone = torch.arange(n_rows, device=self.device)
         pi_old, entropy, seen = torch.zeros_like(mu), torch.zeros_like(mu), torch.zeros(n_rows, device=self.device)
-        weights, is_metrics = importance_weights(mu, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low, lc.geo_high,
-                                                 lc.log_ratio_clamp, lc.icepop_beta)
 
         def first_epoch(rows, pi, ent, took_part):  # pi may be trimmed to the rows' longest
             pi_old[rows, : pi.shape[1]], entropy[rows, : ent.shape[1]] = pi.detach(), ent.detach()
             seen[rows] = float(took_part)
 
-        update = self._update(batch, informative, weights, mu, ref_lp, first_epoch)
+        update = self._update(batch, informative, None, None, ref_lp, first_epoch)
         pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
         entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
         mask = batch.mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
-        return self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
-                                              is_metrics, update, kl_metrics or {}))
+        _, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, lc.is_mode, lc.is_cap, lc.geo_low,
+                                           lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
+        metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
+                                                 is_metrics, update, kl_metrics))
+        if (visible := self.served.visible_fraction()) is not None:
+            metrics["learner_served_visible_fraction"] = visible
+        return metrics
 
     def _update(self, batch, informative, weights, ref, ref_lp=None, first_epoch=None) -> UpdateStats:
         """``ppo_epochs`` x ``minibatches`` optimizer steps on the policy loss of the
@@ -257,11 +275,14 @@ class PPOStep:
                         weight = share if i < n_parts else 0.0
                         with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
                             pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
-                                                     entropy_grad=lc.entropy_coef > 0)
+                                                     entropy_grad=lc.entropy_coef > 0,
+                                                     response_only=lc.response_logits,
+                                                     share_prompt=lc.share_prompt)
                             if first_epoch and epoch == 0 and i < n_parts:
                                 first_epoch(part, pi, ent, share > 0)
-                            per_token, ppo_m = policy_terms(pi, ref[part, :width], mb.advantages, mb.mask,
-                                                            weights[part, :width], *eps, lc.log_ratio_clamp)
+                            w_part, ref_part = self._weights(mb, pi, weights, ref, part, width)
+                            per_token, ppo_m = policy_terms(pi, ref_part, mb.advantages, mb.mask, w_part, *eps,
+                                                            lc.log_ratio_clamp)
                             if kl_in_loss:
                                 kl = lc.kl_coef * kl_terms(pi, ref_lp[part, :width], mb.mask, lc.kl_estimator,
                                                            lc.log_ratio_clamp)
@@ -284,6 +305,17 @@ class PPOStep:
                 if kl_in_loss:
                     out.kl_losses.append(kl_loss / denom)
         return out
+
+    def _weights(self, mb, pi, weights, ref, part, width):
+        """A micro-batch's IS weights and PPO reference: the step's (sliced to its rows), or
+        in a single pass its own forward's, pi_old = pi detached."""
+        if weights is not None:
+            return weights[part, :width], ref[part, :width]
+        lc = self.cfg.learner
+        old = pi.detach()
+        w, _ = importance_weights(old, mb.behavior_logprobs, mb.mask, lc.is_mode, lc.is_cap, lc.geo_low,
+                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
+        return w, mb.behavior_logprobs if lc.is_mode in RATIO_AGAINST_MU else old
 
     def _step_metrics(self, o: StepOutcome) -> dict:
         records, rewards, informative, batch = o.records, o.rewards, o.informative, o.batch

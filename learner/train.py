@@ -204,6 +204,7 @@ class Learner:
                 continue
             self.ledger.trained(entries)
             step_metrics["dropped_stale_step"], self.ledger.dropped_this_step = self.ledger.dropped_this_step, 0
+            step_metrics.update(self.ledger.sampling_metrics(len(entries)))
             self._crash_point("trained")
             step_metrics.update(self.fleet.sync(self.model, self.version, self.step))
             self._crash_point("synced")
@@ -425,4 +426,4 @@ class Learner:
         # against (rlpipe.queue.TrajectoryQueue.lease_prompts); a restarted learner publishes its checkpoint's.
         registry.set_learner_state(self.r, self.keys, self.queue.fence, status=self.status, step=self.step,
                                    version=self.version, consumed=self.run_counters.trained_groups,
-                                   **self.fleet_advice)
+                                   sample_ratio=round(self.run_counters.sample_ratio, 3), **self.fleet_advice)

@@ -266,9 +266,21 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     grad_norm_ema: float = Field(0.9, ge=0, lt=1, description="smoothing of the exported smoothed grad norm")
-    groups_per_step: int = Field(64, ge=1)
-    ppo_epochs: int = Field(2, ge=1)
-    minibatches: int = Field(1, ge=1)
+    groups_per_step: int = Field(64, ge=1, description="groups one step trains; with dynamic_sampling, groups "
+                                 "whose rewards differ (each carries a signal)")
+    dynamic_sampling: bool = Field(True, description="DAPO's dynamic sampling: a group whose rewards are all equal "
+                                   "carries no advantage; it is acknowledged and counted (filtered), never trained, "
+                                   "and the step reads on until groups_per_step groups with a spread are in hand; "
+                                   "the fleet's allowance grows by the sampled-per-trained ratio")
+    ppo_epochs: int = Field(2, ge=1, description="passes over each step's groups")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per PPO epoch")
+    single_pass: bool = Field(True, description="with 1 epoch of 1 minibatch and no reference model, take pi_old "
+                              "from the update's own forward (it is exactly pi there) instead of a recompute pass")
+    response_logits: bool = Field(True, description="compute the LM head and softmax from the first response "
+                                  "position on only: the prompt's logits are never read")
+    share_prompt: bool = Field(True, description="forward each group's prompt once for its samples (its KV cache "
+                               "repeated, gradients through it) instead of once per sample; one rank only (a DDP or "
+                               "FSDP learner forwards whole rows)")
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
     is_mode: IsMode = "token_tis"

@@ -14,6 +14,7 @@ learner as separate processes, shows a progress bar while the learner trains for
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -236,6 +237,20 @@ def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bo
         bar.close()
 
 
+def paired_change(first: dict, last: dict, key: str = "rows_right") -> str:
+    """Two evaluations of the same rows compared row by row: the rows gained and lost, and
+    the exact two-sided sign test (McNemar's) on them: how likely a change at least this
+    one-sided is if the two versions were equally good."""
+    rows = set(first["rows_evaluated"]) & set(last["rows_evaluated"])
+    before, after = set(first[key]) & rows, set(last[key]) & rows
+    gained, lost = len(after - before), len(before - after)
+    n, k = gained + lost, min(gained, lost)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return (f"{len(before)}/{len(rows)} -> {len(after)}/{len(rows)} "
+            f"({100 * (len(after) - len(before)) / max(len(rows), 1):+.1f} points): {gained} rows gained, "
+            f"{lost} lost, sign test p = {p:.3g}")
+
+
 def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool, interrupted: bool = False) -> dict:
     """The run in one table, from ``metrics.jsonl`` and the queue's books. Called with every
     role stopped and Redis still up; if Redis is unreachable even so (an external one, down),
@@ -294,9 +309,16 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         for name, e in (("start", first), ("end", last)):
             summary[f"eval_pass@1_{name}"] = (f"{e['pass_at_1']:.3f} [{e['pass_at_1_low']:.3f}, "
                                               f"{e['pass_at_1_high']:.3f}] at version {e['version']}")
+            if "pass_at_1_lenient" in e:
+                summary[f"eval_pass@1_lenient_{name}"] = (f"{e['pass_at_1_lenient']:.3f} "
+                                                          f"[{e['pass_at_1_lenient_low']:.3f}, "
+                                                          f"{e['pass_at_1_lenient_high']:.3f}]")
             if e.get("mean_at_k") is not None:
                 summary[f"eval_mean@{e['k']}_{name}"] = e["mean_at_k"]
         summary["eval_dataset"] = f"{first['dataset']} ({first['rows']} rows)"
+        for name, key in (("strict", "rows_right"), ("lenient", "rows_right_lenient")):
+            if key in first and key in last and first is not last:
+                summary[f"eval_paired_{name}"] = paired_change(first, last, key)
     if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
         for p in sorted(cfg.rollout.precisions):
             summary[f"reward_start[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[:k])

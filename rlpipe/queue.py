@@ -253,23 +253,30 @@ def outages(r: redis.Redis) -> int:
     return retry.outages if isinstance(retry, OutageRetry) else 0
 
 
-COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "leased", "rejected_push", "reissued",
-            "skipped", "lost_writes", "foreign")
+COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "filtered", "leased", "rejected_push",
+            "reissued", "skipped", "lost_writes", "foreign")
+
+# The most groups sampled per group trained that the allowance scales by (dynamic sampling): a run
+# whose groups almost never carry a signal must not flood the stream with ones to throw away.
+MAX_SAMPLE_RATIO = 16
 
 # KEYS: returned, cursor, leases:{worker}, attempts, counters, learner
 # ARGV: lease time, how many wanted, then either nothing (no back-pressure) or
 #       the worker's weights version, groups_per_step, max_lag (see lease_prompts)
 # Returns {allowance, unconsumed, leased after the hand-out, index, attempt, index, attempt, ...}
 _HAND_OUT = """
-local learner = redis.call('HMGET', KEYS[6], 'version', 'consumed')
-local version, consumed = tonumber(learner[1] or 0), tonumber(learner[2] or 0)
-local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'duplicate', 'leased')
-for i = 1, 5 do c[i] = tonumber(c[i] or 0) end
-local unconsumed = c[1] - c[2] - c[3] - c[4] - consumed
+local learner = redis.call('HMGET', KEYS[6], 'version', 'consumed', 'sample_ratio')
+local version, consumed = tonumber(learner[1] or 0) or 0, tonumber(learner[2] or 0) or 0
+-- groups sampled per group trained (dynamic sampling), as the learner measured it; anything else: 1
+local ratio = tonumber(learner[3] or 1)
+if not ratio or ratio ~= ratio or ratio < 1 then ratio = 1 elseif ratio > MAX_RATIO then ratio = MAX_RATIO end
+local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'duplicate', 'leased', 'filtered')
+for i = 1, 6 do c[i] = tonumber(c[i] or 0) or 0 end
+local unconsumed = c[1] - c[2] - c[3] - c[4] - c[6] - consumed
 local allowance = tonumber(ARGV[2])
 if #ARGV > 2 then
   local behind = version - math.min(tonumber(ARGV[3]), version)
-  allowance = (1 + tonumber(ARGV[5]) - behind) * tonumber(ARGV[4]) - unconsumed - c[5]
+  allowance = math.floor((1 + tonumber(ARGV[5]) - behind) * tonumber(ARGV[4]) * ratio + 0.5) - unconsumed - c[5]
 end
 local out = {allowance, unconsumed, c[5]}
 for _ = 1, math.min(tonumber(ARGV[2]), allowance) do
@@ -284,7 +291,7 @@ if #out > 3 then
   redis.call('HINCRBY', KEYS[5], 'leased', (#out - 3) / 2)
 end
 return out
-"""
+""".replace("MAX_RATIO", str(MAX_SAMPLE_RATIO))
 
 # KEYS: cursor, counters, returned; ARGV: MAX_PROMPT_INDEX. A cursor that is not a count below
 # the limit (overwritten: INCR fails on text, and a far one blows up the bitmaps of prompt
@@ -343,14 +350,14 @@ return #indices
 # KEYS: counters, traj; ARGV: the groups the learner's lineage trained, then the ids of those not acknowledged yet
 _REDERIVE = """
 local c = {}
-for _, k in ipairs({'produced', 'trained', 'dropped_stale', 'dead', 'duplicate'}) do
+for _, k in ipairs({'produced', 'trained', 'dropped_stale', 'dead', 'duplicate', 'filtered'}) do
   c[k] = tonumber(redis.call('HGET', KEYS[1], k) or 0)
 end
 local trained = tonumber(ARGV[1])
 for i = 2, #ARGV do  -- trained but not acknowledged yet: counted when they are, if still in the stream
   if #redis.call('XRANGE', KEYS[2], ARGV[i], ARGV[i]) > 0 then trained = trained - 1 end
 end
-local produced = trained + c.dropped_stale + c.dead + c.duplicate + redis.call('XLEN', KEYS[2])
+local produced = trained + c.dropped_stale + c.dead + c.duplicate + c.filtered + redis.call('XLEN', KEYS[2])
 local lost = math.abs(trained - c.trained) + math.abs(produced - c.produced)
 if lost > 0 then
   redis.call('HSET', KEYS[1], 'trained', trained, 'produced', produced)
@@ -361,18 +368,20 @@ return {c.trained, trained, c.produced, produced}
 
 
 # KEYS: (fence), traj, counters, dropped; ARGV: (fence), consumer group, how many trained, dropped_stale,
-# duplicate; their ids, then the prompt indices of the dropped ones (marked in the prompts:dropped bitmap)
+# duplicate, filtered; their ids, then the prompt indices of the dropped and filtered ones (marked in the
+# prompts:dropped bitmap: settled without training, for good)
 _ACK = FENCE_CHECK + """
-local names, pos = {'trained', 'dropped_stale', 'duplicate'}, 5
-local dropped_at = 5 + tonumber(A[2]) + tonumber(A[3]) + tonumber(A[4])
-for c = 1, 3 do
+local names, pos = {'trained', 'dropped_stale', 'duplicate', 'filtered'}, 6
+local marked = 6 + tonumber(A[2]) + tonumber(A[3]) + tonumber(A[4]) + tonumber(A[5])
+for c = 1, 4 do
   local removed = 0
   for i = pos, pos + tonumber(A[1 + c]) - 1 do
     redis.call('XACK', K[1], A[1], A[i])
     local gone = redis.call('XDEL', K[1], A[i])
     removed = removed + gone
-    if c == 2 and gone == 1 and tonumber(A[dropped_at + i - pos]) >= 0 then
-      redis.call('SETBIT', K[3], A[dropped_at + i - pos], 1)
+    if (c == 2 or c == 4) then
+      if gone == 1 and tonumber(A[marked]) >= 0 then redis.call('SETBIT', K[3], A[marked], 1) end
+      marked = marked + 1
     end
   end
   pos = pos + tonumber(A[1 + c])
@@ -617,18 +626,20 @@ class TrajectoryQueue:
         self.fence.run(self._dead_letter, [self.keys.traj, self.keys.dead, self.keys.counters],
                        [CONSUMER_GROUP, entry_id, reason, counted, *(x for kv in fields.items() for x in kv)])
 
-    def ack(self, trained: list[str], dropped_stale: list[Entry] = (), duplicate: list[str] = ()) -> None:
+    def ack(self, trained: list[str], dropped_stale: list[Entry] = (), duplicate: list[str] = (),
+            filtered: list[Entry] = ()) -> None:
         """Remove finished entries and count them, atomically; a dropped group's prompt is
         marked in the ``prompts:dropped`` bitmap, the run's durable record of drops (they
         are final at once, between the learner's checkpoints). ``duplicate``: groups for a
         prompt the learner's lineage already settled. Only entries still in the stream are
         counted: after a Redis restart lost an entry's push, the learner may hold it and
-        acknowledge it, and counting it would break the books."""
-        if trained or dropped_stale or duplicate:
+        acknowledge it, and counting it would break the books. ``filtered``: groups whose
+        rewards are all equal (dynamic sampling), settled untrained like a drop."""
+        if trained or dropped_stale or duplicate or filtered:
             self.fence.run(self._ack, [self.keys.traj, self.keys.counters, self.keys.dropped],
-                           [CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate), *trained,
-                            *(e.entry_id for e in dropped_stale), *duplicate,
-                            *(e.record.prompt_index for e in dropped_stale)])
+                           [CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate), len(filtered), *trained,
+                            *(e.entry_id for e in dropped_stale), *duplicate, *(e.entry_id for e in filtered),
+                            *(e.record.prompt_index for e in [*dropped_stale, *filtered])])
 
     def missing(self, entry_ids: list[str]) -> set[str]:
         """Those of ``entry_ids`` no longer in the stream (after a Redis restart: pushes it lost)."""

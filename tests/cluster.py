@@ -263,7 +263,7 @@ def audit(r, cfg, worker_ids) -> dict:
     q = TrajectoryQueue(r, cfg.run_id)
     c = q.counters()
     length = q.length()
-    assert c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + length, (c, length)
+    assert c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + c["filtered"] + length, (c, length)
     final = checkpoint.latest(Path(cfg.run_dir) / "checkpoints")
     state = checkpoint.load_state(final)
     trained = IndexSet(state["prompt_indices"]["trained"])

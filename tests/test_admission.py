@@ -60,7 +60,7 @@ def sample(tokens, versions=None) -> Sample:
 
 def books_balance(q) -> bool:
     c = q.counters()
-    return c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + q.length()
+    return c["produced"] == c["trained"] + c["dropped_stale"] + c["dead"] + c["duplicate"] + c["filtered"] + q.length()
 
 
 FORGERIES = {

@@ -121,8 +121,8 @@ class LogitsModel(torch.nn.Module):
         super().__init__()
         self.logits = torch.nn.Parameter(logits.clone())
 
-    def forward(self, input_ids, attention_mask, use_cache=None):
-        return SimpleNamespace(logits=self.logits)
+    def forward(self, input_ids, attention_mask, use_cache=None, logits_to_keep=0):
+        return SimpleNamespace(logits=self.logits[:, -logits_to_keep:])  # as transformers keeps the last ones
 
 
 def make_batch(rows: list[list[int]], sampling: list[dict], prompt_len: int = 1):
