@@ -20,7 +20,7 @@ position: the version in force when it was appended, not interpreted by the lear
 
 from __future__ import annotations
 
-import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +36,14 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 U8 = np.dtype("u1")
+
+# What a sample's reward and reward_info may be (issue 33 item 12: one bad reward function stopped a run).
+# A reward within float32's range with room for the learner's float32 sums over a group and a batch (a
+# reward of 1e39 is finite in float64 and inf in float32: every update's loss was NaN).
+MAX_REWARD = 1e30
+PLAIN = (str, int, float, bool, type(None))  # a reward_info value (msgpack packs these, flat)
+MAX_INFO_ENTRIES = 64
+MAX_INFO_BYTES = 4096  # msgpack-encoded, per sample: a chatty reward must not fill Redis (200k entries: +500 MB/min)
 
 
 class SchemaError(ValueError):
@@ -105,6 +113,59 @@ class GroupRecord:
     def oldest_version(self) -> int:
         """The version staleness is counted from: that of the oldest model token of the group."""
         return min(s.oldest_version(self.policy_version) for s in self.samples)
+
+
+def _short(x) -> str:
+    """``x`` for a message: never raises, never long (str() of a huge int raises)."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        try:
+            return f"{float(x):.6g}"
+        except OverflowError:
+            return "an integer beyond float64"
+    return repr(x)[:50]
+
+
+def reward_problem(reward) -> str | None:
+    """Why ``reward`` cannot be a sample's reward (None when it can): a real number (not a
+    bool; numpy's too) within +-MAX_REWARD, so the learner's float32 arithmetic stays finite."""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        return f"reward {_short(reward)} is a {type(reward).__name__}, not a finite number"
+    if not -MAX_REWARD <= reward <= MAX_REWARD:  # NaN fails it too; exact for ints of any size
+        return f"reward {_short(reward)} is not a finite number within +-{MAX_REWARD:g} (the learner's float32)"
+    return None
+
+
+def info_problem(info) -> str | None:
+    """Why ``info`` cannot be a sample's reward_info by its types (None when it can): a map
+    of str keys to plain values that msgpack packs (ints of at most 64 bits, valid UTF-8)."""
+    if not isinstance(info, dict):
+        return f"reward_info is a {type(info).__name__}, not a map"
+    for k, v in info.items():
+        if not isinstance(k, str):
+            return f"reward_info key {_short(k)} is a {type(k).__name__}, not a str"
+        if not isinstance(v, PLAIN):
+            return f"reward_info[{k[:50]!r}] is a {type(v).__name__}, not one of the plain values (str, int, " \
+                   "float, bool, None)"
+        if isinstance(v, int) and not -2**63 <= v < 2**64:
+            return f"reward_info[{k[:50]!r}] is an integer beyond 64 bits"
+        for text in (k, v) if isinstance(v, str) else (k,):
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                return f"reward_info[{k[:50]!r}]: not valid UTF-8 (a lone surrogate)"
+    return None
+
+
+def info_size_problem(info: dict) -> str | None:
+    """Why ``info`` (plain by :func:`info_problem`) is too big for a record, or None: over
+    MAX_INFO_ENTRIES entries or MAX_INFO_BYTES encoded. Counted before it is encoded, so a
+    huge one costs no encoding."""
+    if len(info) > MAX_INFO_ENTRIES:
+        return f"reward_info has {len(info)} entries (at most {MAX_INFO_ENTRIES})"
+    if sum(len(k) + (len(v) if isinstance(v, str) else 0) for k, v in info.items()) > MAX_INFO_BYTES or \
+            len(msgpack.packb(info, use_bin_type=True)) > MAX_INFO_BYTES:
+        return f"reward_info is over {MAX_INFO_BYTES} bytes encoded"
+    return None
 
 
 def _pack_array(a, dtype: np.dtype) -> bytes:
@@ -242,11 +303,12 @@ def decode_group(data: bytes) -> GroupRecord:
         if finish not in FINISH_REASONS:
             raise SchemaError(f"{where}finish_reason: {finish!r} not one of {FINISH_REASONS}")
         reward = _need(s, "reward", (int, float), where)
-        if not math.isfinite(reward):
-            raise SchemaError(f"{where}reward: not finite")
+        problem = reward_problem(reward)
         info = s.get("reward_info")
-        if info is not None and not isinstance(info, dict):
-            raise SchemaError(f"{where}reward_info: expected map")
+        if info is not None:
+            problem = problem or info_problem(info) or info_size_problem(info)
+        if problem:
+            raise SchemaError(f"{where}{problem}")
         samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info, mask))
     for key in ("prompt_index", "attempt"):
         if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):

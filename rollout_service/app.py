@@ -1,6 +1,6 @@
 """The rollout worker's HTTP interface (FastAPI).
 
-    GET  /healthz      process alive (open)
+    GET  /healthz      process alive, engine not dead, rollout loop not stuck (open)
     GET  /readyz       engine up and holding weights of a known version, 503 otherwise (open)
     GET  /metrics      Prometheus (open)
     GET  /v1/status    version, precision profile, in-flight requests, queue lag (token)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64  # 2**64 is still quick; 9**9**9 is not
+# An integer result's digits, bounded before it is computed: each power below MAX_EXPONENT is
+# quick, but (((((9**64)**64)**64)**64)**64) has 6e9 digits and held the GIL for hours, where
+# no timeout can stop it (issue 33 item 13). Python prints at most 4300 digits anyway.
+MAX_DIGITS = 1000
 
 
 def calculate(expression: str) -> str:
@@ -80,8 +85,25 @@ def _evaluate(node):
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ValueError(f"exponent over {MAX_EXPONENT}")
+        if _result_digits(node.op, left, right) > MAX_DIGITS:
+            raise ValueError(f"a result over {MAX_DIGITS} digits")
         return _OPS[type(node.op)](left, right)
     raise ValueError("only numbers and + - * / // % ** ( )")
+
+
+def _digits(x) -> float:
+    """About how many decimal digits an integer has (floats overflow instead: 0)."""
+    return math.log10(abs(x)) if isinstance(x, int) and x else 0.0
+
+
+def _result_digits(op: ast.operator, left, right) -> float:
+    """The digits of ``left op right`` estimated from its operands', before computing it
+    (a power: exponent * log10(base))."""
+    if isinstance(op, ast.Pow):
+        return right * _digits(left) if isinstance(right, int) and right > 0 else 0.0
+    if isinstance(op, ast.Mult):
+        return _digits(left) + _digits(right)
+    return max(_digits(left), _digits(right)) + 1
 
 
 class CalculatorEnv:

@@ -7,9 +7,11 @@ The loop has a session store of its own: its episodes are bounded by the same li
 (``rollout.session_max_turns``, ``session_max_tokens``) but neither count against the
 API's ``max_sessions`` nor take the API's share of the engine. An episode that hits a
 limit ends there with reward 0 (``reward_info.truncated`` names the key), as an answer
-never given. Environment steps run in threads, each within ``task.environment_timeout_s``;
-an environment that raises or times out fails the group, whose prompt goes back like one
-whose reward failed (RewardError).
+never given. Environment steps run in threads of their own, each within
+``task.environment_timeout_s``, and a step past it is abandoned, not waited on
+(rollout_service.tasks.Abandoning); an environment that raises, times out or returns a
+reward or info the record cannot take (rollout_service.tasks.checked_score) fails the group,
+whose prompt goes back like one whose reward failed (RewardError).
 """
 
 from __future__ import annotations
@@ -24,16 +26,26 @@ from rlpipe.schema import Sample
 from rollout_service.api_models import Finish, Turn
 from rollout_service.environments import load_environment
 from rollout_service.sessions import Sessions, load_chat_template
-from rollout_service.tasks import RewardError
+from rollout_service.tasks import Abandoning, RewardError, checked_score
+
+STEPS_AT_ONCE = 16  # environment steps running at once (an environment may wait on a sandbox or a service)
 
 
 class EpisodeRunner:
     def __init__(self, cfg, tokenizer, engine, metrics):
         self.cfg, self.engine, self.metrics = cfg, engine, metrics
         self.make_env = load_environment(cfg.task.environment)
+        self.where = f"task.environment {cfg.task.environment}"
+        self.steps = Abandoning(self.where, cfg.task.environment_timeout_s, STEPS_AT_ONCE,
+                                "task.environment_timeout_s")
         limits = cfg.rollout.model_copy(update={"max_sessions": 2**31 - 1})  # the loop's own are bounded by slots
         self.sessions = Sessions(limits, tokenizer, load_chat_template(cfg.rollout.chat_template, tokenizer),
                                  self._sample, lambda: engine.version, metrics)
+
+    @property
+    def stuck(self) -> str | None:
+        """Why episodes cannot go on (their environment's steps are stuck), or None."""
+        return self.steps.stuck
 
     async def _sample(self, ids: list[int], sampling: dict):
         results, v0, v1 = await self.engine.generate(ids, n=1, **sampling)
@@ -69,23 +81,25 @@ class EpisodeRunner:
                             seed=seed)
                 result = await self.sessions.turn(session, turn, observation)
                 step = await self._step(env.step, result.text)
-                reward, info = step.reward, dict(step.info)
+                reward, info = step.reward, step.info
                 if step.done:
                     break
                 observation = [step.observation]
         except HTTPException as e:  # a session limit: the episode ends unanswered
-            reward, info = 0.0, {**info, "truncated": str(e.detail).split(":", 1)[0]}
-        info["turns"] = len(session.finish_reasons)
-        return self.sessions.finish(session, Finish(reward=float(reward))), float(reward), info
+            limit = str(e.detail).split(":", 1)[0]
+            reward, info = 0.0, {**(info if isinstance(info, dict) else {}), "truncated": limit}
+        if isinstance(info, dict):
+            info = {**info, "turns": len(session.finish_reasons)}
+        reward, info = checked_score(reward, info, self.where)
+        return self.sessions.finish(session, Finish(reward=reward)), reward, info
 
     async def _step(self, fn, arg):
         t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, arg), self.cfg.task.environment_timeout_s)
-        except asyncio.TimeoutError:
-            raise RewardError(f"task.environment {self.cfg.task.environment}: a step took over "
-                              f"{self.cfg.task.environment_timeout_s} s (task.environment_timeout_s)") from None
+            return await self.steps(fn, arg)
+        except RewardError:
+            raise
         except Exception as e:
-            raise RewardError(f"task.environment {self.cfg.task.environment} raised {type(e).__name__}: {e}") from e
+            raise RewardError(f"{self.where} raised {type(e).__name__}: {e}") from e
         finally:
             self.metrics.environment_seconds.observe(time.perf_counter() - t0)

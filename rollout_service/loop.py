@@ -34,10 +34,18 @@ from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.episodes import EpisodeRunner
 from rollout_service.metrics import RolloutMetrics
-from rollout_service.tasks import PromptEncoder, RewardError, Task
+from rollout_service.tasks import BadRewardResult, PromptEncoder, RewardError, Task
 from weight_sync.follower import Checkpoint, Synced, WeightFollower
 
 log = logging.getLogger(__name__)
+
+# A loop that generates without pushing a group for STALL_FLOOR_S plus a sample's longest
+# generation at MIN_TOKENS_PER_S is stuck (/healthz says so); a reward or environment whose
+# abandoned calls stay at their bound for STUCK_EXIT_S stops the worker, for a restart: only
+# a new process frees threads that never end.
+STALL_FLOOR_S = 600.0
+MIN_TOKENS_PER_S = 10.0
+STUCK_EXIT_S = 300.0
 
 
 def group_seed(run_seed: int, index: int) -> int:
@@ -52,6 +60,60 @@ class _Group:
     index: int
     attempt: int = 0
     phase: str = "generating"  # generating -> scoring -> pushing, or -> failed (given back by the group itself)
+
+
+class Watchdog:
+    """Whether a rollout loop makes progress, for /healthz (issue 33 item 12: a hung reward
+    stopped training for good while the probes said ok)."""
+
+    def __init__(self, loop: RolloutLoop):
+        self.loop = loop
+        self.progress = (time.time(), 0.0)  # (wall-clock time, the loop's idle seconds) at the last push
+        self.calls_stuck_since: float | None = None  # monotonic time the reward's or environment's calls stuck
+
+    def progressed(self) -> None:
+        """A group was pushed or settled: the stall clock starts again."""
+        self.progress = (time.time(), self.loop.idle_seconds())
+
+    def busy_without_push(self, now: float | None = None) -> float:
+        """Seconds with groups in flight (idle time not counted) since a group was last pushed
+        or settled: it grows while every group hangs or fails, and only then."""
+        now = now or time.time()
+        at, idle = self.progress
+        return max(0.0, (now - at) - (self.loop.idle_seconds(now) - idle))
+
+    def stall_limit_s(self) -> float:
+        """How long :meth:`busy_without_push` may grow before the loop counts as stuck."""
+        cfg = self.loop.cfg
+        turns = cfg.rollout.session_max_turns if self.loop.episodes is not None else 1
+        return STALL_FLOOR_S + cfg.sampling.max_tokens * turns / MIN_TOKENS_PER_S
+
+    def calls_stuck(self) -> str | None:
+        """Why the task's reward or the environment takes no more calls (too many abandoned, still running)."""
+        return getattr(self.loop.task, "stuck", None) or getattr(self.loop.episodes, "stuck", None)
+
+    def stuck(self, now: float | None = None) -> str | None:
+        """Why the loop cannot make progress, or None: its reward's or environment's calls are
+        stuck, or it has generated for :meth:`stall_limit_s` without pushing a group."""
+        why = self.calls_stuck()
+        if why:
+            return why
+        busy, limit = self.busy_without_push(now), self.stall_limit_s()
+        if busy > limit:
+            return f"no group pushed or settled in {busy:.0f} s of generating (over {limit:.0f} s)"
+        return None
+
+    def check_calls(self) -> None:
+        """Stop the worker when the reward's or environment's calls stayed stuck STUCK_EXIT_S
+        (the heartbeat calls it)."""
+        why, now = self.calls_stuck(), time.monotonic()
+        if why is None:
+            self.calls_stuck_since = None
+        elif self.calls_stuck_since is None:
+            self.calls_stuck_since = now
+            log.error("%s: calls are refused until they end", why)
+        elif now - self.calls_stuck_since > STUCK_EXIT_S:
+            self.loop.on_fatal(f"{why} for {STUCK_EXIT_S:.0f} s: a restart frees them")
 
 
 class RolloutLoop:
@@ -92,6 +154,7 @@ class RolloutLoop:
         # None), replaced as one tuple so a thread publishing it never sees half an update.
         self._idle: tuple[float, float | None] = (0.0, time.time())
         self._idle_exported = 0.0  # how much of it the Prometheus counter holds
+        self.watch = Watchdog(self)
 
     def start(self) -> None:
         # Prompts leased by this worker id's previous life (killed before it pushed them) go back now.
@@ -217,8 +280,10 @@ class RolloutLoop:
             log.error("group task failed: %r", task.exception())
 
     async def _run_group(self, group: _Group) -> None:
-        """Generate, score and push one group. A group that fails before it is pushed
-        gives its prompt back; a prompt whose generation failed twice here is skipped."""
+        """Generate, score and push one group. A group that fails before its push is done
+        gives its prompt back, whatever failed, the push included: a push refused before it
+        reached Redis (msgpack or the schema refused the record) once kept its lease for good,
+        and 32 of them held the whole allowance (issue 33 item 12)."""
         index = group.index
         try:
             record = await self._generate_group(group)
@@ -226,28 +291,23 @@ class RolloutLoop:
         except asyncio.CancelledError:
             raise  # stop() gives the prompt back
         except Exception as e:
-            self.last_error = f"prompt {index}: {e!r}"
-            log.error("group for prompt %d failed: %r", index, e)
-            group.phase = "failed"
-            if isinstance(e, RewardError):  # the verifier's trouble, not the prompt's: always retry
-                self.metrics.reward_errors.inc()
-                self.pause_until = time.monotonic() + 2.0  # let the verifier recover
-            elif index in self.failed_here:  # failed twice here: a prompt the engine cannot take
-                self.metrics.prompts_skipped.inc()
-                await asyncio.to_thread(self.queue.skip, self.worker_id, index)
-                return
-            else:
-                self.failed_here.add(index)
-            await asyncio.to_thread(self.queue.give_back, self.worker_id, [index])
-            self.metrics.prompts_given_back.inc()
+            await self._failed(group, e)
             return
         if record is None:
             await asyncio.to_thread(self.queue.skip, self.worker_id, index)
+            self.watch.progressed()
             return
         group.phase = "pushing"
-        pushed = await asyncio.to_thread(self.queue.push, record, self.worker_id)
+        try:
+            pushed = await asyncio.to_thread(self.queue.push, record, self.worker_id)
+        except RedisUnavailable:
+            raise  # Redis gone: nothing can be given back; the worker's restart re-issues its leases
+        except Exception as e:  # a lease given back that the push took is no harm: only held ones go back
+            await self._failed(group, e)
+            return
         # Leave the in-flight count now, so the registry never counts a pushed group twice.
         self._leave(asyncio.current_task())
+        self.watch.progressed()
         await asyncio.to_thread(self._publish)
         if pushed is None:
             log.warning("prompt %d was re-issued while I generated it (my heartbeat had expired): not pushed", index)
@@ -255,6 +315,27 @@ class RolloutLoop:
         self.metrics.groups.inc()
         self.metrics.tokens.inc(sum(len(x.tokens) for x in record.samples))
         self.metrics.generate_seconds.observe(record.gen_seconds)
+
+    async def _failed(self, group: _Group, e: Exception) -> None:
+        """A group that will not be pushed gives its prompt back: always after a RewardError
+        (the reward's or verifier's trouble, not the prompt's), else once; a prompt that failed
+        twice here (one the engine, the reward or the record cannot take) is skipped."""
+        index = group.index
+        self.last_error = f"prompt {index}: {e!r}"
+        log.error("group for prompt %d failed: %r", index, e)
+        group.phase = "failed"
+        if isinstance(e, RewardError):
+            self.metrics.reward_errors.inc()
+        if isinstance(e, RewardError) and not isinstance(e, BadRewardResult):
+            self.pause_until = time.monotonic() + 2.0  # let the verifier recover
+        elif index in self.failed_here:
+            self.metrics.prompts_skipped.inc()
+            await asyncio.to_thread(self.queue.skip, self.worker_id, index)
+            return
+        else:
+            self.failed_here.add(index)
+        await asyncio.to_thread(self.queue.give_back, self.worker_id, [index])
+        self.metrics.prompts_given_back.inc()
 
     async def _generate_group(self, group: _Group) -> GroupRecord | None:
         s = self.cfg.sampling
@@ -369,6 +450,7 @@ class RolloutLoop:
 
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():
+            self.watch.check_calls()
             try:
                 await asyncio.to_thread(self._publish)
             except Exception as e:

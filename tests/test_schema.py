@@ -73,6 +73,12 @@ def mutate(path, value):
     (["samples", 0, "finish_reason"], "eos", "finish_reason"),
     (["samples", 0, "reward"], "1", "reward"),
     (["samples", 0, "reward"], float("inf"), "reward"),
+    # issue 33 item 12: inf in the learner's float32, a map key msgpack's reader refuses, a nested or huge info
+    (["samples", 0, "reward"], 1e39, r"samples\[0\]\.reward 1e\+39 is not a finite number within \+-1e\+30"),
+    (["samples", 1, "reward_info"], {"a": [1]}, r"samples\[1\]\.reward_info\['a'\] is a list, not one of the plain"),
+    (["samples", 1, "reward_info"], {b"k": 1}, r"reward_info key b'k' is a bytes, not a str"),
+    (["samples", 1, "reward_info"], {f"k{i}": i for i in range(65)}, r"reward_info has 65 entries \(at most 64\)"),
+    (["samples", 1, "reward_info"], {"text": "x" * 5000}, r"reward_info is over 4096 bytes encoded"),
     (["samples", 1, "versions"], np.array([1], dtype="<i4").tobytes(), "versions"),
     (["sampling", "beam"], 4, "sampling"),
     (["prompt_tokens"], b"", "prompt_tokens"),
