@@ -8,21 +8,88 @@ writes each as an ``eval`` row of metrics.jsonl (``kind: "eval"``; :func:`learne
 returns step rows unless asked for these), sets ``rlpipe_eval_accuracy{dataset,metric}``, and
 remembers the last one logged in Redis, so a restarted learner logs each result once. At the
 end of the run it waits up to ``eval.final_wait_s`` for the final version's result.
+
+A result is logged only if it is one of this run's (:func:`check_result`: of a version the
+learner asked for, on the configured dataset, proportions finite and within [0, 1], rows
+within ``eval.size``); any other entry, or one delivered ``queue.max_deliveries`` times
+without being logged, is dead-lettered with the reason and never stops the learner
+(rlpipe/side_streams.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+from typing import Callable
 
 import redis
 
 from learner.metrics import LearnerMetrics
 from rlpipe.config import RunConfig
 from rlpipe.queue import Keys
+from rlpipe.side_streams import Rejected, dead_letter, delivered, settled
 
 log = logging.getLogger(__name__)
+
+# A result's fields in [0, 1] (a held-out accuracy: the mean of rewards that are right or not),
+# those of them a result may lack (from a worker before them) and the one that may be null
+# (no sampled answers), and the lists of row numbers of the held-out set.
+PROPORTIONS = ("pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_lenient", "pass_at_1_lenient_low",
+               "pass_at_1_lenient_high", "mean_at_k")
+OPTIONAL = ("pass_at_1_lenient", "pass_at_1_lenient_low", "pass_at_1_lenient_high")
+NULLABLE = ("mean_at_k",)
+ROW_LISTS = ("rows_evaluated", "rows_right", "rows_right_lenient")
+
+
+def _number(result: dict, key: str, low: float, high: float, kind: type | tuple = (int, float)):
+    """``result[key]`` if it is a number of ``kind`` within ``low..high`` (not NaN), else :class:`Rejected`."""
+    value = result.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
+        raise Rejected(f"{key}: {str(value)[:40]} is not {'an integer' if kind is int else 'a number'} "
+                       f"within {low}..{high}")
+    return value
+
+
+def check_result(raw: bytes | None, cfg: RunConfig, asked_at: Callable[[int], int | None]) -> dict:
+    """An ``eval:results`` entry's ``result`` field as a result of this run, or
+    :class:`Rejected` saying why not. ``asked_at(version)``: the step the learner asked for
+    an evaluation of ``version`` at (``eval:requested``), None if it never did. Everything a
+    result carries is checked here, so that logging one that passed cannot fail on it."""
+    ec = cfg.eval
+    if raw is None:
+        raise Rejected("result: missing field")
+    if len(raw) > 4096 + 32 * ec.size:  # three lists of at most eval.size row numbers, and the rest
+        raise Rejected(f"result: {len(raw)} bytes, more than a result of eval.size {ec.size} rows takes")
+    try:
+        result = json.loads(raw)
+    except ValueError as e:
+        raise Rejected(f"result: not JSON ({e})") from None
+    if not isinstance(result, dict):
+        raise Rejected(f"result: a JSON {type(result).__name__}, not an object")
+    if result.get("dataset") != ec.dataset:
+        raise Rejected(f"dataset: {str(result.get('dataset'))[:80]!r}, not eval.dataset {ec.dataset!r}")
+    version, step = _number(result, "requested_version", 0, math.inf, int), _number(result, "step", 0, math.inf, int)
+    if asked_at(version) != step:
+        raise Rejected(f"requested_version: the learner never asked for an evaluation of version {version} at "
+                       f"step {step}")
+    rows = _number(result, "rows", 0, ec.size, int)
+    _number(result, "skipped_rows", 0, ec.size - rows, int)
+    for key in ("version", "version_end", "k"):
+        _number(result, key, -1, math.inf, int)
+    for key in PROPORTIONS:
+        if not (key in OPTIONAL and key not in result or key in NULLABLE and result.get(key) is None):
+            _number(result, key, 0, 1)
+    for key in ROW_LISTS:
+        value = result.get(key, [])
+        if not isinstance(value, list) or len(value) > rows or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < ec.size for i in value):
+            raise Rejected(f"{key}: not a list of at most {rows} row numbers below eval.size {ec.size}")
+    _number(result, "seconds", 0, math.inf)
+    if not isinstance(result.get("worker"), str):
+        raise Rejected("worker: not a string")
+    return result
 
 
 class Evals:
@@ -43,23 +110,41 @@ class Evals:
             log.info("eval of version %d (step %d) requested", version, step)
 
     def poll(self, step: int) -> list[dict]:
-        """Log the results that arrived since the last one logged; returns them."""
+        """Log the results that arrived since the last one logged; returns them. Any other
+        entry is dead-lettered (see the module docstring), and the learner goes on."""
         if not self.every:
             return []
-        got = self.r.xread({self.keys.eval_results: self.last_id}, count=100) or []
+        stream = self.keys.eval_results
+        got = self.r.xread({stream: self.last_id}, count=100) or []
         out = []
         for entry_id, fields in (got[0][1] if got else []):
-            result = json.loads(fields[b"result"])
             entry_id = entry_id.decode()
-            self.metrics.record_eval(step, result)
+            times = delivered(self.r, stream, entry_id)
+            try:
+                if times > self.cfg.queue.max_deliveries:
+                    raise Rejected(f"delivered {times - 1} times and never logged (it stopped the learner each time?)")
+                result = check_result(fields.get(b"result"), self.cfg, self.asked_at)
+            except Rejected as e:
+                dead_letter(self.r, stream, entry_id, fields, str(e))
+            else:
+                self.metrics.record_eval(step, result)
+                out.append(result)
+                log.info("held-out %s at version %d: pass@1 %.3f [%.3f, %.3f] over %d rows", result["dataset"],
+                         result["version"], result["pass_at_1"], result["pass_at_1_low"], result["pass_at_1_high"],
+                         result["rows"])
+                settled(self.r, stream, entry_id)
             self.last_id = entry_id
             self.r.set(self.keys.eval_logged, entry_id)
-            out.append(result)
-            log.info("held-out %s at version %d: pass@1 %.3f [%.3f, %.3f] over %d rows", result["dataset"],
-                     result["version"], result["pass_at_1"], result["pass_at_1_low"], result["pass_at_1_high"],
-                     result["rows"])
         self.results += out
         return out
+
+    def asked_at(self, version: int) -> int | None:
+        """The step the learner asked for an evaluation of ``version`` at (``eval:requested``), or None."""
+        step = self.r.hget(self.keys.eval_requested, str(version))
+        try:
+            return int(step) if step is not None else None
+        except ValueError:  # not written by a learner
+            return None
 
     def finish(self, version: int, step: int) -> dict | None:
         """Ask for the final version's evaluation (if not yet) and wait for its result."""

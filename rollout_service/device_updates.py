@@ -33,7 +33,7 @@ import logging
 from rollout_service.engine_args import engine_processes
 from weight_sync.follower import SyncOutcome
 from weight_sync.ipc import INIT_INFO, receive_version
-from weight_sync.manifest import Manifest, incompatibility
+from weight_sync.manifest import Manifest, incompatibility, refusal
 from weight_sync.names import checkpoint_shapes
 from weight_sync.nccl import update_info, worker_handshake
 from weight_sync.receiver import expect_header, join_group
@@ -66,10 +66,10 @@ class DeviceUpdates:
         refuse = incompatibility(manifest, self.shapes, self.quant_compat, self.transport)
         try:
             self.group, self.relay = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s,
-                                                             refuse)
+                                                             None if refuse is None else refusal(manifest, refuse))
             info = await self._init_info()
         except LeftOut as e:
-            return SyncOutcome.failed(str(e), refused=refuse is not None)
+            return SyncOutcome.failed(refuse or str(e), refused=refuse is not None)
         except SyncError as e:
             await self.leave()
             return SyncOutcome.failed(str(e))

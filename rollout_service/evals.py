@@ -11,6 +11,13 @@ at ``sampling.temperature`` with a seed fixed per row (mean@k). The result, with
 the engine served when it started and when it ended (an update may land mid-evaluation),
 goes to the ``eval:results`` stream, and only then is the request acknowledged: a request
 whose worker died is claimed by a live worker (its consumer is no longer in the registry).
+
+A request is evaluated only if the learner asked for it: its version and step are in the
+``eval:requested`` hash the learner writes before it adds a request. Any other is
+dead-lettered at once, as is one delivered ``queue.max_deliveries`` times without a result
+(its evaluation failed, or killed its worker, each time), with the reason
+(rlpipe/side_streams.py): a forged request costs no worker a minute's wait, and none is
+tried forever.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from rlpipe import registry
 from rlpipe.config import RunConfig
 from rlpipe.datasets import load_rows
 from rlpipe.queue import Keys
+from rlpipe.side_streams import dead_letter
 from rollout_service.engine import RolloutEngine
 from rollout_service.tasks import PromptEncoder, Task, eval_task_config, make_task
 
@@ -34,7 +42,6 @@ log = logging.getLogger(__name__)
 
 GROUP = "eval"
 VERSION_WAIT_S = 60.0  # how long an evaluation waits for the engine to load the version asked for
-MAX_TRIES = 3  # a request whose evaluation fails this often (a reward that always raises) is dropped
 EVAL_SEED = 1_000_000_007  # eval rows' sampling seeds: row i samples with seed EVAL_SEED + i, on any worker
 
 
@@ -73,6 +80,7 @@ class EvalRunner:
         self.keys = Keys(cfg.run_id)
         self.stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.errors: dict[str, str] = {}  # request -> why its last evaluation here failed
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="eval")
@@ -87,7 +95,6 @@ class EvalRunner:
                 pass
 
     async def run(self) -> None:
-        failures: dict[str, int] = {}
         while not self.stopping.is_set():
             entry_id = None
             try:
@@ -95,17 +102,18 @@ class EvalRunner:
                 if entry is None:
                     continue
                 entry_id, fields = entry
-                result = await self.evaluate(int(fields["version"]), int(fields["step"]))
+                asked = await asyncio.to_thread(self.asked, entry_id, fields)
+                if asked is None:
+                    continue
+                result = await self.evaluate(*asked)
                 await asyncio.to_thread(self.publish, entry_id, result)
+                self.errors.pop(entry_id, None)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # Redis away for a moment, a reward that failed: try again, then give up
-                failures[entry_id] = failures.get(entry_id, 0) + 1
-                log.warning("eval: request %s failed (%d of %d tries): %r", entry_id, failures[entry_id],
-                            MAX_TRIES, e)
-                if entry_id is not None and failures[entry_id] >= MAX_TRIES:
-                    log.error("eval: giving up request %s: %r", entry_id, e)
-                    await asyncio.to_thread(self.r.xack, self.keys.eval_requests, GROUP, entry_id)
+            except Exception as e:  # Redis away for a moment, a reward that failed: tried again (next_request)
+                if entry_id is not None:
+                    self.errors[entry_id] = repr(e)
+                log.warning("eval: request %s failed: %r", entry_id, e)
                 await asyncio.sleep(1.0)
 
     # -- Redis -----------------------------------------------------------------------------
@@ -117,15 +125,40 @@ class EvalRunner:
             pass
         live = registry.live_workers(self.r, self.keys)
         for pending in self.r.xpending_range(self.keys.eval_requests, GROUP, "-", "+", 16):
-            consumer = _text(pending["consumer"])
-            # Its own: a request this process's predecessor (same worker id) took and never finished.
+            consumer, entry_id = _text(pending["consumer"]), _text(pending["message_id"])
+            # Its own: a request this process's predecessor (same worker id) took and never finished,
+            # or one whose evaluation failed here (tried again until its delivery limit).
             if consumer not in live or consumer == self.worker_id:
-                claimed = self.r.xclaim(self.keys.eval_requests, GROUP, self.worker_id, 0, [pending["message_id"]])
-                if claimed:
-                    log.info("eval: taking over request %s of worker %s", _text(claimed[0][0]), consumer)
-                    return self._decoded(claimed[0])
+                claimed = self.r.xclaim(self.keys.eval_requests, GROUP, self.worker_id, 0, [entry_id])
+                if not claimed or claimed[0][1] is None:  # deleted while pending
+                    self.r.xack(self.keys.eval_requests, GROUP, entry_id)
+                    continue
+                if pending["times_delivered"] >= self.cfg.queue.max_deliveries:
+                    why = self.errors.pop(entry_id, "its worker died with it each time?")
+                    dead_letter(self.r, self.keys.eval_requests, entry_id, claimed[0][1],
+                                f"delivered {pending['times_delivered']} times without a result: {why}", GROUP)
+                    continue
+                if consumer != self.worker_id:
+                    log.info("eval: taking over request %s of worker %s", entry_id, consumer)
+                return self._decoded(claimed[0])
         got = self.r.xreadgroup(GROUP, self.worker_id, {self.keys.eval_requests: ">"}, count=1, block=block_ms)
         return self._decoded(got[0][1][0]) if got else None
+
+    def asked(self, entry_id: str, fields: dict) -> tuple[int, int] | None:
+        """A request's ``(version, step)`` if the learner asked for it (``eval:requested``
+        has that version at that step); otherwise it is dead-lettered at once, saying why,
+        and None."""
+        try:
+            version, step = int(fields.get("version", "")), int(fields.get("step", ""))
+        except ValueError:
+            why = f"version {fields.get('version', '')[:40]!r}, step {fields.get('step', '')[:40]!r}: not integers"
+        else:
+            asked_at = self.r.hget(self.keys.eval_requested, str(version))
+            if asked_at is not None and _text(asked_at) == str(step):
+                return version, step
+            why = f"the learner never asked for an evaluation of version {version} at step {step}"
+        dead_letter(self.r, self.keys.eval_requests, entry_id, fields, why, GROUP)
+        return None
 
     @staticmethod
     def _decoded(entry) -> tuple[str, dict]:

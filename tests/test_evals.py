@@ -119,3 +119,149 @@ def test_held_out_rows_are_never_training_rows():
         validate_run(eval_config(**{"eval.drop_shared": False}))
     with pytest.raises(ConfigError, match="eval.dataset: the same"):
         validate_run(eval_config(**{"eval.dataset": "mawps:singleop"}))
+
+
+def dead_letters(r, stream: str) -> dict[str, str]:
+    """``source_id -> reason`` of a side stream's dead letters (rlpipe/side_streams.py)."""
+    return {f[b"source_id"].decode(): f[b"reason"].decode() for _, f in r.xrange(stream + ":dead")}
+
+
+def test_entries_of_the_results_stream_that_are_not_this_runs_results_are_dead_lettered_never_logged(r, tmp_path):
+    """Issue 33, item 14: an entry that was not JSON killed the learner at every start, and
+    forged results (pass@1 0.99, or NaN) were logged as real. Each is dead-lettered with its
+    reason, and the learner logs the real result after them."""
+    cfg = eval_config()
+    keys = Keys(cfg.run_id)
+    metrics = LearnerMetrics(tmp_path / "metrics.jsonl", run_name=cfg.run_id)
+    evals = Evals(cfg, r, keys, metrics)
+    evals.request(0, 0)
+    forged = {
+        "not JSON": {"result": b"\xff{not json"},
+        "missing field": {"data": "x"},
+        "never asked for": {"result": json.dumps(result(7, 0.99))},
+        "NaN": {"result": json.dumps({**result(0), "pass_at_1": math.nan})},
+        "above 1": {"result": json.dumps({**result(0), "pass_at_1_lenient": 1.5})},
+        "rows beyond eval.size": {"result": json.dumps(result(0, rows=cfg.eval.size + 1))},
+        "another dataset": {"result": json.dumps({**result(0), "dataset": "gsm8k:test"})},
+        "another step": {"result": json.dumps({**result(0), "step": 4})},
+        "huge": {"result": json.dumps({**result(0), "junk": "x" * 100_000})},
+    }
+    ids = {what: r.xadd(keys.eval_results, fields).decode() for what, fields in forged.items()}
+    real = r.xadd(keys.eval_results, {"result": json.dumps(result(0, 0.125))}).decode()
+    assert [(res["version"], res["pass_at_1"]) for res in evals.poll(step=1)] == [(0, 0.125)]
+    reasons = dead_letters(r, keys.eval_results)
+    assert sorted(reasons) == sorted(ids.values())
+    for what, needle in [("not JSON", "not JSON"), ("missing field", "missing field"),
+                         ("never asked for", "never asked for an evaluation of version 7"),
+                         ("NaN", "pass_at_1: nan is not a number within 0..1"), ("above 1", "pass_at_1_lenient"),
+                         ("rows beyond eval.size", "rows: 65"), ("another dataset", "gsm8k:test"),
+                         ("another step", "version 0 at step 4"), ("huge", "bytes")]:
+        assert needle in reasons[ids[what]], (what, reasons[ids[what]])
+    assert [entry_id.decode() for entry_id, _ in r.xrange(keys.eval_results)] == [real]  # the others moved
+    assert [(e["version"], e["pass_at_1"]) for e in read_jsonl(tmp_path / "metrics.jsonl", kind="eval")] == [(0, 0.125)]
+    assert evals.poll(step=2) == []
+
+
+def test_a_result_that_stops_the_learner_each_time_is_dead_lettered_after_its_delivery_limit(r, tmp_path, monkeypatch):
+    """One that passes the checks but kills the learner while it is logged (any bug in
+    logging it) is read again by the restarted learner: after ``queue.max_deliveries``
+    tries it is dead-lettered instead of crash-looping the run."""
+    cfg = eval_config()
+    keys = Keys(cfg.run_id)
+    Evals(cfg, r, keys, LearnerMetrics(None)).request(0, 0)
+    publish(r, keys, result(0, 0.5))
+
+    def crash(self, step, res):
+        raise RuntimeError("the learner died logging it")
+
+    with monkeypatch.context() as m:
+        m.setattr(LearnerMetrics, "record_eval", crash)
+        for _ in range(cfg.queue.max_deliveries):  # each: a learner that starts and dies at its first poll
+            with pytest.raises(RuntimeError):
+                Evals(cfg, r, keys, LearnerMetrics(None)).poll(step=1)
+    restarted = Evals(cfg, r, keys, LearnerMetrics(None))
+    assert restarted.poll(step=1) == []
+    (reason,) = dead_letters(r, keys.eval_results).values()
+    assert reason.startswith(f"delivered {cfg.queue.max_deliveries} times and never logged")
+    Evals(cfg, r, keys, LearnerMetrics(None)).request(2, 2)
+    publish(r, keys, result(2, 0.25))
+    assert [res["version"] for res in restarted.poll(step=3)] == [2]
+
+
+def test_a_request_the_learner_never_made_is_dead_lettered_at_once_not_waited_on(r):
+    """Forged requests each held a worker's evaluator for VERSION_WAIT_S (60 s), waiting for a
+    version that never comes. A request whose version and step are not in ``eval:requested``
+    is dead-lettered at once, with the reason, and the learner's own request after it is
+    evaluated."""
+    import asyncio
+
+    cfg = eval_config()
+    keys = Keys(cfg.run_id)
+    registry.heartbeat_worker(r, keys, "w0", ttl_s=30, address="127.0.0.1:1")
+    forged = [r.xadd(keys.eval_requests, fields).decode()
+              for fields in ({"version": 10**6, "step": 10**6}, {"version": "abc", "step": 1}, {"step": 2})]
+    Evals(cfg, r, keys, LearnerMetrics(None)).request(2, 2)
+    runner = EvalRunner(cfg, "w0", engine=None, r=r, task=None, encode=None)
+    evaluated = []
+
+    async def evaluate(version, step):
+        evaluated.append((version, step))
+        return result(version)
+
+    runner.evaluate = evaluate
+
+    async def scenario():
+        runner.start()
+        t0 = time.monotonic()
+        while not evaluated and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.05)
+        await runner.stop()
+        return time.monotonic() - t0
+
+    assert asyncio.run(scenario()) < 10  # not a minute per forged request
+    assert evaluated == [(2, 2)]
+    reasons = dead_letters(r, keys.eval_requests)
+    assert sorted(reasons) == sorted(forged)
+    assert "never asked for an evaluation of version 1000000 at step 1000000" in reasons[forged[0]]
+    assert "not integers" in reasons[forged[1]] and "not integers" in reasons[forged[2]]
+    assert r.xpending(keys.eval_requests, GROUP)["pending"] == 0
+
+
+def test_a_request_that_fails_or_kills_its_worker_each_time_is_dead_lettered_after_its_delivery_limit(r):
+    """Tried ``queue.max_deliveries`` times, by one worker whose evaluation raises or by
+    workers that die with it, a request goes to the dead letters with the reason, instead of
+    being dropped without a trace (or tried forever)."""
+    import asyncio
+
+    cfg = eval_config()
+    keys = Keys(cfg.run_id)
+    registry.heartbeat_worker(r, keys, "w0", ttl_s=30, address="127.0.0.1:1")
+    learner = Evals(cfg, r, keys, LearnerMetrics(None))
+    learner.request(2, 2)
+    runner = EvalRunner(cfg, "w0", engine=None, r=r, task=None, encode=None)
+
+    async def evaluate(version, step):
+        raise RuntimeError("a reward that always raises")
+
+    runner.evaluate = evaluate
+
+    async def scenario():
+        runner.start()
+        t0 = time.monotonic()
+        while not r.xlen(keys.eval_requests + ":dead") and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.05)
+        await runner.stop()
+
+    asyncio.run(scenario())
+    (reason,) = dead_letters(r, keys.eval_requests).values()
+    assert reason == f"delivered {cfg.queue.max_deliveries} times without a result: " \
+                     "RuntimeError('a reward that always raises')"
+
+    learner.request(4, 4)  # read by workers that died with it, one after the other (gone from the registry)
+    (entry_id, _), = r.xreadgroup(GROUP, "gone", {keys.eval_requests: ">"}, count=1)[0][1]
+    for _ in range(cfg.queue.max_deliveries - 1):
+        r.xclaim(keys.eval_requests, GROUP, "gone", 0, [entry_id])
+    assert runner.next_request(block_ms=100) is None
+    assert dead_letters(r, keys.eval_requests)[entry_id.decode()].startswith(
+        f"delivered {cfg.queue.max_deliveries} times without a result: its worker died with it each time?")
+    assert r.xpending(keys.eval_requests, GROUP)["pending"] == 0

@@ -5,6 +5,7 @@ staging versions and checkpoints, and handing them over once."""
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -140,6 +141,52 @@ def test_a_manifest_the_model_cannot_load_is_refused_with_the_reason(r, model):
             assert reply == {"ok": False, "left_out": True, "refused": True, "error": why}
             assert stager.receiver is None and stager.take() is None
         finally:
+            sender.drop()
+
+
+def test_a_refusal_of_a_manifest_that_is_not_the_learners_never_stops_it(r):
+    """Issue 33, item 9, on the learner's side: a worker that judged a manifest rewritten in
+    Redis but signed its check-in for the learner's hash (as followers did before they
+    checked the one against the other) refuses it, naming the manifest it judged. The
+    learner logs that and goes on at once (no worker in this generation), leaves nobody
+    out, and its next sync takes the worker in."""
+    import dataclasses
+
+    tensors = weights(0)
+    stager, sender = WeightStager(shapes(tensors)), learner(r)
+
+    def judging_a_rewritten_manifest():
+        st = wait_for(lambda: (s := read_sync(r, sender.sync_key)).generation and s, 30, what="a generation")
+        slot = check_in_slot(sync_token(), st.generation, 1, "w0", st.incarnation_of("w0"), st.manifest_hash)
+        m = Manifest.from_json(st.manifest)
+        first, *rest = m.buckets[0].tensors
+        renamed = dataclasses.replace(m.buckets[0], tensors=(dataclasses.replace(first, name="renamed"), *rest))
+        rewritten = dataclasses.replace(m, buckets=(renamed, *m.buckets[1:]))
+        return stager.join(st.master_addr, st.master_port, slot, st.generation, rewritten, 5.0)
+
+    def member():
+        st = wait_for(lambda: (s := read_sync(r, sender.sync_key)).generation == 2 and s, 30, what="generation 2")
+        slot = check_in_slot(sync_token(), 2, 1, "w0", st.incarnation_of("w0"), st.manifest_hash)
+        manifest = Manifest.from_json(st.manifest)
+        return stager.join(st.master_addr, st.master_port, slot, 2, manifest, 5.0), stager.receive(2, manifest.hash)
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            worker = pool.submit(judging_a_rewritten_manifest)
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match="no worker checked in"):  # not IncompatibleWorker
+                sender.sync(1, tensors.items, LIVE)
+            assert time.monotonic() - t0 < 4  # at the refusal, not the 5 s check-in deadline
+            reply = worker.result(30)
+            assert reply["refused"] and reply["error"] == ("the learner sends 'renamed', which this worker's model "
+                                                           "does not have")
+            assert sender.excluded == {} and sender.left_out_total == 0 and sender.needs_forming(LIVE)
+            worker = pool.submit(member)
+            assert sender.sync(2, weights(2).items, LIVE).members == 1
+            joined, received = worker.result(30)
+            assert joined == {"ok": True} and received["ok"]
+        finally:
+            stager.leave()
             sender.drop()
 
 

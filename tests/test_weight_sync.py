@@ -4,6 +4,7 @@ processes, and failures that end within the timeout instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import multiprocessing as mp
@@ -14,6 +15,7 @@ import time
 import pytest
 import torch
 
+from rlpipe import registry
 from rlpipe.queue import Keys, connect
 from tests.conftest import free_run_id, wait_for
 from weight_sync.manifest import Manifest, chunks, pack_bucket, pack_chunk, plan_buckets, unpack_bucket
@@ -160,7 +162,8 @@ class ChecksumEngine:
 
 def _receiver(redis_url, run_id, worker_id, mode, versions, results):
     """A stand-in rollout worker process: the production follower on a checksum engine,
-    until it has received ``versions`` versions (or refused once)."""
+    until it has received ``versions`` versions (or refused once); in ``register`` mode
+    its incarnations are in the run's registry, where the learner reads them."""
     import os
 
     if mode == "crash":
@@ -181,10 +184,12 @@ def _receiver(redis_url, run_id, worker_id, mode, versions, results):
             stopping.set()
 
     async def published(incarnation):
-        pass
+        if mode == "register":  # the registry carries each incarnation, as a worker's heartbeat does
+            registry.heartbeat_worker(connect(redis_url), Keys(run_id), worker_id, 60, incarnation=incarnation)
 
     follower = WeightFollower(connect(redis_url), Keys(run_id).sync, worker_id, engine, 5.0, lambda: None, synced,
                               failed, published)
+    asyncio.run(published(follower.incarnation))
     results.put((worker_id, "ready"))
     asyncio.run(follower.run(stopping, poll_s=0.02))
 
@@ -297,6 +302,63 @@ def test_a_worker_whose_model_lacks_a_tensor_the_learner_sends_stops_the_sync_na
     assert sender.group is None and sender.gate is None
     assert ("w1", "LeftOut", 1) in [results.get(timeout=30) for _ in procs]
     stop(procs)
+
+
+def renamed(manifest: Manifest) -> Manifest:
+    """``manifest`` with its first tensor renamed: what one HSET of the sync hash's ``manifest`` makes."""
+    first, *rest = manifest.buckets[0].tensors
+    bucket = dataclasses.replace(manifest.buckets[0], tensors=(dataclasses.replace(first, name=first.name + ".x"),
+                                                               *rest))
+    return dataclasses.replace(manifest, buckets=(bucket, *manifest.buckets[1:]))
+
+
+@pytest.mark.parametrize("rewritten", ["the manifest", "the manifest and its hash"])
+def test_a_manifest_rewritten_in_redis_costs_a_worker_one_version_never_the_run(redis_server, r, monkeypatch,
+                                                                                rewritten):
+    """Issue 33, item 9, as attacked on a live run: the sync hash deleted, and the generation
+    the learner then forms rewritten (one tensor of its ``manifest`` renamed) before the
+    worker reads it. A worker that signed its check-in for the hash beside the manifest but
+    judged the rewritten one refused the learner's own generation, and the learner stopped.
+    Now the worker checks the manifest against its hash first and skips it; rewritten
+    together, it refuses under a MAC the learner never reads and asks back in. Either way
+    the learner goes on and its next version reaches the worker."""
+    import weight_sync.sender as sender_module
+
+    monkeypatch.setenv("RLPIPE_SYNC_TOKEN", "s" * 32)  # as a live run: signed check-ins, through the gate
+    run_id = free_run_id("ws")
+    keys = Keys(run_id)
+    procs, results = start_receivers(redis_server, run_id, {"w0": "register"}, versions=2)
+    sender = make_sender(r, run_id, timeout_s=4)
+
+    def live() -> dict[str, str]:
+        return {w: f["incarnation"] for w, f in registry.live_workers(r, keys).items()}
+
+    weights = model_weights(0)
+    assert sender.sync(1, weights.items, live()).members == 1
+    assert results.get(timeout=30) == ("w0", checksum(weights.items()), 1)
+
+    publish = sender_module.publish_generation
+
+    def and_rewritten(r_, key, state, fence=None):  # the attacker's HSET, before any worker reads the generation
+        monkeypatch.setattr(sender_module, "publish_generation", publish)  # once
+        forged = renamed(Manifest.from_json(state.manifest))
+        publish(r_, key, dataclasses.replace(state, manifest=forged.to_json(), manifest_hash=forged.hash
+                                             if rewritten == "the manifest and its hash" else state.manifest_hash),
+                fence)
+
+    monkeypatch.setattr(sender_module, "publish_generation", and_rewritten)
+    before = live()
+    r.delete(keys.sync)
+    with pytest.raises(SyncError, match="no worker checked in"):  # not IncompatibleWorker: the learner goes on
+        sender.sync(2, weights.items, before)
+    wait_for(lambda: live()["w0"] != before["w0"], 10, what="the worker asking back in")
+    if rewritten == "the manifest and its hash":  # it judged the rewritten manifest, as it must
+        assert results.get(timeout=30) == ("w0", "LeftOut", 2)
+    weights = model_weights(3)
+    assert sender.sync(3, weights.items, live()).members == 1
+    assert results.get(timeout=30) == ("w0", checksum(weights.items()), 3)  # (a skipped one was never judged)
+    stop(procs)
+    sender.drop()
 
 
 def test_a_hung_receiver_ends_the_sync_within_the_timeout(redis_server, r):

@@ -3,8 +3,16 @@ follow the learner's generations and versions (DESIGN.md, 'Weight sync protocol'
 drive an engine through the small :class:`SyncEngine` protocol.
 
 - A new generation that lists this worker means: check in and join (or refuse, when the
-  engine cannot load its manifest; a refusing worker stays out, since asking back in
-  would only be refused again, and the learner stops, naming it and the reason). With a
+  engine cannot load its manifest: the learner stops, naming it and the reason, when the
+  manifest is the learner's). First of all, the manifest is checked against the
+  ``manifest_hash`` beside it: either can be rewritten in Redis without the sync token,
+  and a check-in signed for the learner's hash but judging another manifest would answer
+  the learner about weights it never sent. A generation whose manifest is not its hash's
+  is skipped (logged, never checked in to, never refused) and the worker asks back in. So
+  does a refusing worker: where its refusal stopped the learner that costs nothing, and
+  where it did not (a manifest and hash rewritten together: the refusal was signed for
+  another hash, which the learner never reads) the learner takes the worker back. A
+  Redis writer without the token may cost a worker a version, never more. With a
   sync token the check-in is signed for this worker's id and incarnation, the generation
   and its manifest: the follower computes that MAC
   (:func:`~weight_sync.transport.check_in_slot`) and hands it to the engine as the slot to
@@ -46,7 +54,7 @@ from typing import Awaitable, Callable, Protocol
 import redis
 
 from rlpipe.auth import sync_token
-from weight_sync.manifest import Manifest
+from weight_sync.manifest import Manifest, manifest_hash
 from weight_sync.rendezvous import SyncState, read_sync
 from weight_sync.transport import check_in_slot
 
@@ -165,22 +173,31 @@ class WeightFollower:
         if candidate is None:
             await self.ask_back("a generation formed without this worker")
             return False
-        try:
-            self.manifest = Manifest.from_json(st.manifest)
-        except (ValueError, KeyError, TypeError) as e:
-            res = SyncOutcome.failed(f"generation {st.generation}'s manifest is unreadable: {e!r}")
-        else:
-            listed = st.incarnation_of(self.worker_id)
-            slot = check_in_slot(self.token, st.generation, candidate, self.worker_id,
-                                 listed if listed in self.held else self.incarnation, st.manifest_hash)
-            res = await self.engine.join(st.master_addr, st.master_port, slot, st.generation, self.manifest,
-                                         self.timeout_s)
+        res = await self.check_in(st, candidate)
         self.joined = res.ok
         if not res.ok:
             self.on_failed(res.error)
-            if not res.refused:
-                await self.ask_back(res.error)
+            # A refusal is not mended from disk (and a checkpoint's error would hide it): only asked back.
+            await self.ask_back(res.error, catch_up=not res.refused)
         return res.ok
+
+    async def check_in(self, st: SyncState, candidate: int) -> SyncOutcome:
+        """Have the engine check in to generation ``st`` as ``candidate`` (or refuse it), once
+        its manifest proved to be the one its hash names (see the module docstring)."""
+        if manifest_hash(st.manifest) != st.manifest_hash:
+            why = (f"generation {st.generation}'s manifest is not the one its manifest_hash {st.manifest_hash!r} "
+                   f"names (the sync hash was rewritten?): skipped")
+            log.warning("sync follower: %s", why)
+            return SyncOutcome.failed(why)
+        try:
+            self.manifest = Manifest.from_json(st.manifest)
+        except (ValueError, KeyError, TypeError) as e:
+            return SyncOutcome.failed(f"generation {st.generation}'s manifest is unreadable: {e!r}")
+        listed = st.incarnation_of(self.worker_id)
+        slot = check_in_slot(self.token, st.generation, candidate, self.worker_id,
+                             listed if listed in self.held else self.incarnation, st.manifest_hash)
+        return await self.engine.join(st.master_addr, st.master_port, slot, st.generation, self.manifest,
+                                      self.timeout_s)
 
     async def update(self, version: int) -> bool:
         """Receive and load ``version`` of the joined generation; out of it when that fails."""
@@ -207,9 +224,10 @@ class WeightFollower:
         else:
             self.on_failed(res.error)
 
-    async def ask_back(self, why: str) -> None:
-        log.info("out of the sync generation (%s): catching up from disk, asking back in", why)
-        await self.catch_up()
+    async def ask_back(self, why: str, catch_up: bool = True) -> None:
+        log.info("out of the sync generation (%s): %sasking back in", why, "catching up from disk, " * catch_up)
+        if catch_up:
+            await self.catch_up()
         self.incarnation = new_incarnation()
         self.held.add(self.incarnation)
         await self.on_incarnation(self.incarnation)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Iterable
@@ -85,7 +86,30 @@ class Manifest:
 
     @cached_property  # a manifest is frozen: its hash is computed once, not at every check
     def hash(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        return manifest_hash(self.to_json())
+
+
+def manifest_hash(text: str) -> str:
+    """The hash of a manifest's JSON as the learner publishes it (:meth:`Manifest.to_json`).
+    A worker checks the sync hash's ``manifest`` against its ``manifest_hash`` with it,
+    before parsing or signing anything: either field can be rewritten in Redis without the
+    sync token, and a worker that signed its check-in for the learner's hash but judged a
+    rewritten manifest would answer the learner about weights it never sent."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def refusal(manifest: Manifest, why: str) -> str:
+    """What a worker writes at its check-in to refuse ``manifest``: why, after the hash of
+    the manifest it judged. A refusal stops the learner only if it names the learner's own
+    manifest (weight_sync/sender.py): one of a manifest rewritten in Redis must not."""
+    return f"manifest {manifest.hash}: {why}"
+
+
+def refused_manifest(answer: str) -> tuple[str, str]:
+    """A check-in's refusal (:func:`refusal`) as ``(hash of the manifest refused, why)``;
+    ``("", answer)`` for one that names no manifest."""
+    m = re.fullmatch(r"manifest ([0-9a-f]{16}): (.*)", answer, re.S)
+    return (m[1], m[2]) if m else ("", answer)
 
 
 HEADER_LEN = 4

@@ -27,7 +27,9 @@ no member, and the next sync re-forms without the hung worker, which misses its 
 
 A worker that *refuses* a generation (its engine cannot load the manifest: another model,
 another quantization) raises :class:`~weight_sync.transport.IncompatibleWorker` naming it
-and why: that is a configuration error no later generation would mend.
+and why: that is a configuration error no later generation would mend. Only a refusal of
+this learner's own manifest does (the refusal names the manifest's hash): one of a manifest
+rewritten in Redis is logged, and the worker asked again at the next sync.
 
 Each generation's store sits behind a gate that admits only holders of the sync token,
 and a candidate is admitted only on a check-in signed for its id and incarnation in the
@@ -53,7 +55,8 @@ from rlpipe.queue import Keys
 from weight_sync.gate import Gate
 from weight_sync.ipc import IpcBroadcast
 from weight_sync.delta import bucket_checksums, encode_version
-from weight_sync.manifest import Manifest, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets
+from weight_sync.manifest import (Manifest, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets,
+                                  refused_manifest)
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
                                     read_sync)
@@ -215,9 +218,7 @@ class WeightSender:
         slots = [check_in_slot(self.token, generation, c, w, candidates[w], manifest.hash)
                  for c, w in enumerate(names, 1)]
         admitted, left_out = admit(store, generation, slots, deadline)
-        for candidate, why in left_out.items():
-            self._leave_out(names[candidate - 1], candidates[names[candidate - 1]], why)
-        refused = {names[c - 1]: why for c, why in left_out.items() if why != NOT_CHECKED_IN}
+        refused = self._refusals({names[c - 1]: why for c, why in left_out.items()}, candidates, manifest)
         if refused:
             self.drop()
             raise IncompatibleWorker("; ".join(f"worker {w} cannot take the learner's weights: {why}"
@@ -240,6 +241,26 @@ class WeightSender:
             self.drop()
             raise
         self._members = {w: candidates[w] for w in members}
+
+    def _refusals(self, left_out: dict[str, str], candidates: dict[str, str], manifest: Manifest) -> dict[str, str]:
+        """Leave out the candidates that did not check in or refused ``manifest`` (worker ->
+        their answer); returns the refusals that must stop this learner: those of its own
+        manifest. A refusal that names another manifest judged one rewritten in the sync hash
+        (a worker before the check of weight_sync/follower.py signed for the hash it read
+        beside it): logged, and that worker is not left out, so the next sync asks it again.
+        A Redis writer without the sync token may cost a worker a version, never the run."""
+        fatal = {}
+        for worker, answer in left_out.items():
+            named, why = refused_manifest(answer)
+            if answer != NOT_CHECKED_IN and named != manifest.hash:
+                log.warning("sync generation %d: worker %s refused manifest %s, not this learner's %s (the sync "
+                            "hash was rewritten?): asked again at the next sync: %s", self.state.generation, worker,
+                            named or "(unnamed)", manifest.hash, why)
+                continue
+            self._leave_out(worker, candidates[worker], why)
+            if answer != NOT_CHECKED_IN:
+                fatal[worker] = why
+        return fatal
 
     def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> tuple[SyncStats, dict[int, str]]:
         """Send the header and every bucket to each member; a member whose transfer fails

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from weight_sync.manifest import Manifest, incompatibility, shape_mismatch
+from weight_sync.manifest import Manifest, incompatibility, refusal, shape_mismatch
 from weight_sync.names import checkpoint_shapes
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
@@ -55,13 +55,15 @@ class WeightStager:
     def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest, timeout_s: float) -> dict:
         """Leave any generation, then check in under ``slot`` and join ``generation``, or
         refuse it when ``manifest`` does not fit the model (``refused``: the learner stops,
-        naming this worker and the reason)."""
+        naming this worker and the reason, if ``manifest`` is its own; the refusal names the
+        manifest's hash, :func:`~weight_sync.manifest.refusal`)."""
         self.leave()
         refuse = incompatibility(manifest, self.shapes, self.quant_compat)
         try:
-            self.receiver = WeightReceiver.join(host, port, slot, generation, manifest, timeout_s, refuse)
+            self.receiver = WeightReceiver.join(host, port, slot, generation, manifest, timeout_s,
+                                                None if refuse is None else refusal(manifest, refuse))
         except LeftOut as e:
-            return {"ok": False, "left_out": True, "refused": refuse is not None, "error": str(e)}
+            return {"ok": False, "left_out": True, "refused": refuse is not None, "error": refuse or str(e)}
         except SyncError as e:
             return {"ok": False, "error": str(e)}
         return {"ok": True}

@@ -136,8 +136,12 @@ def check_in(store: TCPStore, generation: int, slot: int | str, timeout_s: float
     store.set(_key(generation, f"in/{slot}"), "ok" if refuse is None else refuse)
     if refuse is not None:
         # A set is not answered: a round trip makes sure the refusal reached the store
-        # before the caller closes the connection (and, with a token, its relay).
-        store.check([_key(generation, f"in/{slot}")])
+        # before the caller closes the connection (and, with a token, its relay). The
+        # learner may close its store first, as it stops on reading the refusal: out either way.
+        try:
+            store.check([_key(generation, f"in/{slot}")])
+        except Exception:
+            pass
         raise LeftOut(refuse)
     try:
         store.wait([_key(generation, f"go/{slot}")], datetime.timedelta(seconds=timeout_s))
