@@ -129,9 +129,9 @@ class Evals:
             else:
                 self.metrics.record_eval(step, result)
                 out.append(result)
-                log.info("held-out %s at version %d: pass@1 %.3f [%.3f, %.3f] over %d rows", result["dataset"],
-                         result["version"], result["pass_at_1"], result["pass_at_1_low"], result["pass_at_1_high"],
-                         result["rows"])
+                log.info("held-out %s at version %d: pass@1 %.3f [%.3f, %.3f] (lenient %.3f) over %d rows",
+                         result["dataset"], result["version"], result["pass_at_1"], result["pass_at_1_low"],
+                         result["pass_at_1_high"], result.get("pass_at_1_lenient", float("nan")), result["rows"])
                 settled(self.r, stream, entry_id)
             self.last_id = entry_id
             self.r.set(self.keys.eval_logged, entry_id)

@@ -36,7 +36,7 @@ from rlpipe.datasets import load_rows
 from rlpipe.queue import Keys
 from rlpipe.side_streams import dead_letter
 from rollout_service.engine import RolloutEngine
-from rollout_service.tasks import PromptEncoder, Task, eval_task_config, make_task
+from rollout_service.tasks import PromptEncoder, Task, any_number_matches, eval_task_config, make_task
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class EvalRunner:
         gate = asyncio.Semaphore(ec.concurrency)
         max_len = self.cfg.rollout.max_model_len
 
-        async def row(i: int) -> tuple[float, list[float]] | None:
+        async def row(i: int) -> tuple[float, list[float], int, bool] | None:
             async with gate:
                 prompt = self.task.prompt(i)
                 ids = self.encode(prompt.text)
@@ -201,18 +201,26 @@ class EvalRunner:
                 texts = [self.encode.tokenizer.decode(res.tokens, skip_special_tokens=True)
                          for res in greedy + sampled]
                 scores = [reward for reward, _ in await self.task.score(prompt, texts)]
-                return scores[0], scores[1:]
+                return scores[0], scores[1:], i, scores[0] > 0 or any_number_matches(prompt.answer, texts[0])
 
         rows = [r for r in await asyncio.gather(*(row(i) for i in range(min(ec.size, self.task.size))))
                 if r is not None]
-        greedy = [g for g, _ in rows]
-        sampled = [sum(k) / len(k) for _, k in rows if k]
+        greedy = [g for g, *_ in rows]
+        lenient = [float(ok) for *_, ok in rows]
+        sampled = [sum(k) / len(k) for _, k, *_ in rows if k]
         low, high = wilson_interval(sum(greedy), len(greedy))
+        low_l, high_l = wilson_interval(sum(lenient), len(lenient))
         return {
             "dataset": ec.dataset, "requested_version": requested_version, "step": step,
             "version": v0, "version_end": self.engine.version, "rows": len(rows),
             "skipped_rows": min(ec.size, self.task.size) - len(rows),
             "pass_at_1": sum(greedy) / len(greedy) if greedy else 0.0, "pass_at_1_low": low, "pass_at_1_high": high,
+            # lenient: any number of the answer equals the reference (strict: the last one)
+            "pass_at_1_lenient": sum(lenient) / len(lenient) if lenient else 0.0,
+            "pass_at_1_lenient_low": low_l, "pass_at_1_lenient_high": high_l,
+            # which rows were right (strict, lenient): a paired test against another version's
+            "rows_evaluated": [i for *_, i, _ in rows], "rows_right": [i for g, _, i, _ in rows if g > 0],
+            "rows_right_lenient": [i for *_, i, ok in rows if ok],
             "k": ec.samples, "mean_at_k": sum(sampled) / len(sampled) if sampled else None,
             "seconds": time.monotonic() - t0, "worker": self.worker_id,
         }

@@ -319,6 +319,17 @@ def number_reward(answer: str, response: str) -> tuple[float, dict]:
     return float(ok), {"extracted": text[:200], "format_ok": True, "boxed": boxed is not None}
 
 
+def any_number_matches(answer: str, response: str) -> bool:
+    """Lenient scoring: any number written in ``response`` equals ``answer`` (the strict
+    reward reads the last one only). Side by side with the strict score it shows how much
+    of an accuracy is the answer's format and how much its arithmetic."""
+    gold = _as_number(answer)
+    if gold is None:
+        return False
+    return any((got := _as_number(m.group())) is not None and abs(got - gold) <= 1e-6 * max(1.0, abs(gold))
+               for m in _NUMBER.finditer(response))
+
+
 class PythonReward:
     """``task.reward: "package.module:function"``, a reward written in Python, called as
 

@@ -161,7 +161,8 @@ def test_the_learner_drops_an_episode_by_its_oldest_model_token(redis_server, to
 
     cfg = build_config({}, environ={}, run_id=free_run_id("ep"), run_dir=str(tmp_path), redis_url=redis_server.url,
                        **{"model.path": toy_model_path, "learner.groups_per_step": 1, "queue.max_staleness": 2,
-                          "sampling.n": 2, "rollout.precision": "fp8"})
+                          "sampling.n": 2, "rollout.precision": "fp8",
+                          "learner.dynamic_sampling": False})  # the episodes' rewards are equal: staleness alone
     learner = Learner(cfg)
     learner.queue.ensure_consumer_group()
     learner.run_counters.version = 5
