@@ -48,6 +48,7 @@ class Ledger:
         self.trained_indices, self.dropped_indices = IndexSet(), IndexSet()
         self.dropped_this_step = 0  # while collecting the next batch: the drop rate per step
         self.filtered_this_step = 0  # groups with equal rewards settled while collecting it (dynamic sampling)
+        self.filtered_rewards: list[float] = []  # their samples' rewards: the reward of all that was sampled
         self.backlog: list[Entry] = []  # read (or taken over), not in a batch yet
         self.unacked: list[Entry] = []  # trained, waiting for a checkpoint
         self.being_written: list[Entry] = []  # trained, in the checkpoint being written
@@ -121,6 +122,7 @@ class Ledger:
         for e in [*stale, *filtered]:
             self.dropped_indices.add(e.record.prompt_index)
         self.filtered_this_step += len(filtered)
+        self.filtered_rewards += [r for e in filtered for r in e.record.rewards]
         self.counters.filtered_total += len(filtered)
         self.counters.dropped_stale_total += len(stale)
         self.dropped_this_step += len(stale)
@@ -146,20 +148,26 @@ class Ledger:
         self.queue.deliver(self.consumer, [e.entry_id for e in entries])
         return entries
 
-    def sampling_metrics(self, trained: int) -> dict:
+    def sampling_metrics(self, entries: list[Entry]) -> dict:
         """Dynamic sampling's books for the step just trained: the groups filtered while
         collecting it (equal rewards), the informative fraction, and groups sampled per group
         trained, whose smoothed value the learner publishes as ``sample_ratio``: it scales the
         fleet's allowance (rlpipe/queue.py), so the fleet generates enough groups for the next
         steps while the learner trains, instead of idling behind a stream of groups to filter."""
         filtered, self.filtered_this_step = self.filtered_this_step, 0
+        trained = len(entries)
         sampled = trained + filtered
+        # The trained groups' reward is conditioned on a spread; this one, over everything the step
+        # read, is the policy's own (the trend to watch under dynamic sampling).
+        rewards = [r for e in entries for r in e.record.rewards] + self.filtered_rewards
+        self.filtered_rewards = []
         ratio = sampled / max(trained, 1)
         c = self.counters
         if self.cfg.learner.dynamic_sampling:
             c.sample_ratio = 0.7 * c.sample_ratio + 0.3 * ratio
         return {"groups_filtered_step": filtered, "groups_filtered_total": c.filtered_total,
                 "informative_fraction": trained / max(sampled, 1), "groups_sampled_per_trained": ratio,
+                "reward_sampled_mean": sum(rewards) / max(len(rewards), 1),
                 "sample_ratio_smoothed": c.sample_ratio}
 
     # -- settling -----------------------------------------------------------------------

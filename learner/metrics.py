@@ -61,6 +61,8 @@ _TRAIN = {
     "informative_fraction": "of the groups the step read, the fraction whose rewards differ (trained / sampled)",
     "groups_sampled_per_trained": "groups the step read per group it trained (1 / informative_fraction)",
     "sample_ratio_smoothed": "groups sampled per group trained, smoothed: the factor of the fleet's allowance",
+    "reward_sampled_mean": "mean reward of every sample the step read, filtered groups included (reward_mean is "
+                           "of the trained groups, which dynamic sampling picks for their spread)",
     "tokens": "response tokens trained in the step (model tokens only)",
     "tokens_masked": "environment tokens of the step's multi-turn episodes: context only, masked out of the loss",
     "model_turns_mean": "the model's turns per sample of the step (1 when single-turn; in the calculator task, 1 "

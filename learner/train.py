@@ -204,7 +204,7 @@ class Learner:
                 continue
             self.ledger.trained(entries)
             step_metrics["dropped_stale_step"], self.ledger.dropped_this_step = self.ledger.dropped_this_step, 0
-            step_metrics.update(self.ledger.sampling_metrics(len(entries)))
+            step_metrics.update(self.ledger.sampling_metrics(entries))
             self._crash_point("trained")
             step_metrics.update(self.fleet.sync(self.model, self.version, self.step))
             self._crash_point("synced")

@@ -376,8 +376,10 @@ def test_dynamic_sampling_trains_only_groups_with_a_spread_and_settles_the_rest(
     c = q.counters()
     assert (c["filtered"], c["duplicate"], c["trained"]) == (4, 1, 3)
     assert c["produced"] == c["trained"] + c["filtered"] + c["duplicate"] + q.length()  # the batch: still in it
-    m = learner.ledger.sampling_metrics(len(second))
+    m = learner.ledger.sampling_metrics(second)
     assert m["groups_filtered_step"] == 4 and m["informative_fraction"] == pytest.approx(3 / 7)
+    # s7-s9: 1 and 0 each; filtered since the last metrics: e0 and e4 all 1, e2 and e6 all 0
+    assert m["reward_sampled_mean"] == pytest.approx((3 + 4) / 14)
     assert m["groups_sampled_per_trained"] == pytest.approx(7 / 3)
 
 
