@@ -293,6 +293,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         "staleness_mean": sum(x["staleness_mean"] for x in rows) / len(rows) if rows else None,
         "groups_produced": counters["produced"],
         "groups_trained": counters["trained"],
+        "groups_filtered": counters["filtered"],  # equal rewards: settled untrained (learner.dynamic_sampling)
         "groups_dropped_stale": counters["dropped_stale"],
         "groups_pending": pending,
         "groups_unacknowledged": unacknowledged,  # read by the learner, not yet covered by a checkpoint
