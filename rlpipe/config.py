@@ -271,7 +271,8 @@ class LearnerConfig(Section):
     dynamic_sampling: bool = Field(True, description="DAPO's dynamic sampling: a group whose rewards are all equal "
                                    "carries no advantage; it is acknowledged and counted (filtered), never trained, "
                                    "and the step reads on until groups_per_step groups with a spread are in hand; "
-                                   "the fleet's allowance grows by the sampled-per-trained ratio")
+                                   "the fleet's allowance grows by the sampled-per-trained ratio, so queue.max_lag "
+                                   "bounds staleness in expectation (queue.max_staleness stays the hard bound)")
     ppo_epochs: int = Field(2, ge=1, description="passes over each step's groups")
     minibatches: int = Field(1, ge=1, description="optimizer steps per PPO epoch")
     single_pass: bool = Field(True, description="with 1 epoch of 1 minibatch and no reference model, take pi_old "

@@ -46,7 +46,11 @@ class Cluster:
             os.environ[PASSWORD_FILE_ENV] = str(self.password_file)
         base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
         self.cfg = build_config(base, environ={}, run_id=free_run_id("cluster"), run_dir=str(tmp_path),
-                                redis_url=url, workers=workers, **{"model.path": model_path, **settings})
+                                redis_url=url, workers=workers, **{
+                                    "model.path": model_path,
+                                    # the fault tests pin back-pressure's exact bound (staleness <= max_lag),
+                                    # which dynamic sampling makes a bound in expectation: off unless asked
+                                    "learner.dynamic_sampling": False, **settings})
         self.cfg_path = tmp_path / "config.yaml"
         dump_config(self.cfg, self.cfg_path)
         self.keys = Keys(self.cfg.run_id)

@@ -124,7 +124,10 @@ def live(tmp_path_factory, toy_model_path, redis_server):
     base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg = build_config(base, environ={}, run_id=run_id, steps=100000, workers=2, **{
         "model.path": toy_model_path, "rollout.fleet": ["int8", "bf16"], "learner.groups_per_step": 16,
-        "learner.checkpoint_every": 5, "rollout.shutdown_deadline_s": 5.0})
+        "learner.checkpoint_every": 5, "rollout.shutdown_deadline_s": 5.0,
+        # the exact back-pressure bound (staleness <= max_lag) is pinned below: dynamic sampling makes it
+        # a bound in expectation (README, "Dynamic sampling"), so it is off here
+        "learner.dynamic_sampling": False})
     cfg_path = work / "run.yaml"
     dump_config(cfg, cfg_path)
     env = {**os.environ, "REDIS_URL": redis_server.url}  # Redis outlives `up`, for the audit

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 SETTINGS = {"steps": 27, "learner.groups_per_step": 8, "learner.checkpoint_every": 3, "learner.lease_ttl_s": 30.0,
             "learner.threads": 1, "queue.max_lag": 1, "queue.max_staleness": 4, "rollout.heartbeat_ttl_s": 4.0,
-            "rollout.heartbeat_s": 1.0, "rollout.max_inflight_groups": 8}
+            "rollout.heartbeat_s": 1.0, "rollout.max_inflight_groups": 8,
+            "learner.dynamic_sampling": False}  # the exact bound staleness <= max_lag is pinned: see test_ops_live
 SETTLE = 4  # "within a few steps": steps after a restart before it must be steady again
 
 
