@@ -102,6 +102,9 @@ class PPOStep:
         self.max_tokens = lc.max_tokens_per_microbatch or token_budget(
             model.config, lc.activation_memory_gib, lc.activation_checkpointing)
         self.served = ServedWeights(model.parameters(), served_dtype(cfg))  # the weights the engines compute with
+        # One rank only: a rank's groups differ in number, and under DDP or FSDP (whose fully_shard
+        # wraps the model in place) every rank must run as many forwards, each gathering the layers.
+        self.share_prompt = lc.share_prompt and ranks.world == 1
 
     @property
     def version(self) -> int:
@@ -177,7 +180,7 @@ class PPOStep:
                     if at is None and name == "ref":
                         continue
                     part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head,
-                                                       response_only=lc.response_logits, share_prompt=lc.share_prompt)
+                                                       response_only=lc.response_logits, share_prompt=self.share_prompt)
                     if at is not None:
                         out[name][at, : part_lp.shape[1]] = part_lp
                         if name == "pi_old":
@@ -277,7 +280,7 @@ class PPOStep:
                             pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
                                                      entropy_grad=lc.entropy_coef > 0,
                                                      response_only=lc.response_logits,
-                                                     share_prompt=lc.share_prompt)
+                                                     share_prompt=self.share_prompt)
                             if first_epoch and epoch == 0 and i < n_parts:
                                 first_epoch(part, pi, ent, share > 0)
                             w_part, ref_part = self._weights(mb, pi, weights, ref, part, width)
