@@ -68,7 +68,7 @@ def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
 
     # No group lost: every one produced was trained, dropped, or is still in the stream.
     produced, trained = summary["groups_produced"], summary["groups_trained"]
-    assert produced == trained + summary["groups_dropped_stale"] + summary["groups_pending"]
+    assert produced == trained + summary["groups_dropped_stale"] + summary["groups_filtered"] + summary["groups_pending"]
     assert trained == steps * cfg.learner.groups_per_step
     assert summary["groups_dead"] == 0
     # The final checkpoint holds every step, so nothing is left unacknowledged. (The last
