@@ -2,9 +2,10 @@
 
 Delivery is at-least-once through a consumer group: the learner reads with XREADGROUP,
 and an entry leaves the stream (XACK + XDEL) only when the learner says it is done with
-it, in the same transaction that counts it as trained, dropped or a duplicate. So at every moment
+it, in the same transaction that counts it as trained, dropped, a duplicate or filtered (equal rewards,
+dynamic sampling). So at every moment
 
-    produced == trained + dropped_stale + dead + duplicate + len(stream)
+    produced == trained + dropped_stale + dead + duplicate + filtered + len(stream)
 
 which the end-to-end and chaos tests check. Malformed entries go to the dead-letter stream with
 their reason and are counted in ``dead``; they never crash a reader.
