@@ -69,7 +69,8 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm:
 
 # -- importance weights ----------------------------------------------------------------------
 def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0,
-                       geo_low: float = 0.5, geo_high: float = 2.0, clamp: float = 20.0, icepop_beta: float = 2.0):
+                       geo_low: float = 0.5, geo_high: float = 2.0, clamp: float = 20.0, icepop_beta: float = 2.0,
+                       icepop_alpha: float | None = None):
     """Per-token mismatch weights (N, T), detached, and their metrics.
 
     With ``w_t = exp(pi_old - mu)`` per token, ``W = prod_t w_t`` per sequence and
@@ -82,11 +83,11 @@ def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tenso
     token_mis              w_t if w_t <= C else 0 (the token is rejected, not truncated)
     seq_mis                W if W <= C else 0 (the whole sequence is rejected)
     geo_mask               1 if geo_low <= g <= geo_high else 0, per sequence
-    icepop                 w_t if 1/beta <= w_t <= beta else 0: two-sided token masking (IcePop, Ling team,
+    icepop                 w_t if alpha <= w_t <= beta else 0: two-sided token masking (IcePop, Ling team,
                            "Small Leak Can Sink a Great Ship", 2025: M(k) = k inside [alpha, beta], 0 outside;
-                           here alpha = 1/beta). A token outside the band leaves the loss altogether
-                           (masked, not truncated); one inside keeps its weight w_t, as IcePop's M does
-                           and slime's ``icepop_function``.
+                           its two bounds are independent, and alpha defaults to 1/beta). A token outside the
+                           band leaves the loss altogether (masked, not truncated); one inside keeps its
+                           weight w_t, as IcePop's M does and slime's ``icepop_function``.
     """
     if mode not in IS_MODES:
         raise ValueError(f"is_mode: unknown mode {mode!r}")
@@ -113,7 +114,8 @@ def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tenso
         rejected = w_seq > cap
         w = w_seq * ~rejected
     elif mode == "icepop":
-        rejected = (w_tok < 1 / icepop_beta) | (w_tok > icepop_beta)
+        alpha = 1 / icepop_beta if icepop_alpha is None else icepop_alpha
+        rejected = (w_tok < alpha) | (w_tok > icepop_beta)
         w = w_tok * ~rejected
     else:  # geo_mask
         geo = torch.exp(log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1))

@@ -132,7 +132,7 @@ class PPOStep:
         advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm)
         batch.advantages = advantages.reshape(-1).to(self.device)  # rows are records x samples (collate)
         weights, is_metrics = importance_weights(pi_old, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                                 lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
+                                                 lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
         ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
         update = self._update(batch, informative, weights, ref, ref_lp)
         metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
@@ -228,7 +228,7 @@ class PPOStep:
         entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
         mask = batch.mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
         _, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                           lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
+                                           lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
         metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
                                                  is_metrics, update, kl_metrics))
         if (visible := self.served.visible_fraction()) is not None:
@@ -317,7 +317,7 @@ class PPOStep:
         lc = self.cfg.learner
         old = pi.detach()
         w, _ = importance_weights(old, mb.behavior_logprobs, mb.mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta)
+                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
         return w, mb.behavior_logprobs if lc.is_mode in RATIO_AGAINST_MU else old
 
     def _step_metrics(self, o: StepOutcome) -> dict:

@@ -194,8 +194,9 @@ class RolloutConfig(Section):
     max_sessions: int = Field(64, ge=1, description="sessions open at once on one worker; one more is refused (429)")
     session_max_turns: int = Field(16, ge=1, description="model turns one session may sample; one more is refused (409)")
     session_max_tokens: int | None = Field(None, ge=2, description="token ids one session may hold, prompt and "
-                                           "context included (a turn's max_tokens is cut to the room left; with no "
-                                           "room it is refused, 409); null = rollout.max_model_len")
+                                           "context included (a turn without max_tokens gets the room left; one "
+                                           "asking more is refused, 422; with no room, 409); null = "
+                                           "rollout.max_model_len")
     session_idle_timeout_s: float = Field(300.0, gt=0, description="a session with no request for this long is "
                                           "given back (removed and counted as expired); a later request gets 404")
 
@@ -291,7 +292,10 @@ class LearnerConfig(Section):
     # 2.0: the band [0.5, 2.0] slime runs IcePop with (--tis-clip-low 0.5 --tis-clip 2.0, its
     # icepop_function test; 2.0 is also its --tis-clip default).
     icepop_beta: float = Field(2.0, gt=1, description="icepop: tokens whose w = exp(pi_old - mu) leaves "
-                               "[1/beta, beta] are masked out of the loss")
+                               "[alpha, beta] are masked out of the loss (alpha: icepop_alpha)")
+    # IcePop's band [alpha, beta] has independent bounds; null keeps the symmetric band [1/beta, beta].
+    icepop_alpha: float | None = Field(None, gt=0, lt=1, description="icepop: the band's lower bound; "
+                                       "null = 1/icepop_beta")
     log_ratio_clamp: float = Field(20.0, gt=0, description="|log w| is clamped to this before exp")
     loss: Literal["ppo_clip", "cispo"] = Field("ppo_clip", description="the policy loss: PPO-clip, or CISPO "
                                                "(MiniMax-M1: REINFORCE with the clipped ratio as a stop-gradient "
@@ -758,6 +762,25 @@ def environment_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def served_problem(path: str | None) -> str | None:
+    """Why the learner's weights of the model at ``path`` would not load into the workers'
+    engine (else every worker refuses every update and the run waits at step 0), or None.
+    A model the check cannot build is named with its error: an MoE's weight conversion
+    raised RuntimeError, and the launch ended in a traceback (issue 33 item 7)."""
+    if not path or not (Path(path) / "config.json").is_file():
+        return None
+    from weight_sync.names import served_mismatch
+
+    try:
+        why = served_mismatch(path)
+    except ValueError as e:
+        why = str(e)
+    except Exception as e:
+        return f"model.path: {path} could not be loaded to check that its weights fit the workers' engine: " \
+               f"{type(e).__name__}: {e}"
+    return f"model.path: the learner's weights do not fit the workers' engine: {why}" if why else None
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -780,15 +803,8 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("rollout.fleet: lists more precisions than there are workers")
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        from weight_sync.names import served_mismatch
-
-        try:  # else every worker refuses every update and the run waits at step 0
-            why = served_mismatch(cfg.model.path)
-        except ValueError as e:
-            why = str(e)
-        if why:
-            problems.append(f"model.path: the learner's weights do not fit the workers' engine: {why}")
+    if why := served_problem(cfg.model.path):
+        problems.append(why)
     from rlpipe.gpus import role_transport
 
     try:

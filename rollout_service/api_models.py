@@ -144,6 +144,36 @@ def bad_request(field: str, msg: str) -> HTTPException:
     return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": msg, "type": "value_error"}])
 
 
+def max_tokens_within(asked: int | None, min_tokens: int, limit: int, room: int, room_in: str,
+                      field: str = "max_tokens") -> int:
+    """The ``max_tokens`` a request samples with, by the one rule every route keeps (README, "The
+    rollout worker"): one the request asks for is taken as it is or refused, never changed.
+    Above ``rollout.max_new_tokens`` (``limit``) or the ``room`` the prompt leaves (``room_in``
+    says where), a 422 names ``field``; absent, ``limit`` cut to the room. /v1/chat/completions
+    cut 10**12 to the 2 tokens left and answered 200 while /v1/generate refused it (issue 33
+    item 6). ``min_tokens`` above the result is a 422 naming it (the engine's refusal named
+    only "sampling")."""
+    if asked is not None and asked > limit:
+        raise bad_request(field, f"{asked} exceeds rollout.max_new_tokens ({limit})")
+    if asked is not None and asked > room:
+        raise bad_request(field, f"{asked} exceeds the {room} tokens left {room_in}")
+    max_tokens = min(limit, room) if asked is None else asked
+    if min_tokens > max_tokens:
+        given = "" if asked is not None else ", none given: rollout.max_new_tokens cut to the room left"
+        raise bad_request("min_tokens", f"must not exceed max_tokens ({max_tokens}{given})")
+    return max_tokens
+
+
+
+class ContentPart(BaseModel):
+    """An OpenAI content part: text only, as the model reads only text. Its ``text`` must be a
+    string: a number was rendered as its Python repr, an image part silently dropped."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"] = "text"
+    text: Text
+
 
 class Message(BaseModel):
     """A chat message as the chat template reads it (OpenAI's shape: ``tool_call_id``, ``name``,
@@ -152,13 +182,14 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[dict] | None = Field(None, description="text, or OpenAI content parts (their 'text' joined)")
+    content: Text | list[ContentPart] | None = Field(None, description="text, or OpenAI text content parts "
+                                                     "(their 'text' joined)")
 
     def for_template(self) -> dict:
         """The message as a dict, its content as one string (templates expect text)."""
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            out["content"] = "".join(str(part.get("text", "")) for part in self.content)
+            out["content"] = "".join(part.text for part in self.content)
         out.setdefault("content", "")
         return out
 
@@ -195,8 +226,9 @@ class Turn(Sampling):
     text: Text | None = Field(None, min_length=1, description="plain sessions: text to append first")
     token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1,
                                                                 description="plain sessions: ids to append first")
-    max_tokens: Int | None = Field(None, ge=1, description="default and most: rollout.max_new_tokens; cut to "
-                                   "the room rollout.session_max_tokens leaves")
+    max_tokens: Int | None = Field(None, ge=1, description="at most rollout.max_new_tokens and the room "
+                                   "rollout.session_max_tokens leaves (more: 422); absent, rollout.max_new_tokens "
+                                   "cut to that room")
 
     @model_validator(mode="after")
     def _one_context(self):

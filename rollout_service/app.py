@@ -196,8 +196,15 @@ def with_body(endpoint, model: type[BaseModel]):
 
 
 async def invalid_request(request: Request, exc: RequestValidationError):
-    """FastAPI's own 422, rendered so that no input can break it (``json_safe``)."""
-    return JSONResponse({"detail": json_safe(exc.errors())}, status_code=422)
+    """FastAPI's own 422, rendered so that no input can break it (``json_safe``); a body that is
+    not JSON at all is a 400, as ``ERRORS`` and the README say (FastAPI answers it 422)."""
+    errors = exc.errors()
+    unreadable = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if unreadable is not None:
+        why = (unreadable.get("ctx") or {}).get("error", "JSON decode error")
+        return JSONResponse({"detail": json_safe(f"body is not JSON: {why} at character {unreadable['loc'][-1]}")},
+                            status_code=400)
+    return JSONResponse({"detail": json_safe(errors)}, status_code=422)
 
 
 async def limit_body(request: Request, call_next):

@@ -79,7 +79,7 @@ class EpisodeRunner:
             while True:
                 turn = Turn(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
                             seed=seed)
-                result = await self.sessions.turn(session, turn, observation)
+                result = await self.sessions.turn(session, turn, observation, max_tokens_field=None)
                 step = await self._step(env.step, result.text)
                 reward, info = step.reward, step.info
                 if step.done:

@@ -23,7 +23,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import HTTPException
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from rollout_service.api_models import Int, Message, Sampling, Text, bad_request
 
@@ -35,7 +35,8 @@ StopText = Annotated[Text, Field(min_length=1)]
 
 class OpenAIRequest(Sampling):
     """What the two routes share; ``max_tokens`` (or ``max_completion_tokens``) defaults to
-    ``rollout.max_new_tokens``, cut to the room the model length leaves."""
+    ``rollout.max_new_tokens``, cut to the room the model length leaves; one given beyond
+    either is refused (``api_models.max_tokens_within``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -49,6 +50,7 @@ class OpenAIRequest(Sampling):
     logprobs: bool | Int | None = Field(None, description="also answer OpenAI's logprobs (the sampled tokens' "
                                         "only; no alternatives)")
     session_id: str | None = Field(None, description="a session to continue (or the X-Session-Id header)")
+    _max_tokens_field: str = PrivateAttr("max_tokens")  # the name the client gave it, for a refusal to name
 
     @field_validator("stop")
     @classmethod
@@ -62,8 +64,14 @@ class OpenAIRequest(Sampling):
             raise ValueError("stream: streaming is not supported; send stream=false")
         if self.n > 1 and self.temperature == 0:
             raise ValueError("n: greedy sampling (temperature 0) gives one distinct sample: n must be 1")
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self._max_tokens_field = "max_completion_tokens"
         self.max_tokens = self.max_tokens or self.max_completion_tokens
         return self
+
+    @property
+    def max_tokens_field(self) -> str:
+        return self._max_tokens_field
 
 
 class ChatRequest(OpenAIRequest):

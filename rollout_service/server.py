@@ -26,17 +26,21 @@ log = logging.getLogger(__name__)
 
 
 def check_tokenizer(cfg: RunConfig) -> None:
-    """``task.chat_template`` with a tokenizer that has none: exit 2 naming the field, before the socket, Redis and
-    the engine (a failure in the app's start-up would be uvicorn's exit 3 after a traceback)."""
-    if not cfg.task.chat_template:
-        return
-    from transformers import AutoTokenizer
-
+    """``task.chat_template`` with a tokenizer that has none, or a ``rollout.chat_template`` file
+    that cannot be read: exit 2 naming the field, before the socket, Redis and the engine (a
+    failure in the app's start-up would be uvicorn's exit 3 after a traceback)."""
     from rlpipe.config import ConfigError
-    from rollout_service.tasks import PromptEncoder
+    from rollout_service.sessions import load_chat_template
 
     try:
-        PromptEncoder(cfg.task, AutoTokenizer.from_pretrained(cfg.model.path), cfg.model.path)
+        if cfg.rollout.chat_template:  # its text, or a file: no tokenizer needed to read it
+            load_chat_template(cfg.rollout.chat_template, None)
+        if cfg.task.chat_template:
+            from transformers import AutoTokenizer
+
+            from rollout_service.tasks import PromptEncoder
+
+            PromptEncoder(cfg.task, AutoTokenizer.from_pretrained(cfg.model.path), cfg.model.path)
     except ConfigError as e:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fastapi import HTTPException
 
-from rollout_service.api_models import Episode, Finish, Turn, TurnResult, bad_request
+from rollout_service.api_models import Episode, Finish, Turn, TurnResult, bad_request, max_tokens_within
 
 EXPIRED_REMEMBERED = 4096  # expired ids kept to tell "expired" from "never existed" in a 404
 
@@ -48,15 +48,6 @@ def load_chat_template(setting: str, tokenizer) -> str | None:
         return Path(setting).read_text()
     except OSError as e:
         raise ConfigError(f"rollout.chat_template: neither a template nor a readable file: {e}") from None
-
-
-def common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -118,19 +109,35 @@ class ChatTemplate:
             if rendered_turn is None or not rendered_turn.startswith(content):
                 raise bad_request("messages", "rollout.chat_template: the template rewrites the model's turn, "
                                   "so its closing markers cannot be found")
-            rest, ending = rendered_turn[len(content):], self.sampled_ending(session.last_turn)
-            closing = rest[common_prefix(rest, ending):]
+            closing = self.unsampled_closing(rendered_turn[len(content):], session.last_turn)
         return closing + after[len(before):]
 
+    def unsampled_closing(self, rest: str, tokens: list[int]) -> str:
+        """What of ``rest`` (the markers the template closes the model's turn with) the model did
+        not sample: ``rest`` less its longest start that the turn's sampled ending already is.
+        Matched as token ids, never as characters: a turn cut on the toy's ``<pad>`` shares
+        the character "<" with the ``<eos>`` the template closes with, and the closing became
+        the text "eos>" (ChatML's ``<|im_start|>`` against ``<|im_end|>`` would leave "end|>"),
+        so the turn was never closed (issue 33 item 5)."""
+        ending, closing = self.sampled_ending(tokens), self.encode(rest)
+        for n in range(min(len(ending), len(closing)), 0, -1):
+            if ending[-n:] == closing[:n]:
+                # The matched ids are special tokens: each one's token is exactly its text in ``rest``.
+                sampled = "".join(self.tokenizer.convert_ids_to_tokens(closing[:n]))
+                if not rest.startswith(sampled):
+                    raise bad_request("messages", "rollout.chat_template: the model's sampled end-of-turn "
+                                      "tokens do not read back as the template's closing text")
+                return rest[len(sampled):]
+        return rest
 
-    def sampled_ending(self, tokens: list[int]) -> str:
-        """The special tokens the model ended its turn with (its end-of-turn token), as text;
-        special tokens inside the turn are not part of its rendered content or its closing."""
+    def sampled_ending(self, tokens: list[int]) -> list[int]:
+        """The special tokens the model ended its turn with (its end-of-turn token); special
+        tokens inside the turn are not part of its rendered content or its closing."""
         special = set(self.tokenizer.all_special_ids)
         start = len(tokens)
         while start > 0 and tokens[start - 1] in special:
             start -= 1
-        return self.tokenizer.decode(tokens[start:], skip_special_tokens=False) if start < len(tokens) else ""
+        return list(tokens[start:])
 
 
 class Sessions:
@@ -224,9 +231,14 @@ class Sessions:
             raise bad_request("text", "a chat session takes a 'message'")
         return self.chat.encode(self.chat.suffix(session, new_messages))
 
-    async def turn(self, session: Session, req: Turn, new_messages: list[dict] | None = None) -> TurnResult:
+    async def turn(self, session: Session, req: Turn, new_messages: list[dict] | None = None,
+                   max_tokens_field: str | None = "max_tokens") -> TurnResult:
         """Append the context, sample the model's turn on every id so far, and keep both; on any
-        failure the session is left as it was."""
+        failure the session is left as it was. ``max_tokens_field``: the name the request gave
+        its max_tokens (OpenAI's ``max_completion_tokens``), for a refusal to name; None for the
+        rollout loop's own episodes, whose ``sampling.max_tokens`` is cut to the room left (the
+        episode's budget ends its last turn as max_tokens ends an answer; HTTP requests are
+        refused instead, ``max_tokens_within``)."""
         new_messages = new_messages if new_messages is not None else (
             [req.message.for_template()] if req.message is not None else [])
         turns = len(session.finish_reasons)
@@ -239,7 +251,11 @@ class Sessions:
             if room < 1:
                 raise self.refuse(409, "session_max_tokens", f"session {session.id} holds {len(session.ids)} ids "
                                   f"and {len(context)} more to append: no room to sample within {self.max_tokens}")
-            max_tokens = min(req.max_tokens or self.limits.max_new_tokens, self.limits.max_new_tokens, room)
+            asked = req.max_tokens if max_tokens_field or req.max_tokens is None else min(req.max_tokens, room)
+            max_tokens = max_tokens_within(asked, req.min_tokens, self.limits.max_new_tokens, room,
+                                           f"in session {session.id}: {self.max_tokens} (rollout.session_max_tokens) "
+                                           f"less its {len(session.ids)} ids and {len(context)} to append",
+                                           max_tokens_field or "max_tokens")
             result, v0, v1 = await self.sample(session.ids + context, req.sampling(max_tokens))
         finally:
             session.busy, session.touched = False, time.monotonic()

@@ -22,7 +22,8 @@ from prometheus_client import generate_latest
 
 from quant.profiles import profile_for
 from rlpipe.config import RunConfig
-from rollout_service.api_models import Choice, GenerateRequest, GenerateResponse, SessionOpened, Turn, bad_request
+from rollout_service.api_models import (Choice, GenerateRequest, GenerateResponse, SessionOpened, Turn, bad_request,
+                                        max_tokens_within)
 
 if TYPE_CHECKING:
     from rollout_service.api_models import Episode, Finish, OpenSession, TurnResult
@@ -317,7 +318,7 @@ class Worker:
         if req.n != 1:
             raise bad_request("n", "a session samples one turn at a time: n must be 1")
         turn_req = Turn.model_construct(**{k: getattr(req, k) for k in Sampling.model_fields}, **(context or {}))
-        turn = await self.sessions.turn(session, turn_req, new_messages if chat else None)
+        turn = await self.sessions.turn(session, turn_req, new_messages if chat else None, req.max_tokens_field)
         prompt_ids = session.ids[:len(session.ids) - len(turn.token_ids)]
         return response(req, chat, prompt_ids, [choice(self.tokenizer, 0, chat, turn.text, turn.token_ids,
                                                        turn.logprobs, turn.versions, turn.finish_reason,
@@ -338,7 +339,9 @@ class Worker:
         if room < 1:
             raise bad_request(field, f"{len(prompt_ids)} tokens leave no room within the model length "
                               f"{self.limits.max_model_len}")
-        max_tokens = min(req.max_tokens or self.limits.max_new_tokens, self.limits.max_new_tokens, room)
+        max_tokens = max_tokens_within(req.max_tokens, req.min_tokens, self.limits.max_new_tokens, room,
+                                       f"in the model length {self.limits.max_model_len} after the "
+                                       f"{len(prompt_ids)} prompt tokens", req.max_tokens_field)
         results, v0, v1 = await self.sample(prompt_ids, req.n, req.sampling(max_tokens))
         choices = [choice(self.tokenizer, i, chat, self.tokenizer.decode(r.tokens, skip_special_tokens=True),
                           r.tokens.tolist(), r.logprobs.tolist(),
@@ -366,6 +369,6 @@ class Worker:
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise bad_request(field, f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) + req.max_tokens > limits.max_model_len:
-            raise bad_request("max_tokens", f"prompt + max_tokens exceeds the model length {limits.max_model_len}")
+        max_tokens_within(req.max_tokens, req.min_tokens, limits.max_new_tokens, limits.max_model_len - len(prompt_ids),
+                          f"in the model length {limits.max_model_len} after the {len(prompt_ids)} prompt tokens")
         return prompt_ids

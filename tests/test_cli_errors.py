@@ -72,6 +72,28 @@ def test_a_learner_started_on_its_own_checks_the_run_as_the_launchers_do(model_d
                        "sampling.n", "at least 2")
 
 
+def test_a_chat_template_file_that_is_not_there_is_named_before_the_worker_starts(toy_model_path, tmp_path):
+    """rollout.chat_template naming no file ended the worker in its app's start-up, after the
+    engine: uvicorn's exit 3 after a traceback (issue 33 item 7). It is read before the socket
+    and the engine."""
+    missing = tmp_path / "missing.jinja"
+    assert_usage_error(*rlpipe("rollout", "--worker-id", "w0", "--set", f"model.path={toy_model_path}",
+                               "--set", f"rollout.chat_template={missing}"), "rollout.chat_template", str(missing))
+
+
+def test_a_model_the_launch_check_cannot_build_is_named(tmp_path):
+    """The launch check builds the model to compare its tensors with the engine's: a tiny MoE
+    (Mixtral) raises RuntimeError in transformers' weight conversion there, which printed a
+    traceback; it is a config error naming the model and the error (issue 33 item 7)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    assert_usage_error(*rlpipe("learner", "--set", f"model.path={tmp_path / 'moe'}"),
+                       "model.path", str(tmp_path / "moe"), "could not be loaded", "RuntimeError")
+
+
 def test_a_port_in_use_is_named(model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

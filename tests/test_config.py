@@ -39,6 +39,8 @@ def test_yaml_env_and_dotted_overrides_layer(tmp_path):
     ({"learner": {"kl_in": "advantage"}}, "learner.kl_in"),
     ({"learner": {"entropy_coef": -0.01}}, "learner.entropy_coef"),
     ({"learner": {"icepop_beta": 1.0}}, "learner.icepop_beta"),
+    ({"learner": {"icepop_alpha": 1.0}}, "learner.icepop_alpha"),
+    ({"learner": {"icepop_alpha": 0}}, "learner.icepop_alpha"),
     ({"learner": {"loss": "dpo"}}, "learner.loss"),
     ({"learner": {"cispo_eps_high": -1}}, "learner.cispo_eps_high"),
     ({"rollout": {"fleet": ["int8", "fp4"]}}, "rollout.fleet.1"),
@@ -59,6 +61,23 @@ def test_bad_keys_are_named(data, field):
 def test_cross_role_rules():
     with pytest.raises(ConfigError, match="sampling.n"):
         validate_run(build_config({"sampling": {"n": 1}}, environ={}))
+
+
+def test_a_model_the_launch_check_cannot_build_is_a_config_error_naming_it(tmp_path, monkeypatch):
+    """Whatever the launch check meets building the model (an MoE raised RuntimeError; see
+    tests/test_cli_errors.py for a real one), the run is refused naming the model and the error,
+    not ended by a traceback (issue 33 item 7)."""
+    import weight_sync.names
+
+    (tmp_path / "config.json").write_text("{}")
+
+    def cannot(path):
+        raise NotImplementedError("experts are fused")
+
+    monkeypatch.setattr(weight_sync.names, "served_mismatch", cannot)
+    with pytest.raises(ConfigError, match=f"model.path: {tmp_path} could not be loaded .*NotImplementedError: "
+                                          "experts are fused"):
+        validate_run(build_config({"model": {"path": str(tmp_path)}}, environ={}))
 
 
 def test_a_sharded_learner_quantizes_but_is_refused_automatic_recalibration():

@@ -163,6 +163,16 @@ def test_every_is_mode_takes_a_finite_step_that_changes_the_weights(mode, redis_
     assert set(m["mismatch_by_precision"]) == {"bf16", "fp8"}
 
 
+def test_icepops_lower_bound_reaches_the_step(redis_server, toy_model_path, tmp_path, base_model):
+    """learner.icepop_alpha is the band's own lower bound (issue 33 item 8): with mu's noise of
+    std 0.05, [0.999, 10] masks about half of the tokens, where [1/10, 10] masks none."""
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.is_mode": "icepop",
+                                                                      "learner.icepop_beta": 10.0,
+                                                                      "learner.icepop_alpha": 0.999})
+    m = learner.ppo.train_step(synthetic_groups(base_model, 4, precisions=("bf16", "fp8")))
+    assert 0.2 < m["is_masked_fraction"] < 0.8, m["is_masked_fraction"]
+
+
 def test_kl_penalty_against_the_base_model_starts_at_zero_then_measures_the_drift(
         redis_server, toy_model_path, tmp_path, base_model):
     from learner.reference import load_reference

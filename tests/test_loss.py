@@ -87,6 +87,9 @@ def weights(mode, **kw):
     ("icepop", {"icepop_beta": 2.0}, [E(0.5), 0, 1], (0, 0), (1 / 3, 1 / 2)),
     ("icepop", {"icepop_beta": 3.0}, [E(0.5), E(-1), 1], (0, 0), (0, 0)),
     ("icepop", {"icepop_beta": 1.5}, [0, 0, 1], (0, 0), (2 / 3, 1 / 2)),
+    # independent bounds: [0.3, 1.5] keeps e^-1 (which 1/1.5 drops), [0.5, 3] drops it (which 1/3 keeps)
+    ("icepop", {"icepop_beta": 1.5, "icepop_alpha": 0.3}, [0, E(-1), 1], (0, 0), (1 / 3, 1 / 2)),
+    ("icepop", {"icepop_beta": 3.0, "icepop_alpha": 0.5}, [E(0.5), 0, 1], (0, 0), (1 / 3, 1 / 2)),
 ])
 def test_every_is_mode_by_hand(mode, kw, expected, truncated, masked):
     w, m = weights(mode, **kw)
@@ -197,13 +200,13 @@ def test_icepop_masks_exactly_the_tokens_a_loop_finds_outside_the_band():
     gen = torch.Generator().manual_seed(0)
     pi_old, mu = -torch.rand(4, 6, generator=gen) * 3, -torch.rand(4, 6, generator=gen) * 3
     mask = (torch.rand(4, 6, generator=gen) > 0.2).float()
-    beta = 1.7
-    w, m = importance_weights(pi_old, mu, mask, "icepop", icepop_beta=beta)
+    beta, alpha = 1.7, 0.8
+    w, m = importance_weights(pi_old, mu, mask, "icepop", icepop_beta=beta, icepop_alpha=alpha)
     masked = 0
     for i in range(4):
         for t in range(6):
             ratio = math.exp(pi_old[i, t] - mu[i, t])
-            inside = 1 / beta <= ratio <= beta
+            inside = alpha <= ratio <= beta
             expected = ratio if inside and mask[i, t] else 0.0
             masked += bool(mask[i, t]) and not inside
             assert w[i, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-7), (i, t)

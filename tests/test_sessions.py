@@ -71,8 +71,8 @@ def scripted(turns: list[list[int]], seen: list[list[int]]):
 def store(tokenizer, template, turns, seen, **limits):
     from rollout_service.sessions import Sessions
 
-    cfg = SimpleNamespace(max_sessions=4, session_max_turns=8, session_max_tokens=None, max_model_len=4096,
-                          max_new_tokens=16, session_idle_timeout_s=60.0, **limits)
+    cfg = SimpleNamespace(**{"max_sessions": 4, "session_max_turns": 8, "session_max_tokens": None,
+                             "max_model_len": 4096, "max_new_tokens": 16, "session_idle_timeout_s": 60.0, **limits})
     return Sessions(cfg, tokenizer, template, scripted(turns, seen), lambda: 7)
 
 
@@ -113,12 +113,55 @@ def test_bpe_split_kept_as_sampled_and_only_new_text_tokenized():
     assert seen[1] == session.ids[:len(session.ids) - len(turns[1])]  # the second turn sampled on every id so far
     assert session.mask == [0] * (len(prompt) + len(first.context_token_ids)) + [1] * 3 + \
         [0] * len(second.context_token_ids) + [1] * 3
-    # Nothing said earlier was tokenized again: after the prompt, only the new text went in.
-    assert tok.texts[1:] == [gen, "\n" + added]
+    # Nothing said earlier was tokenized again: after the prompt, only the new text went in (and the
+    # template's closing of the model's turn, alone, to compare its ids with the sampled ending).
+    assert tok.texts[1:] == [gen, "<|im_end|>\n", "\n" + added]
     # Re-tokenizing the rendered history merges the sampled split: other ids, and other log-probs.
     retokenized = render(history + tool + [{"role": "assistant", "content": " hello"}], tokenize=True,
                          return_dict=False)
     assert hello[0] in retokenized and session.ids[:len(retokenized)] != retokenized
+
+
+@pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(), reason="the SmolLM2 tokenizer is not cached here")
+def test_chatml_turn_cut_on_another_special_token_still_gets_its_whole_closing():
+    """SmolLM2's ChatML closes a model turn with "<|im_end|>\\n". A turn cut by max_tokens on
+    <|im_start|> (a special token, not part of the rendered content) shares "<|im_" with it:
+    compared as characters the closing became the text "end|>\\n", five ordinary ids, and
+    the turn was never closed (issue 33 item 5). Compared as ids, the whole closing is appended."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM)
+    hel, lo = (tok.encode(t, add_special_tokens=False) for t in (" hel", "lo"))
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    turns, seen = [hel + lo + [start], hel + lo + [end]], []
+    sessions = store(tok, tok.chat_template, turns, seen)
+    user = [{"role": "user", "content": "say hi"}]
+    session = sessions.start(user, None, None, None)
+    run_turn(sessions, session, max_tokens=3)
+    second = run_turn(sessions, session, {"role": "user", "content": "again"})
+    history = user + [{"role": "assistant", "content": " hello"}]
+    render = tok.apply_chat_template
+    added = render(history + [{"role": "user", "content": "again"}], tokenize=False,
+                   add_generation_prompt=True)[len(render(history, tokenize=False)):]
+    assert second.context_token_ids[:2] == [end] + tok.encode("\n", add_special_tokens=False)
+    assert second.context_token_ids == tok.encode("<|im_end|>\n" + added, add_special_tokens=False)
+
+
+def test_toy_turn_cut_on_pad_gets_its_eos_as_context(toy_model_path):
+    """The toy's template closes a model turn with <eos> (id 2); a turn cut by max_tokens on
+    <pad> (id 0) shares the character "<" with it. Compared as characters, the closing became
+    the text "eos>", which the toy's vocabulary has no ids for: nothing was appended and the
+    session held ..., 0, 5, 14, 5, 17 where docs/agents.md promises ..., 0, 2, 5, 14, 5, 17."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    turns, seen = [[8, 0], [8, 2]], []  # "4",<pad> cut by length; then "4",<eos>
+    sessions = store(tok, TOY_TEMPLATE, turns, seen)
+    session = sessions.start([{"role": "user", "content": "2+2"}], None, None, None)
+    run_turn(sessions, session, max_tokens=2)
+    second = run_turn(sessions, session, {"role": "user", "content": "1+1"})
+    assert second.context_token_ids == [2, 5, 14, 5, 17]  # <eos>, then "1+1="
+    assert session.ids[-len(turns[1]) - 6:] == [0, 2, 5, 14, 5, 17] + turns[1]
 
 
 def test_toy_turn_cut_without_its_end_gets_the_closing_token_as_context(toy_model_path):
@@ -141,6 +184,46 @@ def test_toy_turn_cut_without_its_end_gets_the_closing_token_as_context(toy_mode
     retokenized = tok.inner.encode("<bos>*12+30=12<eos>%5=", add_special_tokens=False)
     assert retokenized != session.ids[:len(retokenized)]  # the text lost the sampled <bos>
     assert all("12+30" not in t for t in tok.texts[1:])  # the prompt was never tokenized again
+
+
+def test_a_turns_max_tokens_is_taken_or_refused_never_cut(toy_model_path):
+    """Issue 33 item 6, in the store: a turn's max_tokens above rollout.max_new_tokens (16) or
+    the room rollout.session_max_tokens (12) leaves is a 422 naming the field, and nothing is
+    kept (it was cut to the room, silently); left out, the turn gets the room. The rollout
+    loop's own episodes (max_tokens_field None) still have sampling.max_tokens cut to it. A
+    min_tokens above the max_tokens sampled with names min_tokens (the engine named
+    "sampling", item 7)."""
+    from fastapi import HTTPException
+    from transformers import AutoTokenizer
+
+    from rollout_service.api_models import Turn
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    asked = []
+
+    async def sample(prompt_ids, sampling):
+        asked.append(sampling["max_tokens"])
+        return SimpleNamespace(tokens=np.asarray([8]), logprobs=np.zeros(1), versions=None,
+                               finish_reason="length"), 0, 0
+
+    sessions = store(tok, TOY_TEMPLATE, [], [], session_max_tokens=12)
+    sessions.sample = sample
+    session = sessions.start([{"role": "user", "content": "1+1"}], None, None, None)  # 4 ids, "=" to append: room 7
+
+    def refused(req: Turn, field: str) -> str:
+        with pytest.raises(HTTPException) as e:
+            asyncio.run(sessions.turn(session, req))
+        assert e.value.status_code == 422 and e.value.detail[0]["loc"] == ["body", field], e.value.detail
+        return e.value.detail[0]["msg"]
+
+    assert "7 tokens left" in refused(Turn(max_tokens=8), "max_tokens")
+    assert "rollout.max_new_tokens (16)" in refused(Turn(max_tokens=10**12), "max_tokens")
+    assert "max_tokens (7" in refused(Turn(min_tokens=8), "min_tokens")
+    assert session.ids == [1, 5, 14, 5] and asked == []  # nothing sampled, nothing kept
+    asyncio.run(sessions.turn(session, Turn(max_tokens=7)))  # exactly the room: taken as it is
+    asyncio.run(sessions.turn(session, Turn()))  # left out: the room, 12 - 6 held - <eos>,"=" to append
+    asyncio.run(sessions.turn(session, Turn(max_tokens=16), None, max_tokens_field=None))  # the loop's: cut
+    assert asked == [7, 4, 1]
 
 
 def test_one_request_at_a_time_and_a_failed_turn_leaves_the_session_as_it_was(toy_model_path):
@@ -330,7 +413,9 @@ def test_each_limit_is_refused_naming_its_config_key(live):
     assert post(live, "/v1/sessions", {"prompt_token_ids": [5] * 48}).json()["detail"].startswith(
         "rollout.session_max_tokens")
     sid = post(live, "/v1/sessions", {"prompt_token_ids": [5] * 47}).json()["session_id"]
-    one = post(live, f"/v1/sessions/{sid}/turn", {"max_tokens": 8, "min_tokens": 1})
+    over = post(live, f"/v1/sessions/{sid}/turn", {"max_tokens": 8})  # asked for more than the room: refused
+    assert over.status_code == 422 and over.json()["detail"][0]["loc"] == ["body", "max_tokens"], over.text
+    one = post(live, f"/v1/sessions/{sid}/turn", {"min_tokens": 1})  # none asked for: the room
     assert one.status_code == 200 and len(one.json()["token_ids"]) == 1 and one.json()["total_tokens"] == 48
     full = post(live, f"/v1/sessions/{sid}/turn", {"max_tokens": 1})
     assert full.status_code == 409 and full.json()["detail"].startswith("rollout.session_max_tokens"), full.text
@@ -406,3 +491,90 @@ def test_stateless_openai_completions(live):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "1"}],
                                        extra_headers={"X-Session-Id": "missing"})
+
+
+# -- one rule for max_tokens, and malformed requests, on every route (issue 33 items 6 and 7) --------
+HUGE = 10**12
+CHAT = [{"role": "user", "content": "12+30"}]
+
+
+# Each route that samples, as (path, body, headers, session): the body without max_tokens, and the
+# kind of session it continues, opened just before it is used (the live worker gives a session back
+# after IDLE_S idle, which a loaded machine can reach between requests).
+ROUTES = [("/v1/generate", {"prompt": "12+30="}, None),
+          ("/v1/chat/completions", {"messages": CHAT}, None),
+          ("/v1/completions", {"prompt": "12+30="}, None),
+          ("/v1/sessions/{sid}/turn", {}, "plain"),
+          ("/v1/chat/completions", {"messages": CHAT}, "chat"),
+          ("/v1/completions", {"prompt": "1"}, "plain")]
+
+
+def on_a_session(live, path: str, kind: str | None) -> tuple[str, dict, str | None]:
+    """``path`` and the headers to send to it, on a new session of ``kind`` (None: stateless)."""
+    if kind is None:
+        return path, {}, None
+    prompt = {"messages": CHAT} if kind == "chat" else {"prompt_token_ids": [1, 5, 14, 5, 17]}
+    sid = post(live, "/v1/sessions", prompt).json()["session_id"]
+    return (path.format(sid=sid), {}, sid) if "{sid}" in path else (path, {"X-Session-Id": sid}, sid)
+
+
+def test_max_tokens_beyond_a_limit_is_refused_alike_on_every_route(live):
+    """rollout.max_new_tokens is 8, the model length 64, rollout.session_max_tokens 48. A
+    max_tokens of 10**12 was a 422 on /v1/generate and a 200 cut to the room on
+    /v1/chat/completions; now every route refuses it with a 422 naming the field it came in
+    (OpenAI's max_completion_tokens too), and so one within max_new_tokens but beyond the room
+    the prompt leaves. Left out, each route samples."""
+    for template, body, kind in ROUTES:
+        path, headers, sid = on_a_session(live, template, kind)
+        try:
+            for field in ("max_tokens", "max_completion_tokens") if "completions" in path else ("max_tokens",):
+                resp = post(live, path, {**body, field: HUGE}, headers=headers)
+                assert resp.status_code == 422, (path, field, resp.text)
+                assert resp.json()["detail"][0]["loc"] == ["body", field], (path, field, resp.text)
+            resp = post(live, path, {**body, "max_tokens": 2, "temperature": 1.0}, headers=headers)
+            assert resp.status_code == 200, (path, resp.text)
+        finally:
+            if sid:
+                post(live, f"/v1/sessions/{sid}/finish")
+    # Within max_new_tokens, beyond the room the prompt leaves in the model length (64); /v1/generate
+    # cannot get there, its prompts being within rollout.max_prompt_tokens (48).
+    long = "1+" * 30  # 60 characters: 61 or 62 ids with <bos> and the generation prompt
+    for path, body in (("/v1/completions", {"prompt": long}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})):
+        resp = post(live, path, {**body, "max_tokens": 8})
+        assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "max_tokens"], resp.text
+        assert "tokens left in the model length 64" in resp.json()["detail"][0]["msg"], resp.text
+    left_out = post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})
+    assert left_out.status_code == 200 and 1 <= len(left_out.json()["choices"][0]["token_ids"]) <= 2
+
+
+def test_malformed_requests_are_refused_naming_what_is_wrong_on_every_route(live):
+    """A body that is not JSON is a 400 (the README's rule; it was a 422); a min_tokens above
+    the max_tokens sampled with names min_tokens (it named ["body", "sampling"]); a content part
+    whose text is not a string is a 422 naming it (it was rendered as its Python repr)."""
+    for path in ("/v1/generate", "/v1/sessions", "/v1/sessions/any/turn", "/v1/sessions/any/finish",
+                 "/v1/chat/completions", "/v1/completions"):  # the body is read before the session is looked up
+        resp = httpx.post(f"{live}{path}", content=b'{"prompt": "1+1=", ', timeout=60,
+                          headers={**AUTH, "content-type": "application/json"})
+        assert resp.status_code == 400 and "not JSON" in resp.json()["detail"], (path, resp.text)
+    for template, body, kind in (("/v1/chat/completions", {"messages": CHAT, "min_tokens": 9}, None),
+                                 ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2,
+                                                           "min_tokens": 3}, None),
+                                 ("/v1/completions", {"prompt": "1+1=", "min_tokens": 9}, None),
+                                 ("/v1/sessions/{sid}/turn", {"min_tokens": 9}, "chat"),
+                                 ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 9}, "chat")):
+        path, headers, sid = on_a_session(live, template, kind)
+        resp = post(live, path, body, headers=headers)
+        if sid:
+            post(live, f"/v1/sessions/{sid}/finish")
+        assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "min_tokens"], resp.text
+    for part in ({"type": "text", "text": 12}, {"type": "text", "text": ["12"]}, {"type": "text"},
+                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}):
+        message = {"role": "user", "content": [part]}
+        for path in ("/v1/chat/completions", "/v1/sessions"):
+            resp = post(live, path, {"messages": [message]})
+            assert resp.status_code == 422, (path, part, resp.text)
+            assert any("content" in map(str, e["loc"]) for e in resp.json()["detail"]), resp.text
+    parts = [{"type": "text", "text": "12"}, {"type": "text", "text": "+30"}]
+    ok = post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["prompt_token_ids"] == toy_ids("<bos>12+30="), ok.text
