@@ -20,11 +20,13 @@ import torch
 
 from quant.transfer import Stream, Wire, rollout_weights
 from rlpipe import registry
+from rlpipe.checkpoints import checkpoint_root
 from rlpipe.gpus import role_transport
 from weight_sync.convergence import Converged, Convergence
 from weight_sync.ipc import IpcBroadcast
 from weight_sync.names import served_names, served_parameters
 from weight_sync.nccl import NcclBroadcast
+from weight_sync.rendezvous import GenerationFloor
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError
 
@@ -42,7 +44,8 @@ class Collectives:
 
 
 class SyncChannel:
-    def __init__(self, cfg, r, keys, precision: str, sharded: Collectives | None = None, fence=None):
+    def __init__(self, cfg, r, keys, precision: str, sharded: Collectives | None = None, fence=None,
+                 floor: GenerationFloor | None = None):
         self.precision = precision
         # A fleet's precisions have a channel each, for the workers registered with theirs only.
         self.channel = cfg.rollout.channel(precision)
@@ -54,7 +57,7 @@ class SyncChannel:
                   IpcBroadcast(cfg.sync.timeout_s) if transport == "ipc" else None)
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
-                                   channel=self.channel, fence=fence, device=device,
+                                   channel=self.channel, fence=fence, device=device, floor=floor,
                                    gather=(lambda names: self.stream(names)) if sharded else None,
                                    # deltas pay for quantized wires only (weight_sync/delta.py); a sharded
                                    # learner never holds the whole wire, which a delta's base would be
@@ -111,7 +114,11 @@ class FleetSync:
         """``sharded``: a sharded learner's collectives (:class:`Collectives`); ``fence``: the
         learner lease's, on every write to the sync hashes (rlpipe/fence.py)."""
         self.cfg, self.r, self.keys, self.metrics = cfg, r, keys, metrics
-        self.channels = {p: SyncChannel(cfg, r, keys, p, sharded, fence) for p in cfg.rollout.precisions}
+        # Generation numbers taken, beside the checkpoints (weight_sync/rendezvous.py): a run
+        # without a directory of its own (tools, tests) counts from Redis and this process only.
+        floor = (GenerationFloor(checkpoint_root(cfg) / "sync-generations.json")
+                 if cfg.run_dir or cfg.learner.checkpoint_dir else None)
+        self.channels = {p: SyncChannel(cfg, r, keys, p, sharded, fence, floor) for p in cfg.rollout.precisions}
         self._started = time.monotonic()
         self.convergence = Convergence()
         self._converged: Converged | None = None  # the newest version that converged since the last row

@@ -60,6 +60,9 @@ class Keys:
         # Not in DESIGN.md's table: the learner lease's epoch (rlpipe/fence.py).
         self.epoch = self.prefix + "learner:epoch"
         self.sync = self.prefix + "sync"
+        # Not in DESIGN.md's table: each sync hash's generation counter, only ever advanced
+        # (weight_sync/rendezvous.py next_generation): numbers never repeat when a hash is lost.
+        self.sync_generations = self.prefix + "sync_generations"
         self.cursor = self.prefix + "prompts:cursor"
         # Not in DESIGN.md's table: prompt indices handed out but given back unfinished (a
         # worker shut down, or its reward could not be computed); handed out again first.

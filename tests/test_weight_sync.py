@@ -393,6 +393,57 @@ def test_a_hung_member_costs_one_version_and_the_next_reaches_the_others(redis_s
     stop(procs)
 
 
+def test_generation_numbers_never_repeat_whatever_redis_loses(redis_server, r, tmp_path):
+    """The sync hash lost, then its counter too, then the learner restarted after Redis lost
+    everything: each new generation's number is above every one used before, and the worker
+    joins it and gets its versions (steady state: the next version reuses the generation).
+    Before, a learner restarted while the hash was gone counted from 1 again."""
+    from types import SimpleNamespace
+
+    from rlpipe.fence import Fence, Fenced
+    from weight_sync.rendezvous import GenerationFloor, next_generation
+
+    run_id = free_run_id("ws")
+    keys, floor = Keys(run_id), GenerationFloor(tmp_path / "sync-generations.json")
+    procs, results = start_receivers(redis_server, run_id, {"w0": "ok"}, versions=6)
+    sender, weights, live, used = make_sender(r, run_id, timeout_s=10, floor=floor), model_weights(4), {"w0": "a"}, []
+
+    def sync(version: int, forms: bool) -> None:
+        stats = sender.sync(version, lambda: weights.items(), live)
+        assert stats.members == 1 and (stats.form_s > 0) == forms
+        assert results.get(timeout=30) == ("w0", checksum(weights.items()), version)
+        if forms:
+            assert all(stats.generation > g for g in used), (stats.generation, used)
+            used.append(stats.generation)
+
+    try:
+        sync(1, forms=True)
+        r.delete(keys.sync)  # the hash lost
+        sync(2, forms=True)
+        r.delete(keys.sync, keys.sync_generations)  # and its counter
+        sync(3, forms=True)
+        sender.drop()  # the learner restarts while the hash is gone
+        r.delete(keys.sync)
+        sender = make_sender(r, run_id, timeout_s=10, floor=floor)
+        sync(4, forms=True)
+        sender.drop()  # Redis lost everything and the learner restarted: its disk remembers
+        r.delete(keys.sync, keys.sync_generations)
+        sender = make_sender(r, run_id, timeout_s=10, floor=floor)
+        sync(5, forms=True)
+        sync(6, forms=False)
+        assert floor.get(keys.sync) == used[-1] == int(r.hget(keys.sync_generations, keys.sync))
+    finally:
+        stop(procs)
+        sender.drop()
+    # a learner that lost its lease takes no number
+    r.set(keys.epoch, 9)
+    with pytest.raises(Fenced):
+        next_generation(r, keys.sync_generations, keys.sync, 0, Fence(r, keys.epoch, SimpleNamespace(epoch=8)))
+    # the counter alone (no hash, no floor: a restarted learner whose disk is new) remembers
+    r.delete(keys.sync)
+    assert next_generation(r, keys.sync_generations, keys.sync, 0) == used[-1] + 1
+
+
 def test_no_live_workers_means_no_generation(r):
     sender = make_sender(r, free_run_id("ws"), timeout_s=3)
     assert sender.sync(0, lambda: {"w": torch.zeros(2)}.items(), {}).members == 0

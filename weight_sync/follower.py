@@ -24,8 +24,8 @@ drive an engine through the small :class:`SyncEngine` protocol.
   were signed, instead of waiting out its deadline; the next sync sees the new
   incarnation and re-forms.
   A generation is new when its identity (number and random id) is one not seen before,
-  not only when its number is higher: the sync hash may be lost and a learner then counts
-  again from 1 (weight_sync/rendezvous.py).
+  not only when its number is higher: the learner never uses a number twice
+  (weight_sync/rendezvous.py), but anyone who can write the sync hash can.
   The generation's manifest is parsed once, here, when joining; the engine's stager
   keeps its own for the generation (parsed once, on its side of vLLM's
   ``collective_rpc``), so an update crosses with its version and the manifest's hash.

@@ -13,14 +13,17 @@ workers asked, and those admitted, published once the generation formed) and
 ``manifest_hash``; ``world_size`` is the admitted world.
 
 A generation is known by its number *and* a random ``generation_id`` drawn when it is
-formed: the hash can be lost (an operator deleting keys, Redis restored from an older
-snapshot), and a learner that then forms a generation cannot know what number the workers
-saw last. Numbers only grow within one learner process (it counts from the larger of its
-own last and the hash's); a worker joins every generation whose identity it has not seen,
-whatever its number. A version and the admitted members are written only into the hash of
-the generation they belong to (one atomic script, :func:`publish_version`), so the hash
-never carries a version without its manifest: when it is gone, the write says so and the
-learner forms a new generation.
+formed. Numbers never repeat, whatever is lost: the hash can be (an operator deleting keys,
+Redis restored from an older snapshot), and so can Redis's every key, while a learner may
+restart at any time. So a number (:func:`next_generation`) is above each of: a counter per
+hash that only grows (``sync_generations``, written with the lease fence), the number the
+hash carries, this learner process's last, and the last one this learner recorded on its
+disk (:class:`GenerationFloor`, beside its checkpoints: what survives Redis losing
+everything and a restart together). A worker still joins every generation whose identity it
+has not seen, whatever its number. A version and the admitted members are written only
+into the hash of the generation they belong to (one atomic script, :func:`publish_version`),
+so the hash never carries a version without its manifest: when it is gone, the write says
+so and the learner forms a new generation.
 
 This module is the one place that writes the hash, and every write is fenced by the
 learner's lease epoch (rlpipe/fence.py): a learner that lost its lease cannot publish a
@@ -30,11 +33,16 @@ generation or a version over its successor's.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
 from rlpipe.fence import FENCE_CHECK, Fence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -137,3 +145,66 @@ def publish_version(r: redis.Redis, key: str, generation_id: str, version: int, 
     """Announce ``version`` in generation ``generation_id``; False (nothing written) if
     the hash no longer carries that generation, and so not its manifest either."""
     return _write(r, fence, _SET_IF_GENERATION, key, [generation_id, "version", version])
+
+
+# KEYS: (fence), counters hash, sync hash; ARGV: (fence), the sync hash's name, a floor. The
+# next generation number of that hash, above its counter, the number the hash carries and the
+# floor, recorded as its counter. A value that is not a plain number (rewritten) counts as 0.
+_NEXT_GENERATION = FENCE_CHECK + """
+local function counted(v)
+  if v and string.match(v, '^%d+$') and #v <= 15 then return tonumber(v) end
+  return 0
+end
+local n = math.max(counted(redis.call('HGET', K[1], A[1])), counted(redis.call('HGET', K[2], 'generation')),
+                   counted(A[2])) + 1
+redis.call('HSET', K[1], A[1], string.format('%d', n))
+return n
+"""
+
+
+def next_generation(r: redis.Redis, counters: str, key: str, floor: int, fence: Fence | None = None) -> int:
+    """A number for the next generation of sync hash ``key``, never one used before: above
+    its counter in hash ``counters`` (which it advances, fenced: a learner that lost its
+    lease takes no number), the number ``key`` carries, and ``floor`` (what the learner
+    itself remembers: its process's last and its disk's, :class:`GenerationFloor`)."""
+    fence = fence or Fence(r, "")  # no lease: nothing to fence (tools, tests)
+    return int(fence.run(r.register_script(_NEXT_GENERATION), [counters, key], [key, int(floor)]))
+
+
+class GenerationFloor:
+    """The highest generation number the learner took for each sync hash, in a small JSON
+    file on its disk (beside its checkpoints). Redis can lose the counter and the hash
+    together (a restart without persistence, a restore from an older snapshot), and the
+    learner can restart at the same time: then only its disk remembers which numbers
+    workers have seen. Written before the generation is published, so no number a worker
+    saw is missing from it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def read(self) -> dict[str, int]:
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:  # counted from Redis and this process alone; said so
+            log.warning("cannot read the generation floor %s (%r): numbers come from Redis alone", self.path, e)
+            return {}
+        if not isinstance(raw, dict):
+            return {}
+        return {k: v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+    def get(self, key: str) -> int:
+        return self.read().get(key, 0)
+
+    def record(self, key: str, generation: int) -> None:
+        """Record ``generation`` for ``key`` (atomically: a crash leaves the old file or the new)."""
+        floors = self.read()
+        floors[key] = max(generation, floors.get(key, 0))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(floors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)

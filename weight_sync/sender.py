@@ -58,8 +58,8 @@ from weight_sync.delta import bucket_checksums, encode_version
 from weight_sync.manifest import (Manifest, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets,
                                   refused_manifest)
 from weight_sync.nccl import NcclBroadcast
-from weight_sync.rendezvous import (SyncState, generation_id, publish_generation, publish_members, publish_version,
-                                    read_sync)
+from weight_sync.rendezvous import (GenerationFloor, SyncState, generation_id, next_generation, publish_generation,
+                                    publish_members, publish_version)
 from weight_sync.transport import NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class WeightSender:
                  wire_dtype: torch.dtype | None, channel: str = "",
                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
                  device: NcclBroadcast | IpcBroadcast | None = None, full_every: int = 0,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, floor: GenerationFloor | None = None):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
         just before packing it, so the whole model is never gathered at once. ``fence``: the
@@ -104,8 +104,11 @@ class WeightSender:
         (gloo only), a generation's versions after its first travel as deltas against the
         one before (weight_sync/delta.py), and every K-th version whole. ``chunk_bytes``: the
         size of a whole version's gloo sends (a multiple of 8; 0: a bucket a send; None:
-        ``CHUNK_BYTES``, or 0 on loopback, see the module docstring)."""
-        self.r, self.keys, self.fence = r, keys, fence
+        ``CHUNK_BYTES``, or 0 on loopback, see the module docstring). ``floor``: the
+        generation numbers taken, on the learner's disk (weight_sync/rendezvous.py): with
+        it, a number is never used twice even when Redis lost everything and the learner
+        restarted."""
+        self.r, self.keys, self.fence, self.floor = r, keys, fence, floor
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
         self.host, self.timeout_s, self.token = host, timeout_s, sync_token()
@@ -208,9 +211,7 @@ class WeightSender:
             self.buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(ring)]
         names = list(candidates)
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
-        # Never a number this process used before, even if the hash went back or is gone;
-        # the random id tells a generation apart from any other of the same number.
-        generation = max(read_sync(self.r, self.sync_key).generation, self.state.generation) + 1
+        generation = self._next_generation()
         self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
                                manifest.to_json(), manifest.hash, tuple(candidates.values()), uuid.uuid4().hex[:12])
         publish_generation(self.r, self.sync_key, self.state, self.fence)
@@ -241,6 +242,16 @@ class WeightSender:
             self.drop()
             raise
         self._members = {w: candidates[w] for w in members}
+
+    def _next_generation(self) -> int:
+        """A number no generation of this hash had, even if the hash, its counter or all of
+        Redis was lost, or this learner restarted (weight_sync/rendezvous.py): recorded on
+        disk before it is published."""
+        floor = max(self.state.generation, self.floor.get(self.sync_key) if self.floor else 0)
+        generation = next_generation(self.r, self.keys.sync_generations, self.sync_key, floor, self.fence)
+        if self.floor:
+            self.floor.record(self.sync_key, generation)
+        return generation
 
     def _refusals(self, left_out: dict[str, str], candidates: dict[str, str], manifest: Manifest) -> dict[str, str]:
         """Leave out the candidates that did not check in or refused ``manifest`` (worker ->
