@@ -393,6 +393,45 @@ def test_a_hung_member_costs_one_version_and_the_next_reaches_the_others(redis_s
     stop(procs)
 
 
+def test_a_generations_only_member_that_died_is_left_out_at_once_and_its_restart_joins(redis_server, r):
+    """Its registry entry outlives it (its TTL): the learner formed the next generation with
+    it and blocked for the whole check-in deadline (60 s by default), while its restart, with
+    a new incarnation, could not check in for the incarnation listed (seen in the ops test: a
+    killed worker, alone on its precision's channel, stopped the learner for a minute). Now
+    it is left out in its incarnation at once, and its restart gets every version on time."""
+    run_id = free_run_id("ws")
+    timeout_s = 6.0  # the check-in deadline a stale listing would cost
+    procs, results = start_receivers(redis_server, run_id, {"w0": "crash"}, versions=10)  # dies in version 3
+    sender = make_sender(r, run_id, timeout_s=timeout_s, bucket_bytes=64 << 10)
+    weights, live = model_weights(5), {"w0": "a"}
+    try:
+        for version in (1, 2):
+            assert sender.sync(version, lambda: weights.items(), live).members == 1
+            assert results.get(timeout=30) == ("w0", checksum(weights.items()), version)
+        with pytest.raises(SyncError, match="reached no worker"):
+            sender.sync(3, lambda: weights.items(), live)
+        procs[0].join(10)
+        assert procs[0].exitcode == -9  # it really died mid-transfer
+        t0 = time.monotonic()
+        stats = sender.sync(4, lambda: weights.items(), live)  # its entry still listed
+        assert time.monotonic() - t0 < 1.0 and stats.members == 0 and sender.group is None
+        assert sender.excluded == {"w0": "a"} and sender.left_out_total == 1
+        # its restart (a new incarnation) joins the next generation and gets every version on time
+        restarted, results = start_receivers(redis_server, run_id, {"w0": "ok"}, versions=3)
+        procs += restarted
+        live = {"w0": "b"}
+        for version in (5, 6, 7):
+            t0 = time.monotonic()
+            stats = sender.sync(version, lambda: weights.items(), live)
+            assert stats.members == 1 and (stats.form_s > 0) == (version == 5), stats
+            assert results.get(timeout=30) == ("w0", checksum(weights.items()), version)
+            assert time.monotonic() - t0 < timeout_s / 2
+        assert sender.members == ("w0",) and sender.left_out_total == 1
+    finally:
+        stop(procs)
+        sender.drop()
+
+
 def test_generation_numbers_never_repeat_whatever_redis_loses(redis_server, r, tmp_path):
     """The sync hash lost, then its counter too, then the learner restarted after Redis lost
     everything: each new generation's number is above every one used before, and the worker

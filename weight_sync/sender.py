@@ -20,7 +20,9 @@ process draws at start and redraws to ask back in). A worker that does not check
 before the deadline is left out of the generation and stays out until its incarnation
 changes, so it never costs the learner a second timeout. A worker whose transfer fails
 because it died in the middle is left out the same way while the others still get the
-version; the next sync forms a generation without it. One that is alive but stopped
+version; the next sync forms a generation without it. So is a generation's only member
+(:meth:`WeightSender._reached_no_worker`): its registry entry outlives it, and the next
+sync would otherwise wait a whole check-in deadline for it. One that is alive but stopped
 reading is worse: gloo's timed-out send closes the whole group, so that version reaches
 no member, and the next sync re-forms without the hung worker, which misses its check-in
 (tests/test_weight_sync.py; per-member send deadlines would keep the version).
@@ -187,6 +189,18 @@ class WeightSender:
         stats.received = {w: inc for rank, (w, inc) in enumerate(members.items(), 1) if rank not in failed}
         return stats
 
+    def _reached_no_worker(self, version: int, failed: dict[int, str]) -> SyncError:
+        """Every member failed (rank -> why). A generation's only member is left out in its
+        incarnation, as a failed member beside others is: when it died, its registry entry
+        outlives it (its TTL), and forming again with it would block for the whole check-in
+        deadline, while its restart, or itself once its receive fails and it asks back in,
+        comes with a new incarnation. Of several members none is: gloo closes every pair when
+        one of them hangs (test_a_hung_member_costs_one_version_and_the_next_reaches_the_others),
+        so their failures do not say which one it was."""
+        if len(failed) == 1:
+            self._leave_out_ranks(failed)
+        return SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
+
     def _leave_out_ranks(self, failed: dict[int, str]) -> None:
         """Leave out the members of the current generation whose transfer failed (rank -> why)."""
         members = list(self._members)
@@ -325,7 +339,7 @@ class WeightSender:
         for works in [in_flight, *sending]:
             finish(works)
         if len(failed) == group.world_size - 1:
-            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
+            raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
         # transfer_s is the wall time not spent packing (the part packing did not hide).
@@ -371,7 +385,7 @@ class WeightSender:
         for w in works:
             finish(w)
         if len(failed) == self.group.world_size - 1:
-            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
+            raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
         if not failed:
@@ -395,7 +409,7 @@ class WeightSender:
                             f"transfer: {next(iter(failed.values()))}")
         failed = self.device.broadcast(self.manifest, tensors, self.gather)
         if len(failed) == self.group.world_size - 1:
-            raise SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
+            raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
         return SyncStats(0, 0, transfer_s=total, sync_s=total, bytes=self.manifest.nbytes,
