@@ -2,7 +2,9 @@
 needs the bearer token when ``RLPIPE_API_TOKEN`` is set, see rlpipe/auth.py).
 
 Served by uvicorn in a daemon thread next to the training loop; it only reads the
-learner's state.
+learner's state. A connection must send a request's header within
+``learner.http_header_timeout_s`` and its body within ``learner.http_body_timeout_s``
+(rlpipe/http_timeouts.py): its sockets are the training process's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rlpipe.auth import api_token, require_token
+from rlpipe.http_timeouts import timed_http
 from rlpipe.proc import bind_socket
 
 
@@ -63,7 +66,9 @@ def serve_in_thread(learner, host: str, port: int) -> str:
     import uvicorn
 
     sock = bind_socket(host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(learner), log_level="warning"))
+    lc = learner.cfg.learner
+    server = uvicorn.Server(uvicorn.Config(create_app(learner), log_level="warning",
+                                           http=timed_http(lc.http_header_timeout_s, lc.http_body_timeout_s)))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="learner-http", daemon=True).start()
     host, port = sock.getsockname()[:2]
     return f"{host}:{port}"

@@ -183,6 +183,9 @@ class RolloutConfig(Section):
     http_header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole "
                                          "header within this many seconds of opening (or of its last response), "
                                          "else it is closed (slow-header clients would hold sockets forever)")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="a request's whole body must arrive within this "
+                                       "many seconds of its header, else the connection is closed (slow-body "
+                                       "clients would hold sockets forever)")
     loop_share: float = Field(0.5, gt=0, le=1, description="the part of max_inflight_groups the rollout loop "
                               "keeps while /v1/generate is busy; the API may hold the rest (in sequences, "
                               "sampling.n to a group) and a request beyond it gets 429 (rollout_service/worker.py "
@@ -365,6 +368,12 @@ class LearnerConfig(Section):
                       "machine with GPUs")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
+    http_header_timeout_s: float = Field(10.0, gt=0, description="the learner's HTTP (/healthz, /metrics, "
+                                         "/status): a connection must send a request's whole header within this "
+                                         "many seconds of opening (or of its last response), else it is closed")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="the learner's HTTP: a request's whole body must "
+                                       "arrive within this many seconds of its header, else the connection is "
+                                       "closed")
     read_block_ms: int = Field(200, ge=1)
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field([], description="also log every step's "
                                                                       "metrics to these (learner/metrics.py)")

@@ -4,8 +4,9 @@ Serves the FastAPI app with uvicorn on ``rollout.host:rollout.port`` (port 0 = a
 port; the address is published in the worker registry and, with ``--address-file``,
 written to a file once the socket is bound).
 
-A connection must send each request's whole header within ``rollout.http_header_timeout_s``
-(``header_timeout``); uvicorn alone waits forever for one.
+A connection must send each request's whole header within ``rollout.http_header_timeout_s``,
+and its whole body within ``rollout.http_body_timeout_s`` of the header
+(rlpipe/http_timeouts.py); uvicorn alone waits forever for either.
 
 SIGTERM (what Kubernetes sends) drains: the worker stops taking prompts at once, lets
 the groups in flight finish for ``rollout.shutdown_deadline_s``, aborts the rest and gives
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from rlpipe.config import RunConfig
+from rlpipe.http_timeouts import timed_http
 from rlpipe.proc import bind_socket
 
 log = logging.getLogger(__name__)
@@ -44,48 +46,6 @@ def check_tokenizer(cfg: RunConfig) -> None:
     except ConfigError as e:
         print(f"rlpipe: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def header_timeout(timeout_s: float):
-    """uvicorn's HTTP protocol, closing a connection that has not sent a request's whole
-    header within ``timeout_s`` of opening, or of its last response. uvicorn times out only
-    idle keep-alive connections, from the end of a response until the first new byte: a
-    client sending a header a byte at a time (or nothing at all after connecting) held its
-    socket for as long as it liked, and a few hundred such clients hold them all.
-
-    The timer checks uvicorn's ``cycle``, the request/response cycle both of its protocols
-    (h11 and httptools) create once a header is complete: if the one current when the timer
-    was set is still current and finished (or there was none), no header came in time. A
-    request being served, or its body being read, is never cut."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    class HeaderTimeout(AutoHTTPProtocol):
-        _header_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._await_header()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._await_header()
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            super().connection_lost(exc)
-
-        def _await_header(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(timeout_s, self._header_late, self.cycle)
-
-        def _header_late(self, cycle) -> None:
-            if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
-                log.info("closing a connection that sent no request header within %.0fs", timeout_s)
-                self.transport.close()
-
-    return HeaderTimeout
 
 
 def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> None:
@@ -119,7 +79,8 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
             getattr(self, "_captured_signals", []).clear()
 
     server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=15,
-                                   http=header_timeout(cfg.rollout.http_header_timeout_s)))
+                                   http=timed_http(cfg.rollout.http_header_timeout_s,
+                                                   cfg.rollout.http_body_timeout_s)))
     server.run(sockets=[sock])
     if app.state.worker.fatal:
         raise SystemExit(f"rollout worker {worker_id} stopped: {app.state.worker.fatal}")

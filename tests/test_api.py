@@ -9,9 +9,9 @@
   exactly, even where re-tokenizing their text gives other ids;
 - hardening: every malformed request (NaN, infinities, lone surrogates, bytes that are not
   UTF-8, values the engine would refuse) gets a 422 naming the field; a connection that
-  does not finish its header in time is closed; over the API's share of the engine a
-  request gets 429; and on the session worker (with its rollout loop) an API burst leaves
-  the loop its share.
+  does not finish its header, or its body, in time is closed; over the API's share of the
+  engine a request gets 429; and on the session worker (with its rollout loop) an API
+  burst leaves the loop its share.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from tests.conftest import standalone_worker, wait_for
 
 TOKEN = "test-token-3f9a"
 HEADER_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 2.0
 pytestmark = pytest.mark.slow
 
 
@@ -46,11 +47,12 @@ def api(toy_model_path, tmp_path_factory):
     """A standalone worker with a token and small limits; yields its base URL."""
     run_dir = tmp_path_factory.mktemp("api")
     # One group slot of 8 sequences: one n=8 request at a time (the rest get 429); a header
-    # must arrive within HEADER_TIMEOUT_S.
+    # must arrive within HEADER_TIMEOUT_S, and a body within BODY_TIMEOUT_S of it.
     cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "rollout.precision": "fp32",
                                           "rollout.max_n": 8, "rollout.max_new_tokens": 16,
                                           "rollout.max_body_bytes": 4096, "rollout.max_inflight_groups": 1,
-                                          "sampling.n": 8, "rollout.http_header_timeout_s": HEADER_TIMEOUT_S})
+                                          "sampling.n": 8, "rollout.http_header_timeout_s": HEADER_TIMEOUT_S,
+                                          "rollout.http_body_timeout_s": BODY_TIMEOUT_S})
     with standalone_worker(cfg, run_dir, "api", TOKEN) as base:
         yield base
 
@@ -185,6 +187,29 @@ def test_a_connection_that_does_not_finish_its_header_in_time_is_closed(api):
         assert time.monotonic() - opened >= HEADER_TIMEOUT_S - 0.5
         silent.settimeout(15)
         assert silent.recv(100) == b""
+
+
+def test_a_request_whose_body_does_not_arrive_in_time_is_closed(api):
+    """A whole header, then the body a byte every 0.1 s: closed after the body timeout
+    (uvicorn alone read it for as long as it trickled), and the worker serves others."""
+    host, port = api.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n{{".encode())
+        opened = time.monotonic()
+        slow.settimeout(0.1)
+        while True:
+            assert time.monotonic() - opened < BODY_TIMEOUT_S + 15, "the slow body was never cut off"
+            try:
+                slow.sendall(b" ")
+                if slow.recv(100) == b"":
+                    break
+            except TimeoutError:
+                continue
+            except OSError:  # reset by the server
+                break
+        assert time.monotonic() - opened >= BODY_TIMEOUT_S - 0.5
+        assert httpx.get(f"{api}/healthz").status_code == 200
 
 
 def test_requests_beyond_the_apis_share_get_429_with_retry_after(api):
