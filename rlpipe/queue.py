@@ -71,6 +71,9 @@ class Keys:
         self.dropped = self.prefix + "prompts:dropped"
         # Not in DESIGN.md's table: how many times each re-issued prompt index was handed out before.
         self.attempts = self.prefix + "prompts:attempts"
+        # Not in DESIGN.md's table: each leased prompt index's weights version when it was handed out
+        # (a sorted set): the oldest group in flight holds back the fleet's allowance (see _HAND_OUT).
+        self.lease_versions = self.prefix + "prompts:lease_versions"
         # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
         self.counters = self.prefix + "counters"
         # Not in DESIGN.md's table: held-out evaluation (rollout_service/evals.py, learner/evals.py):
@@ -264,9 +267,9 @@ COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "filter
 # whose groups almost never carry a signal must not flood the stream with ones to throw away.
 MAX_SAMPLE_RATIO = 16
 
-# KEYS: returned, cursor, leases:{worker}, attempts, counters, learner
+# KEYS: returned, cursor, leases:{worker}, attempts, counters, learner, lease_versions
 # ARGV: lease time, how many wanted, then either nothing (no back-pressure) or
-#       the worker's weights version, groups_per_step, max_lag (see lease_prompts)
+#       the worker's weights version, groups_per_step, max_lag[, max_staleness] (see lease_prompts)
 # Returns {allowance, unconsumed, leased after the hand-out, index, attempt, index, attempt, ...}
 _HAND_OUT = """
 local learner = redis.call('HMGET', KEYS[6], 'version', 'consumed', 'sample_ratio')
@@ -278,15 +281,24 @@ local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'dup
 for i = 1, 6 do c[i] = tonumber(c[i] or 0) or 0 end
 local unconsumed = c[1] - c[2] - c[3] - c[4] - c[6] - consumed
 local allowance = tonumber(ARGV[2])
+-- the places left before the learner is more than `lag` versions past weights `from`
+local function places(lag, from)
+  local behind = version - math.min(from, version)
+  return math.floor((1 + lag - behind) * tonumber(ARGV[4]) * ratio + 0.5) - unconsumed - c[5]
+end
 if #ARGV > 2 then
-  local behind = version - math.min(tonumber(ARGV[3]), version)
-  allowance = math.floor((1 + tonumber(ARGV[5]) - behind) * tonumber(ARGV[4]) * ratio + 0.5) - unconsumed - c[5]
+  allowance = places(tonumber(ARGV[5]), tonumber(ARGV[3]))
+  if #ARGV > 5 then  -- and before the oldest group in flight (or this worker's next) is too stale to train
+    local oldest = tonumber(redis.call('ZRANGE', KEYS[7], 0, 0, 'WITHSCORES')[2] or '') or tonumber(ARGV[3])
+    allowance = math.min(allowance, places(tonumber(ARGV[6]), math.min(oldest, tonumber(ARGV[3]))))
+  end
 end
 local out = {allowance, unconsumed, c[5]}
 for _ = 1, math.min(tonumber(ARGV[2]), allowance) do
   local index = redis.call('LPOP', KEYS[1])
   if not index then index = tostring(redis.call('INCR', KEYS[2]) - 1) end
   redis.call('HSET', KEYS[3], index, ARGV[1])
+  if #ARGV > 2 then redis.call('ZADD', KEYS[7], ARGV[3], index) end
   out[#out + 1] = tonumber(index)
   out[#out + 1] = tonumber(redis.call('HGET', KEYS[4], index) or 0)
 end
@@ -313,19 +325,20 @@ redis.call('SET', KEYS[1], math.floor(bound))
 return math.floor(bound)
 """
 
-# KEYS: leases:{worker}, traj, counters; ARGV: index, data
+# KEYS: leases:{worker}, traj, counters, lease_versions; ARGV: index, data
 _LEASED_PUSH = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
   redis.call('HINCRBY', KEYS[3], 'rejected_push', 1)
   return false
 end
 redis.call('HINCRBY', KEYS[3], 'leased', -1)
+redis.call('ZREM', KEYS[4], ARGV[1])
 local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2], 'counted', 1)
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
 return id
 """
 
-# KEYS: leases:{worker}, returned, attempts, counters, workers:{worker}
+# KEYS: leases:{worker}, returned, attempts, counters, workers:{worker}, lease_versions
 # ARGV: 'dead' (only if the registry entry is gone) | 'all' | 'skip' (clear the leases, re-issue nothing);
 #       counter to add to ('' for none); indices (none: all)
 _REISSUE = """
@@ -343,11 +356,27 @@ if ARGV[1] ~= 'skip' then
     redis.call('HINCRBY', KEYS[3], index, 1)
   end
 end
+for _, index in ipairs(indices) do redis.call('ZREM', KEYS[6], index) end
 if #indices > 0 then
   redis.call('HINCRBY', KEYS[4], 'leased', -#indices)
   if ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[2], #indices) end
 end
 return #indices
+"""
+
+# KEYS: lease_versions, then every worker's leases; ARGV: lease_versions' members, oldest first, read
+# before those leases were listed. Removes the oldest ones no worker holds, up to the first held:
+# every script that clears a lease removes its member, so only a hand-written one, or one from an
+# rlpipe without the set, is left, and it would hold back the fleet's allowance for good.
+_PRUNE_LEASE_VERSIONS = """
+local gone = 0
+for _, index in ipairs(ARGV) do
+  for i = 2, #KEYS do
+    if redis.call('HEXISTS', KEYS[i], index) == 1 then return gone end
+  end
+  gone = gone + redis.call('ZREM', KEYS[1], index)
+end
+return gone
 """
 
 
@@ -430,6 +459,7 @@ class TrajectoryQueue:
         self._reset_cursor = r.register_script(_RESET_CURSOR)
         self._leased_push = r.register_script(_LEASED_PUSH)
         self._reissue = r.register_script(_REISSUE)
+        self._prune_lease_versions = r.register_script(_PRUNE_LEASE_VERSIONS)
         self._rederive = r.register_script(_REDERIVE)
         self._ack = r.register_script(_ACK)
         self._dead_letter = r.register_script(_DEAD_LETTER)
@@ -443,8 +473,8 @@ class TrajectoryQueue:
         cursor (tests, imported data)."""
         data = encode_group(rec)
         if worker_id is not None:
-            entry_id = self._leased_push(keys=[self.keys.leases(worker_id), self.keys.traj, self.keys.counters],
-                                         args=[rec.prompt_index, data])
+            entry_id = self._leased_push(keys=[self.keys.leases(worker_id), self.keys.traj, self.keys.counters,
+                                               self.keys.lease_versions], args=[rec.prompt_index, data])
             return entry_id.decode() if entry_id else None
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.traj, {"data": data, COUNTED: 1})
@@ -452,14 +482,14 @@ class TrajectoryQueue:
         entry_id, _ = pipe.execute()
         return entry_id.decode()
 
-    def lease_prompts(self, worker_id: str, wanted: int, backpressure: tuple[int, int, int] | None = None) -> Lease:
+    def lease_prompts(self, worker_id: str, wanted: int, backpressure: tuple[int, ...] | None = None) -> Lease:
         """Lease up to ``wanted`` prompts to ``worker_id``, given-back indices first, then the
         cursor's next new ones (see :class:`Lease` for what comes back).
 
         Every index is handed out exactly once (and once more for each time it is given
         back): no duplicates, no skips.
 
-        ``backpressure = (weights version, groups_per_step, max_lag)`` caps them at the
+        ``backpressure = (weights version, groups_per_step, max_lag[, max_staleness])`` caps them at the
         rollout allowance (DESIGN.md 'Staleness'), computed in the same script, so two
         workers asking at once cannot both take the last places. A group started now is
         meant for one of the learner's next ``1 + max_lag`` steps, so the groups it has not
@@ -475,11 +505,23 @@ class TrajectoryQueue:
         version runs ahead of its steps for the rest of the run. An allowance derived from
         the version was inflated by that gap after every restart (measured: staleness stuck
         at max_staleness and a quarter of the groups dropped).
+
+        The places assume the learner trains groups in the order they were leased, and it
+        trains them in the order they arrive: a fast worker's groups overtake a slow one's.
+        With ``max_staleness`` they are also capped so that the oldest group in flight (each
+        lease's version is kept in ``prompts:lease_versions``) still fits in a batch before the
+        learner is more than ``max_staleness`` versions past it: at that point the fast workers
+        wait and the learner waits for it. Without this, a worker slower than ``max_staleness``
+        learner steps per group had every group it started dropped stale on arrival (issue 33:
+        an fp16 worker beside a bf16 one trained none). So a slow worker paces the fleet, at
+        worst, instead of being starved by it, and the groups it starts are trained. (Under
+        dynamic sampling, the places scale by ``sample_ratio``, so this holds on average.)
         """
         keys = self.keys
         self._check_cursor()
         raw = self._hand_out(keys=[keys.returned, keys.cursor, keys.leases(worker_id), keys.attempts, keys.counters,
-                                   keys.learner], args=[time.time(), wanted, *(backpressure or ())])
+                                   keys.learner, keys.lease_versions],
+                             args=[time.time(), wanted, *(backpressure or ())])
         return Lease(allowance=int(raw[0]), prompts=[(int(raw[i]), int(raw[i + 1])) for i in range(3, len(raw), 2)],
                      unconsumed=int(raw[1]), fleet_leased=int(raw[2]))
 
@@ -519,11 +561,17 @@ class TrajectoryQueue:
 
     def reclaim_dead(self) -> int:
         """Re-issue the leases of every worker whose heartbeat expired (SIGKILL, OOM, a
-        lost node); the learner calls it while it waits for groups."""
+        lost node); the learner calls it while it waits for groups. Then forget lease
+        versions no worker holds (see _PRUNE_LEASE_VERSIONS): the learner may be waiting on one."""
         n = 0
         prefix = self.keys.lease_pattern[:-1]
+        versions = self.r.zrange(self.keys.lease_versions, 0, 99)  # the oldest, before the leases are listed
+        leases = []
         for key in self.r.scan_iter(match=self.keys.lease_pattern, count=100):
+            leases.append(key)
             n += self.reissue_all(key.decode()[len(prefix):], only_if_dead=True)
+        if versions and self._prune_lease_versions(keys=[self.keys.lease_versions, *leases], args=versions):
+            log.warning("forgot lease versions no worker holds (written by hand, or by an older rlpipe)")
         return n
 
     def leased(self, worker_id: str) -> set[int]:
@@ -531,7 +579,7 @@ class TrajectoryQueue:
 
     def _reissue_keys(self, worker_id: str) -> list[str]:
         k = self.keys
-        return [k.leases(worker_id), k.returned, k.attempts, k.counters, k.worker(worker_id)]
+        return [k.leases(worker_id), k.returned, k.attempts, k.counters, k.worker(worker_id), k.lease_versions]
 
     # -- consumer side -------------------------------------------------------------
     def ensure_consumer_group(self) -> None:

@@ -239,12 +239,14 @@ class RolloutLoop:
 
     def _lease(self, free: int) -> list[tuple[int, int]]:
         """Lease up to ``free`` prompts within the back-pressure allowance (one script with
-        the hand-out: rlpipe.queue.TrajectoryQueue.lease_prompts)."""
+        the hand-out: rlpipe.queue.TrajectoryQueue.lease_prompts), which also waits for the
+        fleet's oldest group in flight before it would be too stale to train."""
         learner_version = registry.learner_version(self.r, self.keys)
         if self.engine.weights_source != "learner" and self.engine.version < learner_version:
             return []  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
+        q = self.cfg.queue
         lease = self.queue.lease_prompts(
-            self.worker_id, free, (self.engine.version, self.cfg.learner.groups_per_step, self.cfg.queue.max_lag))
+            self.worker_id, free, (self.engine.version, self.cfg.learner.groups_per_step, q.max_lag, q.max_staleness))
         self.backlog = {"learner_version": learner_version, "unconsumed_groups": lease.unconsumed,
                         "lag_steps": round(lease.unconsumed / self.cfg.learner.groups_per_step, 3),
                         "fleet_inflight_groups": lease.fleet_leased, "allowance": lease.allowance}

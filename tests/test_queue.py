@@ -88,6 +88,56 @@ def test_the_hand_out_keeps_within_the_allowance(r):
     assert q.lease_prompts("w0", 0, (7, 4, 1))[0] == 8
 
 
+def test_a_slow_workers_group_holds_the_fleet_before_the_learner_passes_max_staleness(r):
+    """Issue 33: the places assumed the learner trains groups in the order they were leased,
+    but it trains them as they arrive, so a fast worker's groups overtook every group of a
+    slow one (an fp16 worker beside a bf16 one: all dropped stale, none trained). Here the
+    slow worker leases a group at version 0 and holds it while the fast one fills every place
+    it gets and the learner trains whatever arrives: the learner gets to max_staleness and
+    no further without that group, which then completes the batch trained at max_staleness."""
+    q = TrajectoryQueue(r, free_run_id("slow"))
+    per_step, max_lag, max_staleness = 4, 1, 3
+    registry.set_learner_state(r, q.keys, version=0, consumed=0)
+    (slow, attempt), = q.lease_prompts("slow", 1, (0, per_step, max_lag, max_staleness)).prompts
+    version = consumed = 0
+    for _ in range(20):
+        for index, a in q.lease_prompts("fast", 100, (version, per_step, max_lag, max_staleness)).prompts:
+            q.push(make_record(group_id=f"g{index}", prompt_index=index, attempt=a), "fast")
+        if q.counters()["produced"] - consumed >= per_step:  # a batch of what arrived: one step
+            version, consumed = version + 1, consumed + per_step
+            registry.set_learner_state(r, q.keys, version=version, consumed=consumed)
+    assert version == max_staleness  # the fast worker was held back: this batch needs the slow group
+    assert q.lease_prompts("fast", 100, (version, per_step, max_lag, max_staleness)).allowance <= 0
+    q.push(make_record(group_id="slow", prompt_index=slow, attempt=attempt), "slow")
+    assert q.counters()["produced"] - consumed == per_step  # trained at version 3: staleness 3, not dropped
+    # pushed, it holds nothing: max_lag's two steps of places again, less the batch waiting
+    assert q.lease_prompts("fast", 0, (version, per_step, max_lag, max_staleness)).allowance == per_step
+
+
+def test_a_lease_given_back_reissued_or_forged_holds_nothing(r):
+    """A lease's version leaves ``prompts:lease_versions`` with the lease, however it ends; one
+    no worker holds (written by hand) is forgotten while the learner waits, not held for good."""
+    q = TrajectoryQueue(r, free_run_id("holds"))
+    bp = (2, 4, 1, 2)  # the worker's version 2, 4 groups a step, max_lag 1, max_staleness 2
+    registry.set_learner_state(r, q.keys, version=0, consumed=0)
+    (first, _), _ = q.lease_prompts("slow", 2, (0, 4, 1, 2)).prompts
+    registry.set_learner_state(r, q.keys, version=2, consumed=0)  # two versions later
+    assert q.lease_prompts("fast", 0, bp).allowance == 4 - 2  # the last batch before they are too stale
+    q.give_back("slow", [first])
+    assert q.lease_prompts("fast", 0, bp).allowance == 4 - 1
+    q.reissue_all("slow")  # the slow worker restarted
+    assert q.lease_prompts("fast", 0, bp).allowance == 8 and r.zcard(q.keys.lease_versions) == 0
+    (index, _), = q.lease_prompts("fast", 1, bp).prompts
+    q.skip("fast", index)
+    r.zadd(q.keys.lease_versions, {"999": 0})  # no worker holds prompt 999
+    assert q.lease_prompts("fast", 0, bp).allowance == 4
+    registry.heartbeat_worker(r, q.keys, "fast", 10.0)  # alive: its leases stay
+    (held, _), = q.lease_prompts("fast", 1, bp).prompts
+    q.reclaim_dead()
+    assert r.zrange(q.keys.lease_versions, 0, -1) == [str(held).encode()]
+    assert q.lease_prompts("fast", 0, bp).allowance == 8 - 1
+
+
 def _race_for_places(url: str, run_id: str, worker: str, out) -> None:
     q = TrajectoryQueue(connect(url), run_id)
     got = []
