@@ -1,4 +1,4 @@
-"""The RL loss as small pure functions with stated shapes (DESIGN.md, 'Loss').
+"""The RL loss as small pure functions with stated shapes (docs/design.md, 'Loss').
 
 Notation, per response token t of sample i:
     mu      behavior log-prob, reported by the rollout engine        (N, T)

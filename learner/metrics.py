@@ -2,7 +2,7 @@
 
 Every metric of a step is one key of a flat dict (a few values are small dicts). The
 dict becomes one JSON line, and every numeric key is exported as ``rlpipe_<key>`` (names
-from DESIGN.md): a gauge, or a counter for a ``_total`` key (a count that only grows, which
+from docs/design.md): a gauge, or a counter for a ``_total`` key (a count that only grows, which
 the counter follows by its increments). :data:`METRICS` says what each key means (the HELP
 text) and which tracker group it belongs to. The mismatch metrics of each rollout precision
 are gauges with a ``precision`` label (``rlpipe_mismatch_kl_by_precision{precision="fp8"}``),

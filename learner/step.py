@@ -1,4 +1,4 @@
-"""One learner step's PPO update on a batch of groups (DESIGN.md 'Loss'), split out of the
+"""One learner step's PPO update on a batch of groups (docs/design.md 'Loss'), split out of the
 loop in learner/train.py so that file reads top to bottom.
 
     recompute   pi_old with the training policy (no grad), and the frozen reference's log-probs

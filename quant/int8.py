@@ -1,6 +1,6 @@
 """The tensor math of quantized rollout: SmoothQuant INT8 W8A8 with a frozen profile, and
 per-channel FP8, both computed on the learner and shipped as the tensors of a
-compressed-tensors checkpoint (DESIGN.md, 'Quantization').
+compressed-tensors checkpoint (docs/design.md, 'Quantization').
 
 Which linears are quantized, and which norm feeds them, follows the Llama/Qwen2 naming
 of Hugging Face decoder layers:

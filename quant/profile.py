@@ -1,5 +1,5 @@
 """The quantization profile artifact: what ``rlpipe calibrate`` writes once and every later
-policy is quantized with (DESIGN.md, 'Quantization').
+policy is quantized with (docs/design.md, 'Quantization').
 
 A profile directory holds:
 

@@ -1,4 +1,4 @@
-"""Whether a well-formed group record belongs to this run and may reach a batch (DESIGN.md,
+"""Whether a well-formed group record belongs to this run and may reach a batch (docs/design.md,
 'Trajectory wire schema': the checks against the run).
 
 :func:`rlpipe.schema.decode_group` checks that an entry is well-formed. That is not enough:

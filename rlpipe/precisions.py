@@ -33,7 +33,7 @@ class PrecisionSpec:
         return None if self.online is None else self.online[0 if cuda else 1]
 
 
-# fp32 is not in DESIGN.md's list; it is the exact-reference precision the log-prob tests use.
+# fp32 is not in docs/design.md's list; it is the exact-reference precision the log-prob tests use.
 SPECS: dict[str, PrecisionSpec] = {s.name: s for s in (
     PrecisionSpec("fp32", "float32"),
     PrecisionSpec("bf16", "bfloat16"),

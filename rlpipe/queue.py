@@ -1,4 +1,4 @@
-"""Redis keys, the trajectory stream, prompt leases and the shared counters (DESIGN.md, 'Redis keys').
+"""Redis keys, the trajectory stream, prompt leases and the shared counters (docs/design.md, 'Redis keys').
 
 Delivery is at-least-once through a consumer group: the learner reads with XREADGROUP,
 and an entry leaves the stream (XACK + XDEL) only when the learner says it is done with
@@ -10,7 +10,7 @@ dynamic sampling). So at every moment
 which the end-to-end and chaos tests check. Malformed entries go to the dead-letter stream with
 their reason and are counted in ``dead``; they never crash a reader.
 
-Prompt leases (DESIGN.md, 'Prompt leases'): the cursor hands a prompt index to one worker
+Prompt leases (docs/design.md, 'Prompt leases'): the cursor hands a prompt index to one worker
 and, in the same script, records it in that worker's ``prompts:leases:{worker}``. A push
 or a give-back clears the lease in the script that does it, and only a leased push is
 accepted: so when a dead worker's leases are re-issued (:meth:`TrajectoryQueue.reclaim_dead`,
@@ -57,26 +57,26 @@ class Keys:
         self.traj = self.prefix + "traj"
         self.dead = self.prefix + "traj:dead"
         self.learner = self.prefix + "learner"
-        # Not in DESIGN.md's table: the learner lease's epoch (rlpipe/fence.py).
+        # Not in docs/design.md's table: the learner lease's epoch (rlpipe/fence.py).
         self.epoch = self.prefix + "learner:epoch"
         self.sync = self.prefix + "sync"
-        # Not in DESIGN.md's table: each sync hash's generation counter, only ever advanced
+        # Not in docs/design.md's table: each sync hash's generation counter, only ever advanced
         # (weight_sync/rendezvous.py next_generation): numbers never repeat when a hash is lost.
         self.sync_generations = self.prefix + "sync_generations"
         self.cursor = self.prefix + "prompts:cursor"
-        # Not in DESIGN.md's table: prompt indices handed out but given back unfinished (a
+        # Not in docs/design.md's table: prompt indices handed out but given back unfinished (a
         # worker shut down, or its reward could not be computed); handed out again first.
         self.returned = self.prefix + "prompts:returned"
-        # Not in DESIGN.md's table: a bitmap of the prompt indices whose group was dropped as stale.
+        # Not in docs/design.md's table: a bitmap of the prompt indices whose group was dropped as stale.
         self.dropped = self.prefix + "prompts:dropped"
-        # Not in DESIGN.md's table: how many times each re-issued prompt index was handed out before.
+        # Not in docs/design.md's table: how many times each re-issued prompt index was handed out before.
         self.attempts = self.prefix + "prompts:attempts"
-        # Not in DESIGN.md's table: each leased prompt index's weights version when it was handed out
+        # Not in docs/design.md's table: each leased prompt index's weights version when it was handed out
         # (a sorted set): the oldest group in flight holds back the fleet's allowance (see _HAND_OUT).
         self.lease_versions = self.prefix + "prompts:lease_versions"
-        # Not in DESIGN.md's table: the counters behind the no-loss invariant above.
+        # Not in docs/design.md's table: the counters behind the no-loss invariant above.
         self.counters = self.prefix + "counters"
-        # Not in DESIGN.md's table: held-out evaluation (rollout_service/evals.py, learner/evals.py):
+        # Not in docs/design.md's table: held-out evaluation (rollout_service/evals.py, learner/evals.py):
         # the learner's requests (a stream read in one consumer group), the workers' results (a
         # stream), the versions already requested (a hash) and the last result the learner logged.
         self.eval_requests = self.prefix + "eval:requests"
@@ -490,7 +490,7 @@ class TrajectoryQueue:
         back): no duplicates, no skips.
 
         ``backpressure = (weights version, groups_per_step, max_lag[, max_staleness])`` caps them at the
-        rollout allowance (DESIGN.md 'Staleness'), computed in the same script, so two
+        rollout allowance (docs/design.md 'Staleness'), computed in the same script, so two
         workers asking at once cannot both take the last places. A group started now is
         meant for one of the learner's next ``1 + max_lag`` steps, so the groups it has not
         consumed yet (in the stream or in its hands) and those in flight (the fleet's leases,

@@ -1,4 +1,4 @@
-"""The trajectory wire schema (DESIGN.md): one msgpack map per group, ``schema: 1``.
+"""The trajectory wire schema (docs/design.md): one msgpack map per group, ``schema: 1``.
 
 Kept free of heavy imports (numpy and msgpack only) so that a reader never pulls in the
 trainer's or the engine's stack. Token ids and log-probs travel as little-endian int32 /
@@ -99,7 +99,7 @@ class GroupRecord:
     created_at: float = field(default_factory=time.time)
     gen_seconds: float = 0.0
     schema: int = SCHEMA_VERSION
-    # Not in DESIGN.md's field list (optional, so older readers and writers still agree): the
+    # Not in docs/design.md's field list (optional, so older readers and writers still agree): the
     # prompt's index from the shared cursor and how many times it had been handed out before.
     # The learner settles each index once (rlpipe/queue.py, 'Prompt leases'); -1: not from the cursor.
     prompt_index: int = -1

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a rollout worker (names from DESIGN.md, prefix ``rlpipe_``); every
+"""Prometheus metrics of a rollout worker (names from docs/design.md, prefix ``rlpipe_``); every
 series carries ``run_id`` (rlpipe/prom.py)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The rollout worker's side of weight sync, the counterpart of :class:`WeightSender`:
-follow the learner's generations and versions (DESIGN.md, 'Weight sync protocol') and
+follow the learner's generations and versions (docs/design.md, 'Weight sync protocol') and
 drive an engine through the small :class:`SyncEngine` protocol.
 
 - A new generation that lists this worker means: check in and join (or refuse, when the

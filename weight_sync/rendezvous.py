@@ -1,4 +1,4 @@
-"""The sync rendezvous in Redis: the ``rlpipe:{run}:sync`` hash (DESIGN.md, 'Weight sync');
+"""The sync rendezvous in Redis: the ``rlpipe:{run}:sync`` hash (docs/design.md, 'Weight sync');
 in a fleet of mixed precisions, one hash per precision (``sync:int8``, ``sync:bf16``, see
 ``Keys.sync_channel``), since each precision gets other tensors.
 
@@ -6,7 +6,7 @@ The learner publishes a *generation* (who takes part, where rank 0 listens, the 
 manifest) and then each *version* it broadcasts. Workers poll the hash: a new generation
 that lists them as ``candidates`` means "check in" (the i-th candidate checks in as
 candidate i+1; with a sync token, under a MAC of its id and incarnation, see
-weight_sync/transport.py), a higher version means "receive". Besides DESIGN.md's fields the hash
+weight_sync/transport.py), a higher version means "receive". Besides docs/design.md's fields the hash
 carries ``candidates``, ``incarnations`` (the incarnation the learner expects of each
 candidate, which a worker's check-in must be signed for), ``members`` (JSON lists: the
 workers asked, and those admitted, published once the generation formed) and

@@ -16,7 +16,7 @@ with a reason), the learner waits for them until its deadline, and then tells ea
 whether it is in and under which rank (:func:`admit`, :func:`check_in`). Only the
 admitted ranks build the gloo group, and they are all known to be alive.
 
-Authentication (DESIGN.md, 'Prompt leases and sync authentication'). With a sync token
+Authentication (docs/design.md, 'Prompt leases and sync authentication'). With a sync token
 (``RLPIPE_SYNC_TOKEN``, by default ``RLPIPE_API_TOKEN``; rlpipe/auth.py) the store is only
 reachable through the token-checking gate of weight_sync/gate.py, and a check-in carries
 ``hmac_sha256(token, generation|worker_id|incarnation|manifest_hash)``: the candidate
@@ -80,7 +80,7 @@ def _key(generation: int, what: str) -> str:
 
 
 def check_in_mac(token: str, generation: int, worker_id: str, incarnation: str, manifest_hash: str) -> str:
-    """DESIGN.md's check-in MAC: ``hmac_sha256(token, generation|worker_id|incarnation|manifest_hash)``, hex."""
+    """docs/design.md's check-in MAC: ``hmac_sha256(token, generation|worker_id|incarnation|manifest_hash)``, hex."""
     message = f"{generation}|{worker_id}|{incarnation}|{manifest_hash}".encode()
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
