@@ -164,7 +164,20 @@ class SamplingConfig(Section):
                             "multi-turn episode); a record exceeding it is dead-lettered")
 
 
-class RolloutConfig(Section):
+class HttpTimeouts(Section):
+    """The deadlines of a role's HTTP server (rlpipe/http_timeouts.py), the same two keys in each
+    section that has one: ``rollout`` (the worker's API) and ``learner`` (/healthz, /metrics, /status)."""
+
+    http_header_timeout_s: float = Field(10.0, gt=0, description="this role's HTTP server: a connection must "
+                                         "send a request's whole header within this many seconds of opening (or "
+                                         "of its last response), else it is closed (slow-header clients would "
+                                         "hold sockets forever)")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="this role's HTTP server: a request's whole body "
+                                       "must arrive within this many seconds of its header, else the connection "
+                                       "is closed (slow-body clients would hold sockets forever)")
+
+
+class RolloutConfig(HttpTimeouts):
     precision: Precision = Field("bf16", description="this worker's precision (every worker's without a fleet)")
     fleet: list[Precision] = Field([], description="a mixed fleet: the launcher runs worker i in precision "
                                    "fleet[i % len(fleet)], and the learner syncs each precision on its own")
@@ -206,12 +219,6 @@ class RolloutConfig(Section):
                                 "(max_tokens); also what a request that gives none gets, cut to the room left")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="the API: largest request body accepted (413 "
                                 "above it; 411 without Content-Length)")
-    http_header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole "
-                                         "header within this many seconds of opening (or of its last response), "
-                                         "else it is closed (slow-header clients would hold sockets forever)")
-    http_body_timeout_s: float = Field(30.0, gt=0, description="a request's whole body must arrive within this "
-                                       "many seconds of its header, else the connection is closed (slow-body "
-                                       "clients would hold sockets forever)")
     loop_share: float = Field(0.5, gt=0, le=1, description="the part of max_inflight_groups the rollout loop "
                               "keeps while /v1/generate is busy; the API may hold the rest (in sequences, "
                               "sampling.n to a group) and a request beyond it gets 429 (rollout_service/worker.py "
@@ -292,7 +299,7 @@ class MlflowConfig(Section):
     experiment: str = Field("rlpipe", min_length=1, description="the MLflow experiment the run is logged under")
 
 
-class LearnerConfig(Section):
+class LearnerConfig(HttpTimeouts):
     """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
     dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32")
@@ -415,12 +422,6 @@ class LearnerConfig(Section):
     host: str = Field("127.0.0.1", description="address the learner's HTTP (/healthz, /metrics, /status) "
                       "listens on; a non-loopback one needs RLPIPE_API_TOKEN (or allow_unauthenticated)")
     port: int = Field(0, ge=0, le=65535, description="the learner's HTTP port; 0 = any free port")
-    http_header_timeout_s: float = Field(10.0, gt=0, description="the learner's HTTP (/healthz, /metrics, "
-                                         "/status): a connection must send a request's whole header within this "
-                                         "many seconds of opening (or of its last response), else it is closed")
-    http_body_timeout_s: float = Field(30.0, gt=0, description="the learner's HTTP: a request's whole body must "
-                                       "arrive within this many seconds of its header, else the connection is "
-                                       "closed")
     read_block_ms: int = Field(200, ge=1, description="how long one read of the trajectory stream blocks "
                                "waiting for groups (XREADGROUP BLOCK) before the learner checks its other work")
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field([], description="also log every step's "
