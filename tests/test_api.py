@@ -165,26 +165,34 @@ def test_the_schema_states_the_engines_ranges_and_accepts_them(api):
         assert len(choices) == edge["n"] and all(len(c["tokens"]) == edge["max_tokens"] for c in choices)
 
 
+def trickle_until_closed(sock: socket.socket, chunk: bytes, limit_s: float, meanwhile=None) -> float:
+    """Send ``chunk`` on ``sock`` at the pace of its timeout until the server closes (or resets)
+    the connection, checking ``meanwhile()`` (other clients still served) each time; returns the
+    seconds it took, failing past ``limit_s``."""
+    opened = time.monotonic()
+    while True:
+        assert time.monotonic() - opened < limit_s, f"a connection sending {chunk!r} was never cut off"
+        assert meanwhile is None or meanwhile()
+        try:
+            sock.sendall(chunk)
+            if sock.recv(100) == b"":
+                return time.monotonic() - opened
+        except TimeoutError:
+            continue
+        except OSError:  # reset by the server
+            return time.monotonic() - opened
+
+
 def test_a_connection_that_does_not_finish_its_header_in_time_is_closed(api):
     """One connection trickles header lines and never ends them, one sends nothing: both
     are closed after the header timeout, while other clients are served."""
     host, port = api.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as slow, socket.create_connection((host, int(port))) as silent:
-        opened = time.monotonic()
         slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
-        slow.settimeout(0.25)
-        while True:  # a header line every 0.25 s: uvicorn's keep-alive timer never fires for it
-            assert time.monotonic() - opened < HEADER_TIMEOUT_S + 15, "the slow header was never cut off"
-            assert httpx.get(f"{api}/healthz").status_code == 200
-            try:
-                slow.sendall(b"X-Slow: 1\r\n")
-                if slow.recv(100) == b"":
-                    break
-            except TimeoutError:
-                continue
-            except OSError:  # reset by the server
-                break
-        assert time.monotonic() - opened >= HEADER_TIMEOUT_S - 0.5
+        slow.settimeout(0.25)  # a header line every 0.25 s: uvicorn's keep-alive timer never fires for it
+        took = trickle_until_closed(slow, b"X-Slow: 1\r\n", HEADER_TIMEOUT_S + 15,
+                                    meanwhile=lambda: httpx.get(f"{api}/healthz").status_code == 200)
+        assert took >= HEADER_TIMEOUT_S - 0.5
         silent.settimeout(15)
         assert silent.recv(100) == b""
 
@@ -196,19 +204,8 @@ def test_a_request_whose_body_does_not_arrive_in_time_is_closed(api):
     with socket.create_connection((host, int(port))) as slow:
         slow.sendall(f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n{{".encode())
-        opened = time.monotonic()
         slow.settimeout(0.1)
-        while True:
-            assert time.monotonic() - opened < BODY_TIMEOUT_S + 15, "the slow body was never cut off"
-            try:
-                slow.sendall(b" ")
-                if slow.recv(100) == b"":
-                    break
-            except TimeoutError:
-                continue
-            except OSError:  # reset by the server
-                break
-        assert time.monotonic() - opened >= BODY_TIMEOUT_S - 0.5
+        assert trickle_until_closed(slow, b" ", BODY_TIMEOUT_S + 15) >= BODY_TIMEOUT_S - 0.5
         assert httpx.get(f"{api}/healthz").status_code == 200
 
 
