@@ -19,7 +19,7 @@ import hmac
 import ipaddress
 import os
 
-from fastapi import Depends, HTTPException
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rlpipe.config import ConfigError
@@ -64,13 +64,25 @@ def check_sync_exposure(host: str) -> None:
 _bearer = HTTPBearer(auto_error=False, description=f"the token in {TOKEN_ENV}, when the server has one")
 
 
-def require_token(token: str | None):
-    """A FastAPI dependency: 401 unless the request carries ``token`` (no-op without one)."""
+def bearer_carries(authorization: str | None, token: str | None) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <token>`` (always true without a token)."""
+    if token is None:
+        return True
+    scheme, _, credentials = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.encode(), token.encode())
 
-    async def check(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        if token is None:
-            return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+def wrong_token() -> HTTPException:
+    return HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_token(token: str | None):
+    """A FastAPI dependency: 401 unless the request carries ``token`` (no-op without one). It runs
+    after FastAPI has read the request's body: a server that takes bodies checks the header
+    before that too (rollout_service/app.py ``gate``), so no body is waited for without it."""
+
+    async def check(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        if not bearer_carries(request.headers.get("authorization"), token):  # _bearer: the OpenAPI scheme
+            raise wrong_token()
 
     return Depends(check)

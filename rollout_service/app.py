@@ -14,12 +14,13 @@
     GET  /openapi.json the schema; /docs renders it
 
 "token": with ``RLPIPE_API_TOKEN`` set these need ``Authorization: Bearer <token>``
-(rlpipe/auth.py). Every limit (prompt length, n, max_tokens, body size) comes from the
-``rollout`` config section; a request over one gets a 4xx naming the field, and so does any
-malformed request (NaN or an infinity in a number, a lone surrogate in text): never a 5xx.
-The schema states the ranges the engine really takes (vLLM's ``SamplingParams`` checks;
-rollout_service/api_models.py). Generation through the API holds at most its share of the
-engine (``ApiShare``); beyond it a request gets 429 with ``Retry-After``.
+(rlpipe/auth.py), checked from the header before any of the body is read (``gate``). Every
+limit (prompt length, n, max_tokens, body size) comes from the ``rollout`` config section; a
+request over one gets a 4xx naming the field, and so does any malformed request (NaN or an
+infinity in a number, a lone surrogate in text): never a 5xx. The schema states the ranges
+the engine really takes (vLLM's ``SamplingParams`` checks; rollout_service/api_models.py).
+Generation through the API holds at most its share of the engine (``ApiShare``); beyond it a
+request gets 429 with ``Retry-After``.
 
 Each route is a few lines over the app's one ``Worker`` (rollout_service/worker.py), which
 holds the engine and, with a Redis URL in the config, runs the rollout loop; without one it
@@ -41,7 +42,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from rlpipe.auth import api_token, require_token
+from rlpipe.auth import api_token, bearer_carries, require_token, wrong_token
 from rlpipe.config import RunConfig
 from rollout_service import api_models as models
 from rollout_service.api_models import GenerateRequest, GenerateResponse, request_model
@@ -207,16 +208,33 @@ async def invalid_request(request: Request, exc: RequestValidationError):
     return JSONResponse({"detail": json_safe(errors)}, status_code=422)
 
 
-async def limit_body(request: Request, call_next):
-    """411 without a Content-Length, 413 over ``rollout.max_body_bytes``; every refusal counted."""
-    worker = request.app.state.worker
-    max_body_bytes, metrics = worker.limits.max_body_bytes, worker.metrics
+TOKEN_ROUTES = "/v1/"  # every route under it needs the token (``api`` and /v1/generate); probes and docs do not
+
+
+def refused_from_header(request: Request) -> JSONResponse | None:
+    """What the header alone refuses: 401 without the bearer token on a token route, 411 without
+    a Content-Length, 413 over ``rollout.max_body_bytes``; None to read on."""
+    state = request.app.state
+    if request.url.path.startswith(TOKEN_ROUTES) and not bearer_carries(request.headers.get("authorization"),
+                                                                         state.api_token):
+        refusal = wrong_token()
+        return JSONResponse({"detail": refusal.detail}, status_code=401, headers=refusal.headers)
+    max_body_bytes = state.worker.limits.max_body_bytes
     length = request.headers.get("content-length")
     if request.method in ("POST", "PUT", "PATCH") and length is None:
         return JSONResponse({"detail": "Content-Length required"}, status_code=411)
     if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
         return JSONResponse({"detail": f"body larger than {max_body_bytes} bytes"}, status_code=413)
-    response = await call_next(request)
+    return None
+
+
+async def gate(request: Request, call_next):
+    """Every request passes here before any of its body is read (``refused_from_header``): the
+    token is checked from the header, so a client without it cannot hold a connection by
+    trickling a body (FastAPI reads the body before its dependencies run, ``require_token``
+    among them). Every refusal is counted."""
+    metrics = request.app.state.worker.metrics
+    response = refused_from_header(request) or await call_next(request)
     if response.status_code >= 400:
         metrics.requests_rejected.labels(**metrics.labels, code=str(response.status_code)).inc()
     return response
@@ -239,8 +257,9 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     app = FastAPI(title="rlpipe rollout worker", version="1", lifespan=lifespan)
     app.state.worker = worker
     app.add_exception_handler(RequestValidationError, invalid_request)
-    app.middleware("http")(limit_body)
-    authorized = [require_token(api_token())]
+    app.state.api_token = api_token()
+    app.middleware("http")(gate)
+    authorized = [require_token(app.state.api_token)]
     app.include_router(probes)
     app.include_router(api, dependencies=authorized)
     app.router.add_api_route("/v1/generate", with_body(generate, request_model(cfg.rollout, worker.api_share.capacity)),

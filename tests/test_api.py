@@ -209,6 +209,22 @@ def test_a_request_whose_body_does_not_arrive_in_time_is_closed(api):
         assert httpx.get(f"{api}/healthz").status_code == 200
 
 
+def test_a_wrong_token_is_refused_from_the_header_before_any_body(api):
+    """A request with a wrong token is answered 401 as soon as its header is in: its body is
+    never waited for (it was read first, so a slow body held the connection for
+    rollout.http_body_timeout_s without any credentials). A missing token alike."""
+    host, port = api.removeprefix("http://").rsplit(":", 1)
+    for path, auth in (("/v1/generate", "Authorization: Bearer wrong\r\n"), ("/v1/chat/completions", "")):
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                         f"Content-Length: 2000\r\n\r\n".encode())  # and no body
+            conn.settimeout(BODY_TIMEOUT_S / 2)  # well before the body deadline would close it
+            opened = time.monotonic()
+            answer = conn.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 401"), (path, answer)
+            assert time.monotonic() - opened < BODY_TIMEOUT_S / 2
+
+
 def test_requests_beyond_the_apis_share_get_429_with_retry_after(api):
     """The fixture's API share is one group slot of 8 sequences: of several n=8 requests at
     once one is served at a time, the others are told to come back."""
