@@ -219,8 +219,8 @@ def report(rows: list[dict], run: Path, args, real: tuple[list[dict], Path] | No
              "the same positions with one sign bit per changed value where it moved by one step (the few that moved "
              "further overwritten from a sparse list). Smallest by exact byte count. On the toy bf16 gains little "
              "(most of its values move every update); on the real model at its learning rate a bf16 delta is a few "
-             "percent of the bytes too (below), but rlpipe sends deltas for quantized wires only (README, 'Weight "
-             "sync'). Times: 1 thread, toy-sized tensors, "
+             "percent of the bytes too (below), but rlpipe sends deltas for quantized wires only (docs/weight-sync.md). "
+             "Times: 1 thread, toy-sized tensors, "
              "checksums (CRC-32 of each held and produced tensor) included in encode and in apply; 'unchecked' "
              "skips them. At this size (0.5 MB, 40 tensors per sync) the times are mostly per-tensor overhead, and "
              "this machine is shared: read them as an order of magnitude.")

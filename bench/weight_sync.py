@@ -26,7 +26,7 @@ data. Repetitions are interleaved (raw, rlpipe, per-tensor, raw, ...) and the me
 are reported with the ratio raw_time / time (1.0 = as fast as the raw broadcast).
 
 rlpipe's syncs are also split into the phases the learner and the workers report
-(README, 'Weight sync'): prepare (cast + pack on the sender; this bench quantizes nothing,
+(docs/weight-sync.md): prepare (cast + pack on the sender; this bench quantizes nothing,
 bench/quant.py times that), transfer (the send not hidden by packing), the activation
 pause and convergence. A receiver here has no engine, so its *pause* is the part of an
 engine's pause it can do: copying the received tensors into its own weights, the copy

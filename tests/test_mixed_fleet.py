@@ -3,7 +3,7 @@ each precision's groups trained, staleness and stale drops are reported (metrics
 Prometheus) and add up to the run's books.
 
 Back-pressure hands a free place to whichever worker asks first, so a precision's share of
-the batches is what its throughput earns, not its share of the workers (README, 'Mixed
+the batches is what its throughput earns, not its share of the workers (docs/quantization.md, 'Mixed
 fleets'); these numbers are how a person sees that, and the staleness it costs. A group in
 flight holds the fast workers back before the learner gets ``queue.max_staleness`` versions
 past it, so a worker slower than the learner's steps is paced with, not starved: its groups

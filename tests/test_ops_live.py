@@ -126,7 +126,7 @@ def live(tmp_path_factory, toy_model_path, redis_server):
         "model.path": toy_model_path, "rollout.fleet": ["int8", "bf16"], "learner.groups_per_step": 16,
         "learner.checkpoint_every": 5, "rollout.shutdown_deadline_s": 5.0,
         # the exact back-pressure bound (staleness <= max_lag) is pinned below: dynamic sampling makes it
-        # a bound in expectation (README, "Dynamic sampling"), so it is off here
+        # a bound in expectation (config reference, learner.dynamic_sampling), so it is off here
         "learner.dynamic_sampling": False})
     cfg_path = work / "run.yaml"
     dump_config(cfg, cfg_path)

@@ -549,7 +549,7 @@ def test_max_tokens_beyond_a_limit_is_refused_alike_on_every_route(live):
 
 
 def test_malformed_requests_are_refused_naming_what_is_wrong_on_every_route(live):
-    """A body that is not JSON is a 400 (the README's rule; it was a 422); a min_tokens above
+    """A body that is not JSON is a 400 (docs/rollout.md's rule; it was a 422); a min_tokens above
     the max_tokens sampled with names min_tokens (it named ["body", "sampling"]); a content part
     whose text is not a string is a 422 naming it (it was rendered as its Python repr)."""
     for path in ("/v1/generate", "/v1/sessions", "/v1/sessions/any/turn", "/v1/sessions/any/finish",

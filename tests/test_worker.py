@@ -196,7 +196,7 @@ def test_generate_rejects_oversized_and_malformed_bodies(worker):
     resp = worker.http.post("/v1/generate", content=b"{" + b" " * (2 << 20) + b"}",
                             headers={"content-type": "application/json"})
     assert resp.status_code == 413
-    # A body that is not JSON is the client's syntax error: 400, as the README says.
+    # A body that is not JSON is the client's syntax error: 400, as docs/rollout.md says.
     resp = worker.http.post("/v1/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
     # Nothing a client sent took the worker down.
