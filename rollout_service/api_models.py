@@ -146,8 +146,8 @@ def bad_request(field: str, msg: str) -> HTTPException:
 
 def max_tokens_within(asked: int | None, min_tokens: int, limit: int, room: int, room_in: str,
                       field: str = "max_tokens") -> int:
-    """The ``max_tokens`` a request samples with, by the one rule every route keeps (README, "The
-    rollout worker"): one the request asks for is taken as it is or refused, never changed.
+    """The ``max_tokens`` a request samples with, by the one rule every route keeps (docs/rollout.md,
+    "The API"): one the request asks for is taken as it is or refused, never changed.
     Above ``rollout.max_new_tokens`` (``limit``) or the ``room`` the prompt leaves (``room_in``
     says where), a 422 names ``field``; absent, ``limit`` cut to the room. /v1/chat/completions
     cut 10**12 to the 2 tokens left and answered 200 while /v1/generate refused it (issue 33
