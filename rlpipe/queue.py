@@ -42,11 +42,13 @@ from rlpipe.schema import GroupRecord, SchemaError, decode_group, encode_group
 log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "learner"
-# Every entry rlpipe pushes carries this field beside ``data``: it was counted in ``produced``
-# when it was added. An entry without it came from somewhere else (a raw XADD) and was never
-# counted, so it is dead-lettered and counted as produced and dead at once: the books stay
-# balanced and it takes no worker's place under back-pressure.
-COUNTED = "counted"
+# Whether a stream entry was counted in ``produced`` is the queue's own record, never the
+# entry's: the push that adds it also adds its id to the ``traj:counted`` set, and whatever
+# removes it (acknowledgement, dead letter) removes the id. An entry whose id is not there came
+# from somewhere else (a raw XADD) and was never counted, so it is dead-lettered and counted as
+# produced and dead at once: the books stay balanced and it takes no worker's place under
+# back-pressure. (Entries once carried a ``counted`` field that said so, and a raw XADD could
+# carry it too: the books were off by one for each, issue 33 item 16.)
 
 
 class Keys:
@@ -56,6 +58,9 @@ class Keys:
         self.prefix = f"rlpipe:{run_id}:"
         self.traj = self.prefix + "traj"
         self.dead = self.prefix + "traj:dead"
+        # Not in docs/design.md's table: the ids of the stream's entries counted in ``produced``
+        # (a set), written only by the push scripts and removed with their entries.
+        self.counted = self.prefix + "traj:counted"
         self.learner = self.prefix + "learner"
         # Not in docs/design.md's table: the learner lease's epoch (rlpipe/fence.py).
         self.epoch = self.prefix + "learner:epoch"
@@ -325,7 +330,15 @@ redis.call('SET', KEYS[1], math.floor(bound))
 return math.floor(bound)
 """
 
-# KEYS: leases:{worker}, traj, counters, lease_versions; ARGV: index, data
+# KEYS: traj, counted, counters; ARGV: data
+_PUSH = """
+local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[1])
+redis.call('SADD', KEYS[2], id)
+redis.call('HINCRBY', KEYS[3], 'produced', 1)
+return id
+"""
+
+# KEYS: leases:{worker}, traj, counters, lease_versions, counted; ARGV: index, data
 _LEASED_PUSH = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
   redis.call('HINCRBY', KEYS[3], 'rejected_push', 1)
@@ -333,9 +346,21 @@ if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
 end
 redis.call('HINCRBY', KEYS[3], 'leased', -1)
 redis.call('ZREM', KEYS[4], ARGV[1])
-local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2], 'counted', 1)
+local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
+redis.call('SADD', KEYS[5], id)
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
 return id
+"""
+
+# For the scripts that remove entries: settle(counters, counted, id), after XDEL removed entry ``id``,
+# forgets it in ``counted``, or if it was never there (a raw XADD) counts it as produced now, and as foreign.
+_UNCOUNTED = """
+local function settle(counters, counted, id)
+  if redis.call('SREM', counted, id) == 0 then
+    redis.call('HINCRBY', counters, 'produced', 1)
+    redis.call('HINCRBY', counters, 'foreign', 1)
+  end
+end
 """
 
 # KEYS: leases:{worker}, returned, attempts, counters, workers:{worker}, lease_versions
@@ -380,8 +405,13 @@ return gone
 """
 
 
-# KEYS: counters, traj; ARGV: the groups the learner's lineage trained, then the ids of those not acknowledged yet
+# KEYS: counters, traj, counted; ARGV: the groups the learner's lineage trained, then the ids of those not
+# acknowledged yet. Ids in ``counted`` whose entry is gone (lost with it, or never there) are forgotten.
 _REDERIVE = """
+local in_stream = 0
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  if #redis.call('XRANGE', KEYS[2], id, id) > 0 then in_stream = in_stream + 1 else redis.call('SREM', KEYS[3], id) end
+end
 local c = {}
 for _, k in ipairs({'produced', 'trained', 'dropped_stale', 'dead', 'duplicate', 'filtered'}) do
   c[k] = tonumber(redis.call('HGET', KEYS[1], k) or 0)
@@ -390,7 +420,7 @@ local trained = tonumber(ARGV[1])
 for i = 2, #ARGV do  -- trained but not acknowledged yet: counted when they are, if still in the stream
   if #redis.call('XRANGE', KEYS[2], ARGV[i], ARGV[i]) > 0 then trained = trained - 1 end
 end
-local produced = trained + c.dropped_stale + c.dead + c.duplicate + c.filtered + redis.call('XLEN', KEYS[2])
+local produced = trained + c.dropped_stale + c.dead + c.duplicate + c.filtered + in_stream
 local lost = math.abs(trained - c.trained) + math.abs(produced - c.produced)
 if lost > 0 then
   redis.call('HSET', KEYS[1], 'trained', trained, 'produced', produced)
@@ -400,10 +430,10 @@ return {c.trained, trained, c.produced, produced}
 """
 
 
-# KEYS: (fence), traj, counters, dropped; ARGV: (fence), consumer group, how many trained, dropped_stale,
-# duplicate, filtered; their ids, then the prompt indices of the dropped and filtered ones (marked in the
-# prompts:dropped bitmap: settled without training, for good)
-_ACK = FENCE_CHECK + """
+# KEYS: (fence), traj, counters, dropped, counted; ARGV: (fence), consumer group, how many trained,
+# dropped_stale, duplicate, filtered; their ids, then the prompt indices of the dropped and filtered ones
+# (marked in the prompts:dropped bitmap: settled without training, for good)
+_ACK = FENCE_CHECK + _UNCOUNTED + """
 local names, pos = {'trained', 'dropped_stale', 'duplicate', 'filtered'}, 6
 local marked = 6 + tonumber(A[2]) + tonumber(A[3]) + tonumber(A[4]) + tonumber(A[5])
 for c = 1, 4 do
@@ -412,6 +442,7 @@ for c = 1, 4 do
     redis.call('XACK', K[1], A[1], A[i])
     local gone = redis.call('XDEL', K[1], A[i])
     removed = removed + gone
+    if gone == 1 then settle(K[2], K[4], A[i]) end
     if (c == 2 or c == 4) then
       if gone == 1 and tonumber(A[marked]) >= 0 then redis.call('SETBIT', K[3], A[marked], 1) end
       marked = marked + 1
@@ -422,17 +453,14 @@ for c = 1, 4 do
 end
 """
 
-# KEYS: (fence), traj, dead, counters; ARGV: (fence), consumer group, entry id, reason, '1' if counted as
-# produced, then the entry's fields and values. Counted once, by whichever reader removes the entry.
-_DEAD_LETTER = FENCE_CHECK + """
+# KEYS: (fence), traj, dead, counters, counted; ARGV: (fence), consumer group, entry id, reason, then the
+# entry's fields and values. Counted once, by whichever reader removes the entry.
+_DEAD_LETTER = FENCE_CHECK + _UNCOUNTED + """
 redis.call('XACK', K[1], A[1], A[2])
 if redis.call('XDEL', K[1], A[2]) == 0 then return 0 end
-redis.call('XADD', K[2], '*', 'reason', A[3], 'source_id', A[2], unpack(A, 5))
+redis.call('XADD', K[2], '*', 'reason', A[3], 'source_id', A[2], unpack(A, 4))
 redis.call('HINCRBY', K[3], 'dead', 1)
-if A[4] ~= '1' then
-  redis.call('HINCRBY', K[3], 'produced', 1)
-  redis.call('HINCRBY', K[3], 'foreign', 1)
-end
+settle(K[3], K[4], A[2])
 return 1
 """
 
@@ -457,6 +485,7 @@ class TrajectoryQueue:
         self.fence = Fence(r, self.keys.epoch)  # the learner sets its lease's (rlpipe/fence.py)
         self._hand_out = r.register_script(_HAND_OUT)
         self._reset_cursor = r.register_script(_RESET_CURSOR)
+        self._push = r.register_script(_PUSH)
         self._leased_push = r.register_script(_LEASED_PUSH)
         self._reissue = r.register_script(_REISSUE)
         self._prune_lease_versions = r.register_script(_PRUNE_LEASE_VERSIONS)
@@ -474,13 +503,14 @@ class TrajectoryQueue:
         data = encode_group(rec)
         if worker_id is not None:
             entry_id = self._leased_push(keys=[self.keys.leases(worker_id), self.keys.traj, self.keys.counters,
-                                               self.keys.lease_versions], args=[rec.prompt_index, data])
+                                               self.keys.lease_versions, self.keys.counted],
+                                         args=[rec.prompt_index, data])
             return entry_id.decode() if entry_id else None
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.traj, {"data": data, COUNTED: 1})
-        pipe.hincrby(self.keys.counters, "produced", 1)
-        entry_id, _ = pipe.execute()
-        return entry_id.decode()
+        return self.push_data(data)
+
+    def push_data(self, data: bytes) -> str:
+        """Append an encoded group (``data``, unchecked) without a lease and count it as produced."""
+        return self._push(keys=[self.keys.traj, self.keys.counted, self.keys.counters], args=[data]).decode()
 
     def lease_prompts(self, worker_id: str, wanted: int, backpressure: tuple[int, ...] | None = None) -> Lease:
         """Lease up to ``wanted`` prompts to ``worker_id``, given-back indices first, then the
@@ -643,18 +673,23 @@ class TrajectoryQueue:
         if entry_ids:
             self.r.xclaim(self.keys.traj, CONSUMER_GROUP, consumer, 0, entry_ids, retrycount=times, justid=True)
 
+    def _counted(self, entry_ids: list[str]) -> list[bool]:
+        """Whether each entry was counted as produced by a push (see ``Keys.counted``)."""
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.sismember(self.keys.counted, entry_id)
+        return [bool(x) for x in pipe.execute()]
+
     def _decode(self, raw_entries) -> list[Entry]:
         out = []
         handed_out = None
-        for entry_id, fields in raw_entries:
-            entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            if fields is None:  # deleted while pending
-                continue
+        raw_entries = [(_str(entry_id), fields) for entry_id, fields in raw_entries if fields is not None]
+        for (entry_id, fields), counted in zip(raw_entries, self._counted([i for i, _ in raw_entries])):
             try:
                 if b"data" not in fields:
                     raise SchemaError("data: missing field")
                 rec = decode_group(fields[b"data"])
-                if COUNTED.encode() not in fields:
+                if not counted:  # whatever its fields say
                     raise SchemaError("foreign entry: not added by rlpipe's push (a raw XADD?), so never counted "
                                       "as produced")
                 if self.check is not None:
@@ -672,11 +707,10 @@ class TrajectoryQueue:
 
     def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
         """Move an entry to the dead letters with its reason; an entry never counted as
-        produced (foreign, see ``COUNTED``) is counted now, so the books stay balanced."""
-        counted = "1" if COUNTED.encode() in fields or COUNTED in fields else "0"
+        produced (foreign, see ``Keys.counted``) is counted now, so the books stay balanced."""
         log.warning("dead-lettered stream entry %s: %s", entry_id, reason)
-        self.fence.run(self._dead_letter, [self.keys.traj, self.keys.dead, self.keys.counters],
-                       [CONSUMER_GROUP, entry_id, reason, counted, *(x for kv in fields.items() for x in kv)])
+        self.fence.run(self._dead_letter, [self.keys.traj, self.keys.dead, self.keys.counters, self.keys.counted],
+                       [CONSUMER_GROUP, entry_id, reason, *(x for kv in fields.items() for x in kv)])
 
     def ack(self, trained: list[str], dropped_stale: list[Entry] = (), duplicate: list[str] = (),
             filtered: list[Entry] = ()) -> None:
@@ -688,7 +722,7 @@ class TrajectoryQueue:
         acknowledge it, and counting it would break the books. ``filtered``: groups whose
         rewards are all equal (dynamic sampling), settled untrained like a drop."""
         if trained or dropped_stale or duplicate or filtered:
-            self.fence.run(self._ack, [self.keys.traj, self.keys.counters, self.keys.dropped],
+            self.fence.run(self._ack, [self.keys.traj, self.keys.counters, self.keys.dropped, self.keys.counted],
                            [CONSUMER_GROUP, len(trained), len(dropped_stale), len(duplicate), len(filtered), *trained,
                             *(e.entry_id for e in dropped_stale), *duplicate, *(e.entry_id for e in filtered),
                             *(e.record.prompt_index for e in [*dropped_stale, *filtered])])
@@ -719,7 +753,7 @@ class TrajectoryQueue:
         Redis lost counts as produced and trained, so back-pressure, which compares the
         lineage's consumed count with the counters, stays exact. Returns
         ``(trained was, trained now, produced was, produced now)``."""
-        was_t, now_t, was_p, now_p = self._rederive(keys=[self.keys.counters, self.keys.traj],
+        was_t, now_t, was_p, now_p = self._rederive(keys=[self.keys.counters, self.keys.traj, self.keys.counted],
                                                     args=[trained, *unacked])
         return int(was_t), int(now_t), int(was_p), int(now_p)
 

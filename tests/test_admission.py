@@ -23,7 +23,7 @@ from learner.policy import load_policy, token_logprobs
 from rlpipe import registry
 from rlpipe.admission import INDEX_SLACK, RunCheck
 from rlpipe.fence import Fenced
-from rlpipe.queue import COUNTED, TrajectoryQueue
+from rlpipe.queue import TrajectoryQueue
 from rlpipe.schema import Sample, encode_group
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
@@ -140,6 +140,28 @@ def test_foreign_entries_keep_the_books_balanced_and_raise_no_allowance(queue):
     assert queue.lease_prompts("w0", 0, (VERSION, 4, 1)).allowance == allowance
 
 
+
+def test_a_forged_counted_field_leaves_the_books_balanced(queue):
+    """Whether an entry was counted as produced is the queue's to know (the push records it
+    beside the stream), never the entry's to say: raw XADDs that carry a ``counted`` field, as
+    rlpipe's own entries once did, are foreign all the same. They used to be trusted: a junk
+    one was dead-lettered without being counted as produced, and a well-formed one was
+    admitted and trained, each leaving the books off by one."""
+    r = queue.r
+    registry.set_learner_state(r, queue.keys, version=VERSION, consumed=0)
+    for i in range(2):
+        queue.push(valid(queue, group_id=f"g{i}"))
+    forged = [r.xadd(queue.keys.traj, {"data": encode_group(valid(queue, group_id="forged")), "counted": 1}),
+              r.xadd(queue.keys.traj, {"junk": b"x", "counted": 1}),
+              r.xadd(queue.keys.traj, {"data": b"\xc1not msgpack", "counted": b"1"})]
+    got = queue.read("learner-0", 10, block_ms=100)
+    assert [e.record.group_id for e in got] == ["g0", "g1"]
+    queue.ack([e.entry_id for e in got])
+    reasons = {d[b"source_id"]: d[b"reason"].decode() for _, d in r.xrange(queue.keys.dead)}
+    assert set(reasons) == set(forged) and "foreign" in reasons[forged[0]], reasons
+    c = queue.counters()
+    assert books_balance(queue) and c["foreign"] == 3 and c["dead"] == 3 and c["trained"] == 2, c
+
 # -- the property: trained or dead-lettered, never raised ----------------------------------------------
 @pytest.fixture(scope="module")
 def toy(toy_model_path):
@@ -186,8 +208,8 @@ def mutate(payload: dict, path: str, value) -> dict:
     return payload
 
 
-def read_one(q, fields: dict) -> list:
-    q.r.xadd(q.keys.traj, {**fields, COUNTED: 1})
+def read_one(q, data: bytes) -> list:
+    q.push_data(data)  # as a worker's push would add it, whatever it holds
     dead_before = q.r.xlen(q.keys.dead)
     got = q.read("learner-0", 10, block_ms=None)
     dead = q.r.xrange(q.keys.dead)[dead_before:]
@@ -207,7 +229,7 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 @PROPERTY
 @given(data=st.binary(max_size=512))
 def test_any_bytes_are_admitted_or_dead_lettered_never_raised(queue, toy, data):
-    records = read_one(queue, {"data": data})
+    records = read_one(queue, data)
     if records:
         trains(toy, records)
 
@@ -219,7 +241,7 @@ def test_any_mutation_of_a_valid_record_is_trained_or_dead_lettered_never_raised
         data = msgpack.packb(mutate(valid_payload(queue), path, value), use_bin_type=True)
     except (OverflowError, ValueError, TypeError):  # not encodable as msgpack: no such entry can exist
         return
-    records = read_one(queue, {"data": data})
+    records = read_one(queue, data)
     if records:
         trains(toy, records)
 
@@ -234,14 +256,14 @@ def test_a_negative_token_id_is_dead_lettered_naming_its_field(queue, path):
     ids = np.frombuffer(node[field], dtype="<i4").copy()
     ids[0] = -3
     node[field] = ids.tobytes()
-    assert read_one(queue, {"data": msgpack.packb(payload, use_bin_type=True)}) == []
+    assert read_one(queue, msgpack.packb(payload, use_bin_type=True)) == []
     reason = queue.r.xrange(queue.keys.dead)[-1][1][b"reason"].decode()
     assert f"{field}: negative token id" in reason, reason
 
 
 def test_an_admitted_record_trains(queue, toy):
     """The property's other branch is reachable: the valid record itself goes through."""
-    records = read_one(queue, {"data": msgpack.packb(valid_payload(queue), use_bin_type=True)})
+    records = read_one(queue, msgpack.packb(valid_payload(queue), use_bin_type=True))
     assert len(records) == 1
     trains(toy, records)
 
