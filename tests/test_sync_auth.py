@@ -39,7 +39,7 @@ from rlpipe.config import ConfigError
 from rlpipe.queue import Keys, connect
 from tests.conftest import free_run_id, wait_for
 from tests.test_weight_sync import ChecksumEngine, checksum, model_weights
-from weight_sync.gate import Gate, GateClient, proof
+from weight_sync.gate import Gate, GateClient, GateUnproven, proof
 from weight_sync.rendezvous import read_sync
 from weight_sync.sender import WeightSender
 from weight_sync.transport import GlooGroup, SyncError, admit, check_in, check_in_mac
@@ -161,6 +161,105 @@ def test_a_worker_gets_through_a_gate_held_by_silent_connections_and_a_burst_it_
     finally:
         for s in silent:
             s.close()
+        gate.close()
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n and (chunk := sock.recv(n - len(data))):
+        data += chunk
+    return data
+
+
+def _recv_for(sock: socket.socket, seconds: float) -> bytes:
+    """Whatever arrives on ``sock`` within ``seconds``."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except socket.timeout:
+        pass
+    sock.settimeout(None)
+    return data
+
+
+def test_a_relay_passes_a_workers_proof_to_the_gate_but_cannot_use_the_connection():
+    """Issue 33, item 10: whoever can write master_port in Redis can put a relay between
+    a worker and the gate. It passes the handshake on both ways, then speaks to the store
+    itself over the admitted connection (a real TCPStore client, bridged in). The gate must
+    close that connection before anything reaches the store; it used to let the client in,
+    and the relay set a key without ever holding the token."""
+    store, port, _ = GlooGroup.listen("127.0.0.1", 5.0, None)
+    gate = Gate("127.0.0.1", port, TOKEN, handshake_s=2.0)
+    relay = socket.create_server(("127.0.0.1", 0))
+    bridge = socket.create_server(("127.0.0.1", 0))
+    admitted = threading.Event()
+
+    def pump(src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def mitm():
+        victim, _ = relay.accept()
+        up = socket.create_connection(("127.0.0.1", gate.port))
+        victim.sendall(_recv(up, 32))  # the gate's nonce
+        up.sendall(_recv_for(victim, 1.0))  # the worker's proof
+        victim.sendall(_recv_for(up, 1.0))  # the gate's yes (and its proof, where it gives one)
+        admitted.set()
+        mine, _ = bridge.accept()  # the relay's own store client, over the worker's connection
+        threading.Thread(target=pump, args=(up, mine), daemon=True).start()
+        pump(mine, up)
+
+    threading.Thread(target=mitm, daemon=True).start()
+    worker = None
+    try:
+        worker = GateClient("127.0.0.1", relay.getsockname()[1], TOKEN, 5.0)  # its proof, relayed
+        assert admitted.wait(10)
+        try:
+            client = TCPStore("127.0.0.1", bridge.getsockname()[1], None, is_master=False,
+                              timeout=datetime.timedelta(seconds=3))
+            client.set("forged", "by the relay")
+        except Exception:  # cut off by the gate
+            pass
+        assert not store.check(["forged"]), "a relay without the token wrote to the sync store"
+        wait_for(lambda: gate.forged >= 1, 10, what="the gate to close the relayed connection")
+    finally:
+        if worker is not None:
+            worker.close()
+        relay.close()
+        bridge.close()
+        gate.close()
+
+
+def test_a_worker_refuses_a_gate_that_cannot_prove_the_token():
+    """Issue 33, item 10: a listener at a forged master_port that says yes without the token
+    (to feed the worker a store of its own: forged addresses, a forged manifest) is refused
+    by the worker before it reads a byte of that store; the learner's gate is not."""
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():
+        conn, _ = fake.accept()
+        conn.sendall(os.urandom(32))
+        _recv(conn, 64)
+        conn.sendall(b"\x01" + os.urandom(32))  # yes, and a proof it cannot make
+        time.sleep(2)
+        conn.close()
+
+    threading.Thread(target=impostor, daemon=True).start()
+    try:
+        with pytest.raises(GateUnproven, match="without proving the sync token"):
+            GateClient("127.0.0.1", fake.getsockname()[1], TOKEN, 5.0)
+    finally:
+        fake.close()
+    store, port, gate = GlooGroup.listen("127.0.0.1", 5.0, TOKEN)
+    try:
+        GateClient("127.0.0.1", port, TOKEN, 5.0).close()  # the real one proves itself
+        assert gate.admitted == 1 and gate.forged == 0
+    finally:
         gate.close()
 
 
@@ -326,8 +425,8 @@ def _flood(redis_url, run_id, token, total, results):
     def raw(port, data=b"", handshake=None, hold=False):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         if handshake is not None:  # answer the nonce (rightly or not) before sending data
-            nonce = s.recv(32)
-            s.sendall(proof(handshake, nonce) if handshake else os.urandom(32))
+            nonce, mine = s.recv(32), os.urandom(32)
+            s.sendall(mine + proof(handshake, b"worker", nonce, mine) if handshake else os.urandom(64))
         s.sendall(data)
         if hold:
             held.append(s)

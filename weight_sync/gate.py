@@ -16,18 +16,33 @@ Measured with torch 2.13 (tests/test_sync_auth.py checks the first point):
 
 So the store listens on IPv4 loopback only (handed a socket bound there, where peers
 resolve from /etc/hosts), and workers reach it through a :class:`Gate` on ``sync.host``.
-The gate sends each new connection a random nonce and forwards it to the store only if
-the reply is ``hmac_sha256(token, "rlpipe-sync-gate|" + nonce)`` (checked with
-``hmac.compare_digest``); anything else is closed unread after at most ``handshake_s``.
-A fresh nonce per connection means a recorded handshake cannot be replayed. On the worker,
+
+The handshake is mutual, and the pipe after it is authenticated (issue 33, item 10: the
+gate used to prove nothing to the worker, so whoever could write ``master_port`` in Redis
+could relay a worker's proof to the real gate and then read and write the store, or
+stand in for the store and feed the worker forged addresses):
+
+1. the gate sends a random nonce ``g``;
+2. the worker answers its own nonce ``w`` and ``mac(token, "worker", g, w)``;
+3. the gate checks it (``hmac.compare_digest``) and answers ``ACCEPTED`` and
+   ``mac(token, "gate", g, w)``, which the worker checks: a gate without the token is
+   refused;
+4. every byte after it travels in frames ``length | data | mac(key, seq, data)``, under a
+   key per direction derived from the token and both nonces, with a counter per direction.
+   A relay in the middle can pass frames on (the worker's own requests), but cannot add,
+   change, drop-and-reorder or replay one: the gate closes the connection at the first
+   frame that fails, before anything reaches the store.
+
+Anything else is closed unread after at most ``handshake_s``. Fresh nonces on both sides
+mean a recorded handshake or frame cannot be replayed on another connection. On the worker,
 :class:`GateClient` proves the token and relays the one connection its ``TCPStore`` client
 makes, and only that one: its loopback port is open to every local process, and one that
 connected first would get the authenticated pipe (it happened in tests/test_sync_auth.py:
 the flood's connection to a just-closed gate's port reached a relay that had been given
 the same port number), so it checks that the peer is a socket of its own process.
-Bytes after the handshake are neither encrypted nor authenticated: the gate keeps
-strangers off the store, it does not protect against someone on the network path, nor
-against local users of the learner's host (the store's loopback port). Gloo's own
+Bytes after the handshake are authenticated, not encrypted: someone on the network path
+can read what a worker asks the store (no secret travels there), not write. Local users
+of the learner's host can still reach the store's loopback port. Gloo's own
 connections, which carry the weights between addresses the members exchange through
 this store, are not gated.
 """
@@ -54,8 +69,54 @@ ACCEPTED = b"\x01"
 GATE_BACKLOG = 4096
 
 
-def proof(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), b"rlpipe-sync-gate|" + nonce, hashlib.sha256).digest()
+MAC_BYTES = 32
+# A frame's data is at most what one read returns (the pumps read 64 KiB): a longer length
+# is an attack or a desync, and closes the connection before anything is allocated.
+MAX_FRAME = 1 << 16
+
+
+def proof(token: str, role: bytes, gate_nonce: bytes, worker_nonce: bytes) -> bytes:
+    """``role`` ("worker", "gate", "up", "down") keeps each side's proof and each
+    direction's key apart, so one can never be replayed as the other."""
+    return hmac.new(token.encode(), b"rlpipe-sync-gate|" + role + b"|" + gate_nonce + worker_nonce,
+                    hashlib.sha256).digest()
+
+
+class ForgedFrame(ConnectionError):
+    """A frame whose length or MAC fails: changed, injected or replayed on the way."""
+
+
+class FrameMac:
+    """One direction's frames: ``len (4) | data | hmac(key, seq (8) | data)``, seq counting
+    from 0, so a frame cannot be altered, dropped, reordered or replayed unnoticed."""
+
+    def __init__(self, key: bytes):
+        self.key, self.seq = key, 0
+
+    def _mac(self, data: bytes) -> bytes:
+        mac = hmac.new(self.key, self.seq.to_bytes(8, "big") + data, hashlib.sha256).digest()
+        self.seq += 1
+        return mac
+
+    def seal(self, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + data + self._mac(data)
+
+    def length(self, header: bytes) -> int:
+        n = int.from_bytes(header, "big")
+        if not 0 < n <= MAX_FRAME:
+            raise ForgedFrame(f"a sync frame of {n} bytes")
+        return n
+
+    def open(self, data: bytes, mac: bytes) -> bytes:
+        if not hmac.compare_digest(mac, self._mac(data)):
+            raise ForgedFrame("a sync frame failed its MAC (changed, injected or replayed)")
+        return data
+
+
+def session_macs(token: str, gate_nonce: bytes, worker_nonce: bytes) -> tuple[FrameMac, FrameMac]:
+    """(worker-to-gate, gate-to-worker) frame keys of one connection."""
+    return (FrameMac(proof(token, b"up", gate_nonce, worker_nonce)),
+            FrameMac(proof(token, b"down", gate_nonce, worker_nonce)))
 
 
 def listening_socket(host: str, backlog: int = 128) -> socket.socket:
@@ -77,7 +138,7 @@ class Gate:
     def __init__(self, host: str, store_port: int, token: str, handshake_s: float = 5.0, max_pending: int = 256):
         self.store_port, self.token = store_port, token
         self.handshake_s, self.max_pending = handshake_s, max_pending
-        self.refused = self.admitted = 0
+        self.refused = self.admitted = self.forged = 0
         self._handshaking: dict[asyncio.StreamWriter, None] = {}  # mid-handshake, the oldest first
         self._closing = False
         self._writers: set[asyncio.StreamWriter] = set()
@@ -98,14 +159,16 @@ class Gate:
         self._writers.add(writer)
         upstream = None
         try:
-            if not await self._handshake(reader, writer):
+            nonces = await self._handshake(reader, writer)
+            if nonces is None:
                 self.refused += 1
                 return
             up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.store_port)
             self._writers.add(upstream)
             self.admitted += 1
-            writer.write(ACCEPTED)
-            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+            writer.write(ACCEPTED + proof(self.token, b"gate", *nonces))
+            up, down = session_macs(self.token, *nonces)
+            await asyncio.gather(_unseal_pipe(reader, upstream, up, self), _seal_pipe(up_reader, writer, down))
         except OSError as e:  # the store is gone (the generation was dropped)
             log.debug("sync gate: %r", e)
         finally:
@@ -114,7 +177,9 @@ class Gate:
                     w.close()
                     self._writers.discard(w)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> tuple[bytes, bytes] | None:
+        """The (gate, worker) nonces of a worker that proved the token; None otherwise."""
         if len(self._handshaking) >= self.max_pending:
             oldest = next(iter(self._handshaking))
             del self._handshaking[oldest]
@@ -123,10 +188,11 @@ class Gate:
         try:
             nonce = os.urandom(NONCE_BYTES)
             writer.write(nonce)
-            reply = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), self.handshake_s)
-            return hmac.compare_digest(reply, proof(self.token, nonce))
+            reply = await asyncio.wait_for(reader.readexactly(NONCE_BYTES + MAC_BYTES), self.handshake_s)
+            theirs, mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+            return (nonce, theirs) if hmac.compare_digest(mac, proof(self.token, b"worker", nonce, theirs)) else None
         except (OSError, EOFError, asyncio.TimeoutError):  # closed, reset, or silent past handshake_s
-            return False
+            return None
         finally:
             self._handshaking.pop(writer, None)
 
@@ -160,15 +226,38 @@ class Gate:
                         self.port, self.refused)
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _seal_pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mac: FrameMac) -> None:
+    """The store's answers to the worker, each read sealed as one frame."""
     try:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
+        while data := await reader.read(MAX_FRAME):
+            writer.write(mac.seal(data))
             await writer.drain()
     except OSError:
         pass
     finally:
         writer.close()  # the other direction then ends too: the store's protocol never half-closes
+
+
+async def _unseal_pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mac: FrameMac,
+                       gate: Gate) -> None:
+    """The worker's frames to the store, each checked before a byte of it is passed on."""
+    try:
+        while True:
+            n = mac.length(await reader.readexactly(4))
+            data = await reader.readexactly(n)
+            writer.write(mac.open(data, await reader.readexactly(MAC_BYTES)))
+            await writer.drain()
+    except ForgedFrame as e:
+        gate.forged += 1
+        log.warning("sync gate: closed a connection: %s", e)
+    except (OSError, EOFError):  # asyncio.IncompleteReadError included: the worker closed
+        pass
+    finally:
+        writer.close()
+
+
+class GateUnproven(ConnectionError):
+    """A gate answered without proving the sync token: someone else's, not the learner's."""
 
 
 class GateClient:
@@ -180,14 +269,21 @@ class GateClient:
         self.local: socket.socket | None = None
         self.upstream = socket.create_connection((host, port), timeout=timeout_s)
         try:
-            nonce = _recv_exactly(self.upstream, NONCE_BYTES)
-            self.upstream.sendall(proof(token, nonce))
+            theirs, mine = _recv_exactly(self.upstream, NONCE_BYTES), os.urandom(NONCE_BYTES)
+            self.upstream.sendall(mine + proof(token, b"worker", theirs, mine))
             if _recv_exactly(self.upstream, 1) != ACCEPTED:
                 raise ConnectionError("unexpected answer")
+            if not hmac.compare_digest(_recv_exactly(self.upstream, MAC_BYTES), proof(token, b"gate", theirs, mine)):
+                raise GateUnproven(f"the sync gate at {host}:{port} let this worker in without proving the "
+                                   "sync token: not the learner's gate (a forged sync address in Redis?)")
+        except GateUnproven:
+            self.upstream.close()
+            raise
         except OSError as e:  # ConnectionError and timeouts included
             self.upstream.close()
             raise ConnectionError(f"the sync gate at {host}:{port} did not let this worker in "
                                   f"(is RLPIPE_SYNC_TOKEN the learner's?): {e}") from e
+        self.up, self.down = session_macs(token, theirs, mine)
         self.upstream.settimeout(None)  # from here on the store's own timeouts apply
         # Room for strays (turned away in _relay) queued before the store client's connection.
         self.listener = listening_socket("127.0.0.1", backlog=16)
@@ -207,8 +303,8 @@ class GateClient:
             return
         finally:
             self.listener.close()  # one connection only
-        threading.Thread(target=_pump, args=(self.local, self.upstream), daemon=True).start()
-        _pump(self.upstream, self.local)
+        threading.Thread(target=_pump, args=(self.local, self.upstream, self.up.seal), daemon=True).start()
+        _pump(self.upstream, self.local, unseal=self.down)
 
     def close(self) -> None:
         for s in (self.listener, self.local, self.upstream):
@@ -228,19 +324,27 @@ def _from_this_process(conn: socket.socket) -> bool:
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
+    data = bytearray()
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise ConnectionError("closed by the gate")
         data += chunk
-    return data
+    return bytes(data)
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src: socket.socket, dst: socket.socket, seal=None, unseal: FrameMac | None = None) -> None:
+    """Copies ``src`` to ``dst`` until either closes: sealing each read as a frame, or
+    passing on only frames whose MAC holds (a failed one closes both)."""
     try:
-        while data := src.recv(1 << 16):
-            dst.sendall(data)
+        if unseal is None:
+            while data := src.recv(MAX_FRAME):
+                dst.sendall(seal(data))
+        while unseal is not None:
+            n = unseal.length(_recv_exactly(src, 4))
+            dst.sendall(unseal.open(_recv_exactly(src, n), _recv_exactly(src, MAC_BYTES)))
+    except ForgedFrame as e:
+        log.warning("sync relay: closed the store connection: %s", e)
     except OSError:
         pass
     finally:
