@@ -8,7 +8,8 @@ gets a 422 naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import math
+from typing import Annotated, Any, Literal
 
 from fastapi import HTTPException
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator,
@@ -32,8 +33,35 @@ def _unicode(text: str) -> str:
     return text
 
 
+MAX_JSON_DEPTH = 32  # the nesting a free-form field (reward_info, tools, a message's extra keys) may have
+
+
+def _json(value):
+    """A free-form JSON value the worker keeps, renders or sends back (``reward_info``, ``tools``,
+    a message's extra keys), checked as the typed fields are: its text valid UTF-8 (keys too),
+    its numbers finite, and nested at most ``MAX_JSON_DEPTH`` deep. A lone surrogate or NaN in
+    one, or 300 levels of it, failed only when the answer was rendered: a 500, and a finish
+    that lost its session (issue 33 item 16)."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+            for key in node if isinstance(node, dict) else ():
+                _unicode(key)
+            stack += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+        elif isinstance(node, str):
+            _unicode(node)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise ValueError("NaN or an infinity (JSON has neither)")
+    return value
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_unicode)]
+Json = Annotated[Any, AfterValidator(_json)]
+JsonObject = Annotated[dict, AfterValidator(_json)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 MIN_TEMPERATURE = 0.01  # vLLM raises any temperature in (0, 0.01) to 0.01 (SamplingParams._MAX_TEMP)
 
@@ -167,9 +195,10 @@ def max_tokens_within(asked: int | None, min_tokens: int, limit: int, room: int,
 
 class ContentPart(BaseModel):
     """An OpenAI content part: text only, as the model reads only text. Its ``text`` must be a
-    string: a number was rendered as its Python repr, an image part silently dropped."""
+    string: a number was rendered as its Python repr, an image part silently dropped. Other
+    keys (``cache_control``...) are dropped: only the text is read."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"] = "text"
     text: Text
@@ -177,9 +206,10 @@ class ContentPart(BaseModel):
 
 class Message(BaseModel):
     """A chat message as the chat template reads it (OpenAI's shape: ``tool_call_id``, ``name``,
-    ``tool_calls`` and other keys pass through to the template)."""
+    ``tool_calls`` and other keys pass through to the template, each a checked ``Json`` value)."""
 
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Json] = Field(init=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = Field(None, description="text, or OpenAI text content parts "
@@ -199,7 +229,8 @@ class OpenSession(BaseModel):
 
     messages: list[Message] | None = Field(None, min_length=1, description="a chat prompt, rendered with the "
                                            "chat template (without its generation prompt: the first turn adds it)")
-    tools: list[dict] | None = Field(None, description="tool definitions (OpenAI's shape) the template renders")
+    tools: list[JsonObject] | None = Field(None, description="tool definitions (OpenAI's shape) the template "
+                                           "renders")
     prompt: Text | None = Field(None, min_length=1, description="a plain-text prompt (no template)")
     prompt_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1,
                                                                        description="a prompt as token ids")
@@ -256,7 +287,8 @@ class Finish(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reward: Float | None = Field(None, description="the episode's reward; none: the caller scores the episode")
-    reward_info: dict | None = None
+    reward_info: JsonObject | None = Field(None, description="anything JSON, sent back with the episode (at most "
+                                           f"{MAX_JSON_DEPTH} levels deep)")
 
 
 class Episode(BaseModel):

@@ -50,20 +50,23 @@ from rollout_service.openai_api import ChatRequest, CompletionRequest
 from rollout_service.worker import Worker
 
 
-def json_safe(value):
+def json_safe(value, depth: int = 0):
     """``value`` as JSON can carry it. A 422 echoes the offending input, which may be NaN or
     an infinity (JSON has neither, and rendering them failed: a 500 and a reset connection)
     or text with a lone surrogate (UTF-8 has no encoding for it); those become their Python
     spelling ('nan', 'inf', '\\ud800'), and anything else not JSON (an exception in an
-    error's context) its str()."""
+    error's context) its str(). Nesting below ``MAX_JSON_DEPTH`` is echoed as '...' (a body
+    may nest as deep as the JSON parser goes, too deep to render)."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if isinstance(value, str):
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, (dict, list, tuple)) and depth >= models.MAX_JSON_DEPTH:
+        return "..."
     if isinstance(value, dict):
-        return {json_safe(k): json_safe(v) for k, v in value.items()}
+        return {json_safe(k): json_safe(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        return [json_safe(v, depth + 1) for v in value]
     if value is None or isinstance(value, (bool, int, float)):
         return value
     return json_safe(str(value))

@@ -25,7 +25,7 @@ from typing import Annotated
 from fastapi import HTTPException
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from rollout_service.api_models import Int, Message, Sampling, Text, bad_request
+from rollout_service.api_models import Int, JsonObject, Message, Sampling, Text, bad_request
 
 SESSION_HEADER = "X-Session-Id"
 
@@ -40,7 +40,7 @@ class OpenAIRequest(Sampling):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str = Field("", description="echoed back; the worker serves its one model")
+    model: Text = Field("", description="echoed back; the worker serves its one model")
     n: Int = Field(1, ge=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
@@ -49,7 +49,7 @@ class OpenAIRequest(Sampling):
     stream: bool = Field(False, description="not supported: must be false")
     logprobs: bool | Int | None = Field(None, description="also answer OpenAI's logprobs (the sampled tokens' "
                                         "only; no alternatives)")
-    session_id: str | None = Field(None, description="a session to continue (or the X-Session-Id header)")
+    session_id: Text | None = Field(None, description="a session to continue (or the X-Session-Id header)")
     _max_tokens_field: str = PrivateAttr("max_tokens")  # the name the client gave it, for a refusal to name
 
     @field_validator("stop")
@@ -76,7 +76,7 @@ class OpenAIRequest(Sampling):
 
 class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
-    tools: list[dict] | None = None
+    tools: list[JsonObject] | None = None
 
 
 class CompletionRequest(OpenAIRequest):

@@ -281,17 +281,25 @@ class Sessions:
                           total_tokens=len(session.ids), policy_version=v0, policy_version_end=v1)
 
     def finish(self, session: Session, req: Finish) -> Episode:
-        """Close the session and hand back its whole episode."""
-        del self.open[session.id]
+        """Close the session and hand back its whole episode. The session is given back only once
+        the episode is built and renders as JSON: a finish that fails keeps it open, so that a
+        corrected one can still have the episode (a reward_info the answer could not carry lost
+        it: a 500, then a 404)."""
         model_versions = [v for v, m in zip(session.versions, session.mask) if m] or [self.version()]
+        episode = Episode(session_id=session.id, token_ids=session.ids, mask=session.mask, logprobs=session.logprobs,
+                          versions=session.versions, prompt_length=session.prompt_length,
+                          turns=len(session.finish_reasons), finish_reasons=session.finish_reasons,
+                          policy_version=min(model_versions), policy_version_end=max(model_versions),
+                          reward=req.reward, reward_info=req.reward_info)
+        try:  # the caller's part of it (the rest is the session's own ids and numbers)
+            episode.model_dump_json(include={"reward_info"})
+        except ValueError as e:  # PydanticSerializationError among them
+            raise bad_request("reward_info", f"cannot be sent back as JSON: {e}") from None
+        del self.open[session.id]
         if self.metrics is not None:
             self.metrics.sessions_finished.inc()
             self.metrics.session_turns.observe(len(session.finish_reasons))
-        return Episode(session_id=session.id, token_ids=session.ids, mask=session.mask, logprobs=session.logprobs,
-                       versions=session.versions, prompt_length=session.prompt_length,
-                       turns=len(session.finish_reasons), finish_reasons=session.finish_reasons,
-                       policy_version=min(model_versions), policy_version_end=max(model_versions),
-                       reward=req.reward, reward_info=req.reward_info)
+        return episode
 
     def check_ids(self, ids: list[int], field_name: str) -> None:
         vocab = len(self.tokenizer)

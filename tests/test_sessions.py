@@ -578,3 +578,45 @@ def test_malformed_requests_are_refused_naming_what_is_wrong_on_every_route(live
     parts = [{"type": "text", "text": "12"}, {"type": "text", "text": "+30"}]
     ok = post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["prompt_token_ids"] == toy_ids("<bos>12+30="), ok.text
+
+
+# -- lone surrogates, deep nesting and junk (issue 33 item 16) --------------------------------------
+LONE = '"\\ud800"'  # JSON's escape for a lone surrogate: json.loads takes it, UTF-8 has no encoding for it
+DEEP = '{"a":' * 300 + "1" + "}" * 300
+
+
+def raw_post(base: str, path: str, body: str, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{base}{path}", content=body.encode(), timeout=60,
+                      headers={**AUTH, "content-type": "application/json", **(headers or {})})
+
+
+def test_lone_surrogates_and_deep_nesting_are_422s_naming_the_field_and_a_failed_finish_keeps_the_episode(live):
+    """A lone surrogate in ``model``, ``session_id``, a content part, a message's extra key or
+    ``tools``, and a ``reward_info`` with one, with NaN or nested 300 deep, each got a 500 (the
+    answer could not be rendered) or was kept to break a template later; now each is a 422
+    naming the field. A finish refused so keeps the session: a corrected one gets the episode
+    (it was given back before the answer failed, and the corrected finish got 404)."""
+    chat, part = '[{"role":"user","content":"12+30"}]', '[{"role":"user","content":[{"type":"text","text":%s}]}]'
+    cases = [("/v1/chat/completions", '{"model":%s,"messages":%s}' % (LONE, chat), "model"),
+             ("/v1/completions", '{"model":%s,"prompt":"1"}' % LONE, "model"),
+             ("/v1/chat/completions", '{"session_id":%s,"messages":%s}' % (LONE, chat), "session_id"),
+             ("/v1/completions", '{"session_id":%s,"prompt":"1"}' % LONE, "session_id")]
+    for path in ("/v1/chat/completions", "/v1/sessions"):
+        cases += [(path, '{"messages":%s}' % (part % LONE), "content"),
+                  (path, '{"messages":[{"role":"user","content":"1","name":%s}]}' % LONE, "name"),
+                  (path, '{"messages":%s,"tools":[{"function":{"description":%s}}]}' % (chat, LONE), "tools"),
+                  (path, '{"messages":%s,"tools":[%s]}' % (chat, DEEP), "tools")]
+    for path, body, field in cases:
+        resp = raw_post(live, path, body)
+        assert resp.status_code == 422, (path, body[:80], resp.text)
+        assert any(field in map(str, e["loc"]) for e in resp.json()["detail"]), (path, body[:80], resp.text)
+    path, headers, sid = on_a_session(live, "/v1/sessions/{sid}/turn", "chat")
+    resp = raw_post(live, path, '{"message":{"role":"tool","content":"5","tool_call_id":%s}}' % LONE)
+    assert resp.status_code == 422 and resp.json()["detail"][0]["loc"][-1] == "tool_call_id", resp.text
+    for info in ('{"a":%s}' % LONE, '{%s:1}' % LONE, DEEP, '{"a":NaN}'):
+        resp = raw_post(live, f"/v1/sessions/{sid}/finish", '{"reward":1.0,"reward_info":%s}' % info)
+        assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "reward_info"], resp.text
+    episode = post(live, f"/v1/sessions/{sid}/finish", {"reward": 1.0, "reward_info": {"a": {"b": [1, "x"]}}})
+    assert episode.status_code == 200, episode.text
+    assert episode.json()["session_id"] == sid and episode.json()["reward_info"] == {"a": {"b": [1, "x"]}}
+
