@@ -35,7 +35,8 @@ import types
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
@@ -72,14 +73,50 @@ def json_safe(value, depth: int = 0):
     return json_safe(str(value))
 
 
+# What a body may hold, counted before it is parsed: the Python objects json.loads makes of a
+# JSON array or object cost some 20 times its text (a 1 MiB request of small arrays in a
+# message's extra keys or in tools took 50-200 MB; issue 33 item 16), and of any small value
+# about 10 times. Text costs about its size whatever it holds.
+MAX_JSON_CONTAINERS = 8192  # arrays and objects: messages, content parts, tools and their schemas
+MAX_JSON_VALUES = 65536  # values besides a list of token ids (TextRequest: the longest a route takes)
+
+
+def json_shape(body: bytes) -> tuple[int, int]:
+    """``(arrays and objects, values)`` of a JSON text, counted outside its strings without
+    parsing it (values: at most one more than its commas), in a few times its size and no
+    Python object per value. Once escaped backslashes and quotes are taken out, each quote
+    opens or closes a string."""
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
+    outside = ~np.bitwise_xor.accumulate(text == ord('"'))  # an opening quote up to its closing one: inside
+    containers = np.count_nonzero(((text == ord("[")) | (text == ord("{"))) & outside)
+    return int(containers), int(np.count_nonzero((text == ord(",")) & outside)) + 1
+
+
+def parse_body(body: bytes, max_tokens: int):
+    """A JSON body as Python, refused (413) before it is parsed when it holds more arrays and
+    objects than ``MAX_JSON_CONTAINERS``, or more values than ``MAX_JSON_VALUES`` and a token
+    list of ``max_tokens``: so a request costs a bounded multiple of ``rollout.max_body_bytes``.
+    Bytes that are not UTF-8 decode to lone surrogates, which the text fields then refuse
+    naming the field (plain ``json.loads`` of the bytes failed with a 400 that named nothing)."""
+    values_allowed = MAX_JSON_VALUES + max_tokens
+    containers, values = body.count(b"[") + body.count(b"{"), body.count(b",") + 1  # with those in strings
+    if containers > MAX_JSON_CONTAINERS or values > values_allowed:
+        containers, values = json_shape(body)  # without them
+    if containers > MAX_JSON_CONTAINERS or values > values_allowed:
+        raise HTTPException(413, f"body holds {containers} JSON arrays and objects and {values} values: at most "
+                            f"{MAX_JSON_CONTAINERS} and {values_allowed} ({MAX_JSON_VALUES}, and {max_tokens} token "
+                            "ids)")
+    return json.loads(body.decode("utf-8-sig", "surrogateescape"))
+
+
 class TextRequest(Request):
-    """A request whose JSON body may hold bytes that are not UTF-8: they decode to lone
-    surrogates, which the text fields then refuse naming the field (plain ``json.loads``
-    of the bytes failed with a 400 that named nothing)."""
+    """A request whose JSON body is read by ``parse_body``, its token ids within the longest
+    list a route takes (``rollout.max_prompt_tokens``, or the model length in a session)."""
 
     async def json(self):
         if not hasattr(self, "_json"):
-            self._json = json.loads((await self.body()).decode("utf-8-sig", "surrogateescape"))
+            limits = self.app.state.worker.limits
+            self._json = parse_body(await self.body(), max(limits.max_model_len, limits.max_prompt_tokens))
         return self._json
 
 

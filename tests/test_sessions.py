@@ -620,3 +620,56 @@ def test_lone_surrogates_and_deep_nesting_are_422s_naming_the_field_and_a_failed
     assert episode.status_code == 200, episode.text
     assert episode.json()["session_id"] == sid and episode.json()["reward_info"] == {"a": {"b": [1, "x"]}}
 
+
+def junk_body(shape: str, size: int = 1 << 20) -> str:
+    """A request of about ``size`` bytes, nearly all of it small arrays or objects in a free-form place."""
+    junk = "[" + ",".join(["[]"] * ((size - 200) // 3)) + "]"
+    if shape == "extra key":
+        return '{"messages":[{"role":"user","content":"1","x":%s}]}' % junk
+    if shape == "tools":
+        return '{"messages":[{"role":"user","content":"1"}],"tools":%s}' % junk.replace("[]", "{}")
+    return '{"messages":[{"role":"user","content":[{"type":"text","text":"1","x":%s}]}]}' % junk
+
+
+def test_a_body_of_small_arrays_is_refused_before_it_is_parsed():
+    """Parsed, 1 MiB of small arrays or objects costs some 20 times its size in Python objects
+    (the worker took 50-200 MB per such request in a message's extra keys or in tools); now a
+    body is counted before it is parsed, and one holding more than the API takes is a 413 at
+    the cost of a few times its size."""
+    import tracemalloc
+
+    from fastapi import HTTPException
+
+    from rollout_service.app import TextRequest
+
+    limits = build_config({}, environ={}).rollout
+    app = SimpleNamespace(state=SimpleNamespace(worker=SimpleNamespace(limits=limits)))
+    for shape in ("extra key", "tools", "content part"):
+        body = junk_body(shape).encode()
+
+        async def receive(body=body):
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        request = TextRequest({"type": "http", "method": "POST", "headers": [], "app": app}, receive)
+        tracemalloc.start()
+        try:
+            with pytest.raises(HTTPException) as refused:
+                asyncio.run(request.json())
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert refused.value.status_code == 413 and "arrays and objects" in refused.value.detail
+        assert peak < 8 * len(body), (shape, peak)
+
+
+def test_junk_in_extra_keys_and_tools_is_refused_and_text_is_not_counted(live):
+    """On the worker: such bodies get 413 on every route that takes messages; brackets and commas
+    inside strings are text, not counted (a reward_info note of 600 kB of them is read, and the
+    unknown session is what is refused)."""
+    for shape in ("extra key", "tools", "content part"):
+        for path in ("/v1/chat/completions", "/v1/sessions"):
+            resp = raw_post(live, path, junk_body(shape, 1 << 19))
+            assert resp.status_code == 413 and "arrays and objects" in resp.json()["detail"], (shape, path, resp.text)
+    note = "[{,\\\"" * 120_000
+    resp = raw_post(live, "/v1/sessions/nope/finish", '{"reward_info":{"note":"%s"}}' % note)
+    assert resp.status_code == 404, resp.text
