@@ -126,7 +126,7 @@ def shaped_loopback(gbit: float):
 
 
 def barrier(group) -> None:
-    group.pg.allreduce([torch.zeros(1)]).wait(group.timeout)
+    group.world().allreduce([torch.zeros(1)]).wait(group.timeout)
 
 
 def activate(staged: list[tuple[str, torch.Tensor]], weights: dict[str, torch.Tensor]) -> float:

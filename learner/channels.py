@@ -58,6 +58,7 @@ class SyncChannel:
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
                                    channel=self.channel, fence=fence, device=device, floor=floor,
+                                   straggler_s=cfg.sync.straggler_s,
                                    gather=(lambda names: self.stream(names)) if sharded else None,
                                    # deltas pay for quantized wires only (weight_sync/delta.py); a sharded
                                    # learner never holds the whole wire, which a delta's base would be

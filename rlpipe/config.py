@@ -457,6 +457,9 @@ class QueueConfig(Section):
 class SyncConfig(Section):
     host: str = Field("127.0.0.1", description="address the learner's sync store listens on (reachable by workers)")
     timeout_s: float = Field(60.0, gt=0, description="longest a sync waits on workers: check-in, and every collective")
+    straggler_s: float = Field(10.0, gt=0, description="a member still receiving a send this long after another "
+                               "member took it is given up on alone (it stopped reading), so the others get the "
+                               "version and the next ones on time; capped by timeout_s")
     bucket_mib: float = Field(256, gt=0, description="size of the packed broadcast buffers")
     join_timeout_s: float = Field(120.0, gt=0, description="how long the first generation waits for the whole fleet")
     delta_full_every: int = Field(10, ge=0, description="int8 and learner-side fp8 over gloo: after a generation's "

@@ -18,14 +18,15 @@ learner rank 0's GPU (weight_sync/ipc.py).
 Membership: workers are identified by ``id -> incarnation`` (a token each worker
 process draws at start and redraws to ask back in). A worker that does not check in
 before the deadline is left out of the generation and stays out until its incarnation
-changes, so it never costs the learner a second timeout. A worker whose transfer fails
-because it died in the middle is left out the same way while the others still get the
-version; the next sync forms a generation without it. So is a generation's only member
+changes, so it never costs the learner a second timeout. Each member has a gloo pair of
+its own (weight_sync/transport.py :class:`GlooGroup`), so a member whose transfer fails,
+because it died in the middle or because it is alive but stopped reading, is given up on
+alone: the others still get the version, and the generation goes on without it, with no
+forming at the next sync. One that stopped reading costs the others at most
+``straggler_s`` once (it is given up on when it lags the first member to take a send by
+that much: :func:`finish_sends`). A generation's only member that fails is left out too
 (:meth:`WeightSender._reached_no_worker`): its registry entry outlives it, and the next
-sync would otherwise wait a whole check-in deadline for it. One that is alive but stopped
-reading is worse: gloo's timed-out send closes the whole group, so that version reaches
-no member, and the next sync re-forms without the hung worker, which misses its check-in
-(tests/test_weight_sync.py; per-member send deadlines would keep the version).
+sync would otherwise wait a whole check-in deadline for it.
 
 A worker that *refuses* a generation (its engine cannot load the manifest: another model,
 another quantization) raises :class:`~weight_sync.transport.IncompatibleWorker` naming it
@@ -43,6 +44,7 @@ which is the learner's start).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -71,6 +73,61 @@ log = logging.getLogger(__name__)
 # for whole 256 MiB buckets at 100M parameters).
 CHUNK_BYTES = 16 * 2**20
 RING = 4
+# A member still receiving a send this long after every other member took it is given up on
+# (capped by the sync timeout): one that stopped reading costs the others this, once.
+STRAGGLER_S = 10.0
+
+
+def finish_sends(group: GlooGroup, works: dict, failed: dict[int, str], straggler_s: float) -> None:
+    """Wait for one send to every member (rank -> work), noting in ``failed`` (rank -> why)
+    each that failed, or that was still receiving ``straggler_s`` after the first member had
+    it: that one is given up on (:meth:`GlooGroup.abandon`), so it holds up none of the
+    others' next sends. Each member's send is waited on in a thread of its own, which holds
+    its pair until the wait ends: a gloo wait cannot be cut short, as one that times out
+    closes every pair of its group (here, only its own). One member alone is waited on
+    here, for the group's whole timeout."""
+    if len(works) == 1:
+        ((rank, work),) = works.items()
+        try:
+            group.wait(work)
+        except SyncError as e:
+            failed.setdefault(rank, str(e))
+        return
+    done: dict[int, str | None] = {}  # rank -> why it failed, None when it took the send
+    changed = threading.Condition()
+
+    def wait(rank: int, work, pair) -> None:
+        try:
+            group.wait(work)
+            why = None
+        except SyncError as e:
+            why = str(e)
+        with changed:
+            done[rank] = why
+            changed.notify()
+        del pair  # the last reference, once its wait is over
+
+    for rank, work in works.items():
+        threading.Thread(target=wait, args=(rank, work, group.pairs.get(rank)), daemon=True).start()
+    deadline = time.monotonic() + group.timeout.total_seconds() + 1.0
+    first = None
+    with changed:
+        while len(done) < len(works):
+            now = time.monotonic()
+            if first is None and None in done.values():
+                first = now
+            limit = deadline if first is None else min(deadline, first + straggler_s)
+            if now >= limit:
+                break
+            changed.wait(limit - now)
+        got = dict(done)
+    for rank, why in got.items():
+        if why is not None:
+            failed.setdefault(rank, why)
+    for rank in works.keys() - got.keys():
+        failed.setdefault(rank, f"still receiving {straggler_s:.1f} s after another member had the same send "
+                                "(stopped reading?)" if first is not None else "send not taken within the sync timeout")
+        group.abandon(rank)
 
 
 @dataclass
@@ -95,7 +152,8 @@ class WeightSender:
                  wire_dtype: torch.dtype | None, channel: str = "",
                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
                  device: NcclBroadcast | IpcBroadcast | None = None, full_every: int = 0,
-                 chunk_bytes: int | None = None, floor: GenerationFloor | None = None):
+                 chunk_bytes: int | None = None, floor: GenerationFloor | None = None,
+                 straggler_s: float = STRAGGLER_S):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
         tensors whole, gathered with the other ranks; it is called for one bucket at a time,
         just before packing it, so the whole model is never gathered at once. ``fence``: the
@@ -109,7 +167,8 @@ class WeightSender:
         ``CHUNK_BYTES``, or 0 on loopback, see the module docstring). ``floor``: the
         generation numbers taken, on the learner's disk (weight_sync/rendezvous.py): with
         it, a number is never used twice even when Redis lost everything and the learner
-        restarted."""
+        restarted. ``straggler_s``: how long a member may still be receiving a send after
+        every other member took it, before it is given up on alone (see :func:`finish_sends`)."""
         self.r, self.keys, self.fence, self.floor = r, keys, fence, floor
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
@@ -127,6 +186,8 @@ class WeightSender:
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []  # the ring a whole version's chunks are packed into in turn
         self._members: dict[str, str] = {}  # id -> incarnation of the current generation ({} without one)
+        self._ranks: dict[str, int] = {}  # id -> rank of the members not given up on
+        self.straggler_s = min(straggler_s, timeout_s)
         self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
         self.left_out_total = 0
         self.full_every = full_every if device is None else 0
@@ -182,30 +243,41 @@ class WeightSender:
         except SyncError:
             self.drop()
             raise
+        ranks = dict(self._ranks)
         self._leave_out_ranks(failed)
-        if failed:
-            self.drop()  # the next sync forms a generation without them
+        if failed and self.device:
+            self.drop()  # one NCCL communicator holds every member: the next sync forms one without them
+        elif failed:
+            self._forget(failed)  # the others keep their pairs: the generation goes on without them
         stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
-        stats.received = {w: inc for rank, (w, inc) in enumerate(members.items(), 1) if rank not in failed}
+        stats.received = {w: inc for w, inc in members.items() if ranks[w] not in failed}
         return stats
 
+    def _forget(self, failed: dict[int, str]) -> None:
+        """Members given up on leave the generation (their pairs closed); the others stay in
+        it, under the ranks they have, so the next version needs no forming."""
+        for worker, rank in list(self._ranks.items()):
+            if rank in failed:
+                self.group.abandon(rank)
+                del self._ranks[worker], self._members[worker]
+        publish_members(self.r, self.sync_key, self.state.generation_id, list(self._members),
+                        self.state.world_size, self.fence)
+
     def _reached_no_worker(self, version: int, failed: dict[int, str]) -> SyncError:
-        """Every member failed (rank -> why). A generation's only member is left out in its
-        incarnation, as a failed member beside others is: when it died, its registry entry
-        outlives it (its TTL), and forming again with it would block for the whole check-in
-        deadline, while its restart, or itself once its receive fails and it asks back in,
-        comes with a new incarnation. Of several members none is: gloo closes every pair when
-        one of them hangs (test_a_hung_member_costs_one_version_and_the_next_reaches_the_others),
-        so their failures do not say which one it was."""
-        if len(failed) == 1:
-            self._leave_out_ranks(failed)
+        """Every member failed (rank -> why): each is left out in its incarnation, as a
+        failed member beside others is. One that died has a registry entry that outlives it
+        (its TTL), and forming again with it would block for the whole check-in deadline,
+        while its restart, or itself once its receive fails and it asks back in, comes with
+        a new incarnation. (Each member has a pair of its own, so a failure names its member:
+        in one shared group a hung member closed every pair, and the failures said nothing.)"""
+        self._leave_out_ranks(failed)
         return SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
 
     def _leave_out_ranks(self, failed: dict[int, str]) -> None:
         """Leave out the members of the current generation whose transfer failed (rank -> why)."""
-        members = list(self._members)
+        worker_of = {rank: w for w, rank in self._ranks.items()}
         for rank, why in failed.items():
-            self._leave_out(members[rank - 1], self._members[members[rank - 1]], why)
+            self._leave_out(worker_of[rank], self._members[worker_of[rank]], why)
 
     def _leave_out(self, worker: str, incarnation: str, why: str) -> None:
         self.excluded[worker] = incarnation
@@ -256,6 +328,7 @@ class WeightSender:
             self.drop()
             raise
         self._members = {w: candidates[w] for w in members}
+        self._ranks = {w: rank for rank, w in enumerate(members, 1)}
 
     def _next_generation(self) -> int:
         """A number no generation of this hash had, even if the hash, its counter or all of
@@ -299,7 +372,7 @@ class WeightSender:
 
         def post(buf: torch.Tensor, tag: int) -> dict:
             works = {}
-            for rank in range(1, group.world_size):
+            for rank in self._ranks.values():
                 if rank not in failed:
                     try:
                         works[rank] = group.send(buf, rank, tag)
@@ -308,11 +381,7 @@ class WeightSender:
             return works
 
         def finish(works: dict) -> None:
-            for rank, work in works.items():
-                try:
-                    group.wait(work)
-                except SyncError as e:
-                    failed.setdefault(rank, str(e))
+            finish_sends(group, works, failed, self.straggler_s)
 
         if self.manifest.delta:
             return self._send_keeping(version, tensors, post, finish, failed, t0)
@@ -338,7 +407,7 @@ class WeightSender:
         del source
         for works in [in_flight, *sending]:
             finish(works)
-        if len(failed) == group.world_size - 1:
+        if len(failed) == len(self._ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
@@ -384,7 +453,7 @@ class WeightSender:
             crcs = bucket_checksums(packed)  # while the buckets are on the wire
         for w in works:
             finish(w)
-        if len(failed) == self.group.world_size - 1:
+        if len(failed) == len(self._ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
@@ -408,7 +477,7 @@ class WeightSender:
             raise SyncError(f"version {version}: {len(failed)} member(s) lost before the {self.device.transport} "
                             f"transfer: {next(iter(failed.values()))}")
         failed = self.device.broadcast(self.manifest, tensors, self.gather)
-        if len(failed) == self.group.world_size - 1:
+        if len(failed) == len(self._ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
@@ -423,5 +492,5 @@ class WeightSender:
         if self.gate is not None:
             self.gate.close()
         self.group = self.gate = None
-        self._members = {}
+        self._members, self._ranks = {}, {}
         self.held = None  # a new generation's members hold nothing: its first version goes whole

@@ -162,25 +162,50 @@ def local_address_towards(host: str) -> str:
 
 
 class GlooGroup:
-    """Rank 0 is the learner; ranks 1..world-1 are rollout workers."""
+    """Rank 0 is the learner; ranks 1..world-1 are rollout workers.
+
+    The learner holds one two-rank gloo group *per member* (a "pair"), not one group of
+    everyone: gloo's timed-out send closes every pair of its context, so in one shared group
+    a member that stopped reading cost every member the version (issue 33, item 1). With a
+    pair each, a member that falls behind is given up on alone (:meth:`abandon`) and the
+    others go on receiving, in the same generation. A group of everyone is formed only where
+    a collective is asked for (:meth:`broadcast`, the benchmark's baseline)."""
 
     def __init__(self, store: TCPStore, rank: int, world_size: int, host: str, generation: int,
                  timeout_s: float, join_timeout_s: float):
-        """Blocks until all ``world_size`` ranks joined (at most ``join_timeout_s``);
+        """Blocks until all ``world_size`` ranks joined (at most ``join_timeout_s`` a pair);
         every later operation fails after at most ``timeout_s``."""
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.generation = generation
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=join_timeout_s)
+        self._opts = ProcessGroupGloo._Options()
+        self._opts._timeout = datetime.timedelta(seconds=join_timeout_s)
         # gloo binds each rank's pairs to a local interface: the learner's is ``host`` itself,
         # a worker's the one that routes to it (``host`` is not an address of a worker's pod).
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host if rank == 0 else local_address_towards(host))]
+        self._opts._devices = [ProcessGroupGloo.create_device(
+            hostname=host if rank == 0 else local_address_towards(host))]
+        self._world: ProcessGroupGloo | None = None
+        self.pairs: dict[int, ProcessGroupGloo] = {}  # peer rank -> its pair (the learner's peers: every member)
         try:
-            self.pg = ProcessGroupGloo(PrefixStore(_key(generation, "pg/"), store), rank, world_size, opts)
+            for peer in range(1, world_size) if rank == 0 else [0]:
+                member = max(peer, rank)
+                self.pairs[peer] = ProcessGroupGloo(PrefixStore(_key(generation, f"pair{member}/"), store),
+                                                    min(rank, 1), 2, self._opts)
         except Exception as e:  # gloo raises RuntimeError/DistStoreError on timeouts
             raise SyncError(f"forming generation {generation} (rank {rank}/{world_size}) failed: {e}") from e
+
+    def _pair(self, peer: int) -> ProcessGroupGloo:
+        pair = self.pairs.get(peer)
+        if pair is None:
+            raise SyncError(f"rank {peer} was given up on in generation {self.generation}")
+        return pair
+
+    def abandon(self, peer: int) -> None:
+        """Give up on one peer: its pair leaves the group, and the other pairs are untouched.
+        (A thread still waiting on one of its sends holds it until that wait times out.)"""
+        self.pairs.pop(peer, None)
 
     @staticmethod
     def listen(host: str, timeout_s: float, token: str | None) -> tuple[TCPStore, int, Gate | None]:
@@ -212,32 +237,45 @@ class GlooGroup:
             raise
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """One collective broadcast (the benchmark's baseline; sync itself uses :meth:`send`)."""
+        """One collective broadcast over a group of every rank, formed at the first call on
+        each (the benchmark's baseline and barrier; sync itself uses :meth:`send`)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = self.timeout
         try:
-            self.wait(self.pg.broadcast([tensor], opts))
+            self.wait(self.world().broadcast([tensor], opts))
         except SyncError:
             raise
         except Exception as e:
             raise SyncError(f"broadcast failed: {e}") from e
 
+    def world(self) -> ProcessGroupGloo:
+        """The group of every rank, for collectives: every rank must ask for it."""
+        if self._world is None:
+            self._world = ProcessGroupGloo(PrefixStore(_key(self.generation, "pg/"), self.store), self.rank,
+                                           self.world_size, self._opts)
+        return self._world
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int):
         """Start sending ``tensor`` to one peer; returns the handle for :meth:`wait`.
 
-        Weight sync fans buckets out with one send per worker instead of a collective
-        broadcast: gloo's broadcast is the same fan-out from the root, but point-to-point a
-        dead or stuck worker fails only its own sends, and the others still get the
-        version (a failed collective leaves every peer waiting out its timeout)."""
+        Weight sync fans buckets out with one send per worker, each over its own pair,
+        instead of a collective broadcast: gloo's broadcast is the same fan-out from the
+        root, but point-to-point a dead or stuck worker fails only its own sends, and the
+        others still get the version (a failed collective leaves every peer waiting out its
+        timeout)."""
         try:
-            return self.pg.send([tensor], dst, tag)
+            return self._pair(dst).send([tensor], 1, tag)
+        except SyncError:
+            raise
         except Exception as e:
             raise SyncError(f"send to rank {dst} failed: {e}") from e
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int):
         try:
-            return self.pg.recv([tensor], src, tag)
+            return self._pair(src).recv([tensor], 0 if src == 0 else 1, tag)
+        except SyncError:
+            raise
         except Exception as e:
             raise SyncError(f"receive from rank {src} failed: {e}") from e
 
@@ -248,5 +286,6 @@ class GlooGroup:
             raise SyncError(f"transfer failed: {e}") from e
 
     def close(self) -> None:
-        self.pg = None
+        self.pairs.clear()
+        self._world = None
         self.store = None
