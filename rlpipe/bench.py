@@ -79,8 +79,9 @@ PARTS = (
     Part("soak", "soak tests: the long experiments left out of CI's suite (pytest -m soak)", "bench/soak.py",
          (), ("--quick",), ("soak",)),
     # without CUDA the full run is the smoke too, and its section says the numbers are meaningless
-    Part("gpu", "GPU: learner MFU, per-update quantization to 32B, W8A8 kernels, checkpoint save (CPU smoke "
-         "without a GPU)", "bench/gpu.py", (), ("--quick",), ("gpu",)),
+    Part("gpu", "GPU device check: learner MFU (activation checkpointing on/off), per-update quantization "
+         "to 32B, W8A8 kernels, IPC transport, delta, checkpoint save (CPU dry run without a GPU)", "bench/gpu.py", ("--device-check", "--out", "{json_dir}"),
+         ("--quick", "--device-check", "--out", "{json_dir}"), ("gpu",)),
 )
 ORDER = [s for p in PARTS for s in p.sections]
 

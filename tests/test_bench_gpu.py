@@ -1,6 +1,8 @@
-"""bench/gpu.py's plumbing on a CPU (its smoke run; the GPU numbers need a GPU): the section has
-every table and says its numbers are meaningless, nothing from vLLM is imported, and the numeric
-check of the shipped W8A8 tensors fails on a wrong scale, not only passes on the right one."""
+"""bench/gpu.py's plumbing on a CPU (the device check's dry run, issue 37; the GPU numbers need a
+GPU): the section has every table and says its numbers are meaningless, nothing from vLLM is
+imported, the IPC transport's receiver process acks every bucket through rlpipe's IpcBroadcast,
+delta encode/apply round-trips, and the numeric check of the shipped W8A8 tensors fails on a
+wrong scale, not only passes on the right one."""
 
 from __future__ import annotations
 
@@ -17,32 +19,45 @@ from bench import gpu  # noqa: E402
 
 # Runs bench/gpu.py as its own script would run, then lists any vLLM module it imported.
 RUN = """import runpy, sys
-sys.argv = [{script!r}, "--quick", "--json", {out!r}]
+sys.argv = [{script!r}, "--quick", "--device-check", "--out", {out!r}]
 runpy.run_path({script!r}, run_name="__main__")
 print("VLLM_MODULES", sorted(m for m in sys.modules if m.split(".")[0] == "vllm"))
 """
 
 
-def test_the_smoke_run_writes_every_table_and_imports_nothing_from_vllm(tmp_path):
+def test_the_device_checks_dry_run_writes_every_table_and_imports_nothing_from_vllm(tmp_path):
     out = tmp_path / "results" / "gpu.json"
-    code = RUN.format(script=str(ROOT / "bench" / "gpu.py"), out=str(out))
+    code = RUN.format(script=str(ROOT / "bench" / "gpu.py"), out=str(out.parent))
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "VLLM_MODULES []" in proc.stdout
     sec = json.loads(out.read_text())
-    assert sec["name"] == "gpu" and "--quick" in sec["command"]
+    assert sec["name"] == "gpu" and "--quick" in sec["command"] and "--device-check" in sec["command"]
+    assert (out.parent / "gpu.md").read_text().startswith("## GPU")
     assert any("CPU smoke: numbers meaningless, no GPU" in n for n in sec["notes"])
     tables = {t["title"].split(" (")[0].split(",")[0]: t for t in sec["tables"]}
     assert set(tables) == {"Learner step", "Per-update quantization on the learner", "Numeric check of the shipped "
-                           "W8A8 tensors against the fp32 matmul", "Checkpoint save"}, list(tables)
+                           "W8A8 tensors against the fp32 matmul", "Checkpoint save", "IPC transport between two "
+                           "processes on one GPU", "Delta encode and apply"}, list(tables)
 
     def rows(name):
         t = tables[name]
         return [dict(zip(t["columns"], r)) for r in t["rows"]]
 
-    (step,) = rows("Learner step")
-    assert step["step s"] > 0 and step["tokens/s"] > 0 and step["MFU"] is None  # no GPU, no peak to divide by
+    plain, checkpointed = rows("Learner step")  # activation checkpointing off, then on
+    for step in (plain, checkpointed):
+        assert step["step s"] > 0 and step["tokens/s"] > 0 and step["MFU"] is None  # no GPU, no peak to divide by
+    assert "activation checkpointing" in checkpointed["model"] and sec["data"]["learner"][checkpointed["model"]][
+        "checkpointed_layers"] == 2
+    (ipc,) = rows("IPC transport between two processes on one GPU")
+    assert ipc["buckets"] > 1 and ipc["IpcBroadcast s/version"] > 0 and ipc["raw copy GB/s"] > 0
+    assert sec["data"]["ipc"]["receiver_exit"] == 0 and "CUDA IPC export/map skipped" in tables[
+        "IPC transport between two processes on one GPU"]["note"]
+    deltas = {r["wire"]: r for r in rows("Delta encode and apply")}
+    assert set(deltas) == {"int8", "bf16"} and deltas["int8"]["delta bytes"] < deltas["int8"]["bucket bytes"]
+    share = {w: r["delta bytes"] / r["bucket bytes"] for w, r in deltas.items()}
+    assert share["bf16"] > 2 * share["int8"]  # bf16 values almost all move; 5% of int8 ones do
     quant = rows("Per-update quantization on the learner")
     assert {r["precision"] for r in quant} == {"int8", "fp8"}
     for r in quant:
