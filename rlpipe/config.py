@@ -451,7 +451,9 @@ class QueueConfig(Section):
                                "more than this many versions older than its weights (counted in dropped_stale), "
                                "and the hand-out holds the fleet so the oldest group in flight stays within it")
     max_deliveries: int = Field(3, ge=2, description="an entry delivered this many times without an "
-                                "acknowledgement (the learner died with it each time) is dead-lettered as poison")
+                                "acknowledgement (the learner died with it each time) is dead-lettered as poison; "
+                                "a prompt whose reward or environment timed out or raised this many times (while "
+                                "it worked on other prompts) is dead-lettered with the error")
 
 
 class SyncConfig(Section):

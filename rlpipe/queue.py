@@ -76,6 +76,9 @@ class Keys:
         self.dropped = self.prefix + "prompts:dropped"
         # Not in docs/design.md's table: how many times each re-issued prompt index was handed out before.
         self.attempts = self.prefix + "prompts:attempts"
+        # Not in docs/design.md's table: how many times a reward or environment failed on each prompt
+        # index (counted ones only, see TrajectoryQueue.reward_failed); cleared when it is pushed or dead.
+        self.reward_failures = self.prefix + "prompts:reward_failures"
         # Not in docs/design.md's table: each leased prompt index's weights version when it was handed out
         # (a sorted set): the oldest group in flight holds back the fleet's allowance (see _HAND_OUT).
         self.lease_versions = self.prefix + "prompts:lease_versions"
@@ -266,7 +269,7 @@ def outages(r: redis.Redis) -> int:
 
 
 COUNTERS = ("produced", "trained", "dropped_stale", "dead", "duplicate", "filtered", "leased", "rejected_push",
-            "reissued", "skipped", "lost_writes", "foreign")
+            "reissued", "skipped", "lost_writes", "foreign", "dead_prompts")
 
 # The most groups sampled per group trained that the allowance scales by (dynamic sampling): a run
 # whose groups almost never carry a signal must not flood the stream with ones to throw away.
@@ -338,7 +341,7 @@ redis.call('HINCRBY', KEYS[3], 'produced', 1)
 return id
 """
 
-# KEYS: leases:{worker}, traj, counters, lease_versions, counted; ARGV: index, data
+# KEYS: leases:{worker}, traj, counters, lease_versions, counted, reward_failures; ARGV: index, data
 _LEASED_PUSH = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
   redis.call('HINCRBY', KEYS[3], 'rejected_push', 1)
@@ -346,6 +349,7 @@ if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then
 end
 redis.call('HINCRBY', KEYS[3], 'leased', -1)
 redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 local id = redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
 redis.call('SADD', KEYS[5], id)
 redis.call('HINCRBY', KEYS[3], 'produced', 1)
@@ -387,6 +391,31 @@ if #indices > 0 then
   if ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[2], #indices) end
 end
 return #indices
+"""
+
+# KEYS: leases:{worker}, returned, attempts, counters, lease_versions, reward_failures, dead, dropped
+# ARGV: index, whether this failure counts ('1' or '0'), the limit, then the dead letter's fields and values
+# Returns nil if the lease is not held (re-issued meanwhile: nothing to settle), else the prompt's counted
+# failures, negated once it reached the limit and the prompt was settled as dead: a dead letter with its
+# reason, counted as produced and dead at once (the books stay balanced and the allowance is unchanged)
+# and marked in prompts:dropped (settled for good); below the limit, it goes back to be handed out again.
+_REWARD_FAILED = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return false end
+redis.call('HINCRBY', KEYS[4], 'leased', -1)
+redis.call('ZREM', KEYS[5], ARGV[1])
+local failures = tonumber(redis.call('HGET', KEYS[6], ARGV[1]) or 0) or 0
+if ARGV[2] == '1' then failures = failures + 1 end
+if failures < tonumber(ARGV[3]) then
+  if failures > 0 then redis.call('HSET', KEYS[6], ARGV[1], failures) end
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+  return failures
+end
+redis.call('HDEL', KEYS[6], ARGV[1])
+redis.call('XADD', KEYS[7], '*', 'prompt_index', ARGV[1], 'failures', failures, unpack(ARGV, 4))
+redis.call('SETBIT', KEYS[8], ARGV[1], 1)
+for _, k in ipairs({'produced', 'dead', 'dead_prompts'}) do redis.call('HINCRBY', KEYS[4], k, 1) end
+return -failures
 """
 
 # KEYS: lease_versions, then every worker's leases; ARGV: lease_versions' members, oldest first, read
@@ -488,6 +517,7 @@ class TrajectoryQueue:
         self._push = r.register_script(_PUSH)
         self._leased_push = r.register_script(_LEASED_PUSH)
         self._reissue = r.register_script(_REISSUE)
+        self._reward_failed = r.register_script(_REWARD_FAILED)
         self._prune_lease_versions = r.register_script(_PRUNE_LEASE_VERSIONS)
         self._rederive = r.register_script(_REDERIVE)
         self._ack = r.register_script(_ACK)
@@ -503,7 +533,7 @@ class TrajectoryQueue:
         data = encode_group(rec)
         if worker_id is not None:
             entry_id = self._leased_push(keys=[self.keys.leases(worker_id), self.keys.traj, self.keys.counters,
-                                               self.keys.lease_versions, self.keys.counted],
+                                               self.keys.lease_versions, self.keys.counted, self.keys.reward_failures],
                                          args=[rec.prompt_index, data])
             return entry_id.decode() if entry_id else None
         return self.push_data(data)
@@ -582,6 +612,22 @@ class TrajectoryQueue:
         """Settle a leased prompt this worker cannot generate for (too long; failed twice
         here) without re-issuing it; counted in ``skipped``."""
         self._reissue(keys=self._reissue_keys(worker_id), args=["skip", "skipped", index])
+
+    def reward_failed(self, worker_id: str, index: int, counts: bool, limit: int, fields: dict) -> int | None:
+        """Settle a leased prompt whose reward or environment failed, in one script: a failure that
+        ``counts`` is added to the prompt's; below ``limit`` of them it goes back to be handed out
+        again (any worker's), and at ``limit`` it is settled as dead: a dead letter of ``fields``
+        (``reason`` among them) with its ``prompt_index`` and ``failures``, counted as produced,
+        dead and ``dead_prompts``, its index marked in ``prompts:dropped``. A reward that failed on
+        one prompt every time was given back and handed out again for ever (issue 33 item 12).
+        Returns the prompt's counted failures, negated if it is now dead; None if ``worker_id``
+        no longer held the lease (nothing to settle)."""
+        k = self.keys
+        out = self._reward_failed(
+            keys=[k.leases(worker_id), k.returned, k.attempts, k.counters, k.lease_versions, k.reward_failures,
+                  k.dead, k.dropped],
+            args=[index, "1" if counts else "0", limit, *(x for kv in fields.items() for x in kv)])
+        return None if out is None else int(out)
 
     def reissue_all(self, worker_id: str, only_if_dead: bool = False) -> int:
         """Re-issue every lease of ``worker_id``: a restarted worker's from its previous

@@ -34,7 +34,7 @@ from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.episodes import EpisodeRunner
 from rollout_service.metrics import RolloutMetrics
-from rollout_service.tasks import BadRewardResult, PromptEncoder, RewardError, Task
+from rollout_service.tasks import BadRewardResult, PromptEncoder, RewardError, RewardUnavailable, Task
 from weight_sync.follower import Checkpoint, Synced, WeightFollower
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,72 @@ class Watchdog:
             self.loop.on_fatal(f"{why} for {STUCK_EXIT_S:.0f} s: a restart frees them")
 
 
+class FailedGroups:
+    """What becomes of a prompt whose group will not be pushed: it goes back to be handed out
+    again, or is settled for good (skipped, or dead-lettered) when it cannot succeed."""
+
+    def __init__(self, loop: RolloutLoop):
+        self.loop = loop
+        self.here: set[int] = set()  # prompt indices whose group failed once on this worker
+        # Whether the reward (or environment) has worked on a group here since a failure last counted
+        # against its prompt: a failure counts only then, so an outage counts once at most (reward_failed).
+        self.reward_worked = False
+
+    async def __call__(self, group: _Group, e: Exception) -> None:
+        """A reward or environment that timed out or raised is :meth:`reward_failed`'s; any other
+        failure gives the prompt back once: a prompt that failed twice here (one the engine or the
+        record cannot take, or whose reward's result no record can take) is skipped."""
+        loop, index = self.loop, group.index
+        loop.last_error = f"prompt {index}: {e!r}"
+        log.error("group for prompt %d failed: %r", index, e)
+        group.phase = "failed"
+        if isinstance(e, RewardError):
+            loop.metrics.reward_errors.inc()
+        if isinstance(e, RewardError) and not isinstance(e, BadRewardResult):
+            await self.reward_failed(group, e)
+            return
+        if index in self.here:
+            loop.metrics.prompts_skipped.inc()
+            await asyncio.to_thread(loop.queue.skip, loop.worker_id, index)
+            return
+        self.here.add(index)
+        await asyncio.to_thread(loop.queue.give_back, loop.worker_id, [index])
+        loop.metrics.prompts_given_back.inc()
+
+    async def reward_failed(self, group: _Group, e: RewardError) -> None:
+        """The reward or environment timed out or raised on a group: the prompt goes back, and
+        after ``queue.max_deliveries`` failures counted against it (on any worker) it is settled
+        as dead, with a dead letter naming the error (TrajectoryQueue.reward_failed); it was
+        given back for ever, pausing its worker 2 s each time (issue 33 item 12). A failure
+        counts only if the reward has worked on a group here since one last counted, and never
+        while it takes no calls (RewardUnavailable): a verifier that is down fails on every
+        prompt, which says nothing about them, and counts once at most per outage."""
+        loop = self.loop
+        loop.pause_until = time.monotonic() + 2.0  # let the verifier recover
+        counts = self.reward_worked and not isinstance(e, RewardUnavailable)
+        if counts:
+            self.reward_worked = False
+        limit = loop.cfg.queue.max_deliveries
+        reason = f"{e} ({limit} failures, queue.max_deliveries)"
+        fields = {"reason": reason, "prompt_id": self.prompt_id(group.index), "worker_id": loop.worker_id}
+        failures = await asyncio.to_thread(loop.queue.reward_failed, loop.worker_id, group.index, counts, limit, fields)
+        if failures is None:
+            return  # re-issued meanwhile (this worker's heartbeat had expired): not ours to settle
+        if failures < 0:
+            loop.metrics.prompts_dead.inc()
+            loop.watch.progressed()  # settled
+            log.error("prompt %d dead-lettered: %s", group.index, reason)
+        else:
+            loop.metrics.prompts_given_back.inc()
+
+    def prompt_id(self, index: int) -> str:
+        """The dataset row id of prompt ``index``, for its dead letter ('' if the task cannot say)."""
+        try:
+            return str(self.loop.task.prompt(index).prompt_id)
+        except Exception:  # noqa: BLE001 - a dead letter is written whatever the task says
+            return ""
+
+
 class RolloutLoop:
     def __init__(self, cfg: RunConfig, worker_id: str, address: str, engine: RolloutEngine,
                  queue: TrajectoryQueue, task: Task, tokenizer, metrics: RolloutMetrics,
@@ -146,8 +212,8 @@ class RolloutLoop:
         self.tasks: list[asyncio.Task] = []
         self.last_error: str | None = None
         self.backlog: dict = {}  # what the last back-pressure check saw (for /v1/status)
-        self.failed_here: set[int] = set()  # prompt indices whose group failed once on this worker
         self.pause_until = 0.0  # monotonic time before which no group starts (after a reward error)
+        self.failed = FailedGroups(self)  # what becomes of a prompt whose group will not be pushed
         self.redis_restarts = RestartWatch(self.r, every_s=0.25)  # see _after_redis_restart
         # Idle time: seconds with no group in flight while serving (held by back-pressure, or
         # waiting for weights), as (ended periods' total, wall-clock start of the current one or
@@ -283,9 +349,9 @@ class RolloutLoop:
 
     async def _run_group(self, group: _Group) -> None:
         """Generate, score and push one group. A group that fails before its push is done
-        gives its prompt back, whatever failed, the push included: a push refused before it
-        reached Redis (msgpack or the schema refused the record) once kept its lease for good,
-        and 32 of them held the whole allowance (issue 33 item 12)."""
+        gives its prompt back (FailedGroups), whatever failed, the push included: a push
+        refused before it reached Redis (msgpack or the schema refused the record) once kept
+        its lease for good, and 32 of them held the whole allowance (issue 33 item 12)."""
         index = group.index
         try:
             record = await self._generate_group(group)
@@ -293,19 +359,20 @@ class RolloutLoop:
         except asyncio.CancelledError:
             raise  # stop() gives the prompt back
         except Exception as e:
-            await self._failed(group, e)
+            await self.failed(group, e)
             return
         if record is None:
             await asyncio.to_thread(self.queue.skip, self.worker_id, index)
             self.watch.progressed()
             return
+        self.failed.reward_worked = True
         group.phase = "pushing"
         try:
             pushed = await asyncio.to_thread(self.queue.push, record, self.worker_id)
         except RedisUnavailable:
             raise  # Redis gone: nothing can be given back; the worker's restart re-issues its leases
         except Exception as e:  # a lease given back that the push took is no harm: only held ones go back
-            await self._failed(group, e)
+            await self.failed(group, e)
             return
         # Leave the in-flight count now, so the registry never counts a pushed group twice.
         self._leave(asyncio.current_task())
@@ -317,27 +384,6 @@ class RolloutLoop:
         self.metrics.groups.inc()
         self.metrics.tokens.inc(sum(len(x.tokens) for x in record.samples))
         self.metrics.generate_seconds.observe(record.gen_seconds)
-
-    async def _failed(self, group: _Group, e: Exception) -> None:
-        """A group that will not be pushed gives its prompt back: always after a RewardError
-        (the reward's or verifier's trouble, not the prompt's), else once; a prompt that failed
-        twice here (one the engine, the reward or the record cannot take) is skipped."""
-        index = group.index
-        self.last_error = f"prompt {index}: {e!r}"
-        log.error("group for prompt %d failed: %r", index, e)
-        group.phase = "failed"
-        if isinstance(e, RewardError):
-            self.metrics.reward_errors.inc()
-        if isinstance(e, RewardError) and not isinstance(e, BadRewardResult):
-            self.pause_until = time.monotonic() + 2.0  # let the verifier recover
-        elif index in self.failed_here:
-            self.metrics.prompts_skipped.inc()
-            await asyncio.to_thread(self.queue.skip, self.worker_id, index)
-            return
-        else:
-            self.failed_here.add(index)
-        await asyncio.to_thread(self.queue.give_back, self.worker_id, [index])
-        self.metrics.prompts_given_back.inc()
 
     async def _generate_group(self, group: _Group) -> GroupRecord | None:
         s = self.cfg.sampling

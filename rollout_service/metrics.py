@@ -41,6 +41,8 @@ class RolloutMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r).labels(**labels)
         self.prompts_given_back = counter("rollout_prompts_given_back", "prompts returned to the cursor unfinished")
         self.prompts_skipped = counter("rollout_prompts_skipped", "prompts skipped: too long, or failed twice here")
+        self.prompts_dead = counter("rollout_prompts_dead", "prompts dead-lettered: their reward or environment "
+                                    "failed on them queue.max_deliveries times")
         self.reward_errors = counter("rollout_reward_errors", "groups whose rewards could not be computed")
         self.requests_rejected = Counter("rlpipe_http_rejected", "API requests refused, by status code",
                                          list(labels) + ["code"], registry=r)

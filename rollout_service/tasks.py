@@ -67,6 +67,11 @@ class RewardError(RuntimeError):
     the cursor instead of pushing a wrong reward."""
 
 
+class RewardUnavailable(RewardError):
+    """The reward or environment takes no calls now (too many abandoned ones still run): says
+    nothing about the prompt, so it never counts toward dead-lettering it (rollout_service/loop.py)."""
+
+
 class BadRewardResult(RewardError):
     """A reward or environment answered, with a result no record can take (an int key, a
     reward of 1e39). The same input would likely get it again, so the loop retries its prompt
@@ -112,7 +117,7 @@ class Abandoning:
 
     async def __call__(self, fn, *args):
         if self.stuck:
-            raise RewardError(self.stuck)
+            raise RewardUnavailable(self.stuck)
         async with self.slots:
             done: Future = Future()
 

@@ -27,6 +27,7 @@ from tests.conftest import free_run_id
 
 RELEASE = threading.Event()  # the hung reward calls end when it is set (the copy of this module the task imported)
 CALLS = itertools.count()
+DOWN = threading.Event()  # while set, every call raises (a verifier that is down; the task's copy of this module)
 
 
 def faulty(prompt, response, answer, row):
@@ -40,6 +41,10 @@ def faulty(prompt, response, answer, row):
         return 1.0, {f"k{i}": i for i in range(200_000)}
     if fault == "hangs" and next(CALLS) % 8 == 7:  # one call in eight, as in the attack round
         RELEASE.wait()
+    if fault == "raises":
+        raise ValueError(f"cannot score row {row['id']}")
+    if DOWN.is_set():
+        raise ConnectionError("the reward's backend is down")
     return 1.0, {"fault": fault}
 
 
@@ -178,3 +183,66 @@ def test_a_loop_generating_without_pushing_past_its_limit_is_stuck(redis_server,
     assert "no group pushed or settled in" in loop.watch.stuck(now + limit + 1)
     loop.watch.progressed()
     assert loop.watch.stuck(time.time() + limit / 2) is None
+
+
+def dead_letters(loop: RolloutLoop) -> list[dict]:
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in loop.r.xrange(loop.keys.dead)]
+
+
+def test_a_reward_that_always_fails_on_one_prompt_dead_letters_it_once_and_the_others_train(redis_server, tmp_path):
+    """A reward that raises on one row, every time (the attack round's follow-up to item 12: it
+    was given back and handed out again for ever, each failure pausing the worker 2 s): after
+    queue.max_deliveries failures the prompt is settled as dead, once, with a dead letter naming
+    the reward's error, counted in the books (produced and dead, its index in prompts:dropped),
+    and the other prompts keep training, epoch after epoch (row 3 is a new prompt index in each)."""
+    faults = ["ok", "ok", "ok", "raises", "ok", "ok", "ok", "ok"]
+    loop = make_loop(redis_server, tmp_path, faults)
+    limit = loop.cfg.queue.max_deliveries
+    asyncio.run(run_for(loop, 45, until=lambda: loop.r.xlen(loop.keys.dead) >= 2 and loop.r.xlen(loop.keys.traj) >= 21))
+    records, dead = pushed(loop), dead_letters(loop)
+    assert len(dead) >= 2, (dead, loop.last_error, len(records))  # rows 3 and 11: epochs 0 and 1
+    bad = [int(d["prompt_index"]) for d in dead]
+    assert len(set(bad)) == len(bad) and all(i % len(faults) == 3 for i in bad), dead  # each once
+    for d in dead:
+        assert d["prompt_id"] == "p3" and d["failures"] == str(limit), d
+        assert d["reason"] == ("task.reward tests.test_loop_faults:faulty raised ValueError: cannot score row p3 "
+                               f"({limit} failures, queue.max_deliveries)"), d
+    # the others trained: every good index below the last bad one was pushed, none of row 3's
+    done = {rec.prompt_index for rec in records}
+    assert {i for i in range(max(bad)) if i % len(faults) != 3} <= done and not done & set(bad), (done, bad)
+    c = loop.queue.counters()
+    assert c["dead"] == c["dead_prompts"] == len(dead) and c["produced"] == c["dead"] + len(records), c
+    assert c["leased"] == 0 and loop.queue.leased("w0") == set()
+    assert all(i in loop.queue.dropped_indices() for i in bad)  # settled: a late group would be a duplicate
+    attempts = {int(k): int(v) for k, v in loop.r.hgetall(loop.keys.attempts).items()}
+    assert all(attempts.get(i, 0) <= limit for i in bad), attempts  # handed out at most limit + 1 times
+    assert not {i for i in loop.r.lrange(loop.keys.returned, 0, -1) if int(i) in bad}  # never handed out again
+
+
+def test_a_reward_that_fails_on_every_prompt_is_an_outage_and_dead_letters_none(redis_server, tmp_path):
+    """A reward whose backend is down fails on every prompt: that says nothing about the
+    prompts, so none is dead-lettered; they go back and are trained once it is up again. (A
+    failure counts against its prompt only once the reward has worked since the last one
+    that counted: an outage counts once at most.)"""
+    loop = make_loop(redis_server, tmp_path, ["ok"] * 8)
+    down = loop.task.reward.fn.__globals__["DOWN"]
+    down.set()
+
+    async def outage_then_up():
+        loop.dispatcher = asyncio.create_task(loop._dispatch())
+        loop.tasks = [loop.dispatcher]
+        await asyncio.sleep(8)  # several rounds of failures, each given back
+        down.clear()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and loop.r.xlen(loop.keys.traj) < 16:
+            await asyncio.sleep(0.05)
+        await loop.stop(deadline_s=5)
+
+    try:
+        asyncio.run(outage_then_up())
+    finally:
+        down.clear()
+    assert loop.metrics.reward_errors._value.get() >= 8  # it was down for several rounds
+    assert dead_letters(loop) == [] and len(pushed(loop)) >= 16
+    assert {rec.prompt_index for rec in pushed(loop)} >= set(range(8))  # the prompts that failed were trained
+    assert loop.queue.leased("w0") == set()
