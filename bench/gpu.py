@@ -121,12 +121,17 @@ def matmul_params(model) -> int:
     return total if tied else total - model.get_input_embeddings().weight.numel()
 
 
-def learner_step(model, batch, steps: int, device: str, peak: float | None) -> dict:
+def learner_step(model, batch, steps: int, device: str, peak: float | None, served: bool = False) -> dict:
     """Median seconds of one training step over ``batch`` after a warm-up step, as the
     learner's PPO update computes it: bf16 autocast over the fp32 weights, PPO-clip loss,
-    token-mean aggregation, gradient clipping, AdamW."""
+    token-mean aggregation, gradient clipping, AdamW. ``served``: forward and backward at
+    the weights a bf16 engine serves (learner.served.ServedWeights, ``learner.served_weights``),
+    the optimizer step at the master's."""
     from learner.loss import loss_denominator, loss_sum, ppo_clip_terms
     from learner.policy import token_logprobs
+    from learner.served import ServedWeights
+
+    rounding = ServedWeights(model.parameters(), torch.bfloat16 if served else None)
 
     model.to(device).eval()  # eval: the learner runs without dropout
     batch = batch.to(device)
@@ -138,11 +143,12 @@ def learner_step(model, batch, steps: int, device: str, peak: float | None) -> d
         sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logp, _ = token_logprobs(model, batch, "bf16")
-        per_token, _ = ppo_clip_terms(logp, logp.detach(), batch.advantages, batch.mask, torch.ones_like(logp),
-                                      0.2, 0.28)
-        loss = loss_sum(per_token, batch.mask, "token_mean") / loss_denominator(batch.mask, "token_mean", 0)
-        loss.backward()
+        with rounding.rounded():
+            logp, _ = token_logprobs(model, batch, "bf16")
+            per_token, _ = ppo_clip_terms(logp, logp.detach(), batch.advantages, batch.mask, torch.ones_like(logp),
+                                          0.2, 0.28)
+            loss = loss_sum(per_token, batch.mask, "token_mean") / loss_denominator(batch.mask, "token_mean", 0)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sync(device)

@@ -1,6 +1,6 @@
 """bench/gpu.py's device check (issue 37): what bench/gpu.py measures, plus the IPC transport
 between two processes on one GPU, delta encode/apply, and the learner step with activation
-checkpointing on and off; one command, sized for at most 8 minutes on one H100:
+checkpointing and served bf16 weights each on and off; one command, sized for at most 8 minutes on one H100:
 
     python bench/gpu.py --device-check --out DIR     # writes DIR/gpu.json and DIR/gpu.md
 
@@ -199,16 +199,19 @@ def delta_times(numel: int, device: str, repeats: int) -> list[dict]:
 
 
 # -- the learner step with activation checkpointing ----------------------------------------------
-def checkpointed_step(shape: dict, args, device: str, peak) -> dict:
-    """bench/gpu.py's learner step on a fresh random Qwen2 of ``shape`` with each decoder
-    layer recomputed in the backward pass (learner.policy.enable_activation_checkpointing)."""
+def lever_step(shape: dict, args, device: str, peak, checkpointing: bool, served: bool) -> dict:
+    """bench/gpu.py's learner step on a fresh random Qwen2 of ``shape`` with the learner's
+    levers: each decoder layer recomputed in the backward pass
+    (learner.policy.enable_activation_checkpointing), and/or the forward and backward at the
+    served bf16 weights (learner.served.ServedWeights)."""
     from bench.gpu import learner_step, qwen2, random_batch
     from learner.policy import enable_activation_checkpointing
 
     model = qwen2(shape)
-    wrapped = enable_activation_checkpointing(model)
-    r = learner_step(model, random_batch(model.config.vocab_size, args.rows, args.seq), args.steps, device, peak)
-    return {**r, "checkpointed_layers": wrapped}
+    wrapped = enable_activation_checkpointing(model) if checkpointing else 0
+    r = learner_step(model, random_batch(model.config.vocab_size, args.rows, args.seq), args.steps, device, peak,
+                     served=served)
+    return {**r, "checkpointed_layers": wrapped, "served_weights": served}
 
 
 # -- the check: bench/gpu.py's measurements and these, into one section ---------------------------
@@ -217,7 +220,7 @@ def sizes(quick: bool) -> dict:
     and the dry run's toy ones."""
     if quick:
         return {"ipc_bytes": 1 << 20, "ipc_bucket": 1 << 18, "ipc_versions": 2, "delta_numel": 1 << 14, "repeats": 1}
-    return {"ipc_bytes": 2 << 30, "ipc_bucket": 256 << 20, "ipc_versions": 3, "delta_numel": 256 << 20,
+    return {"ipc_bytes": 2 << 30, "ipc_bucket": 256 << 20, "ipc_versions": 3, "delta_numel": 64 << 20,
             "repeats": 3}
 
 
@@ -245,16 +248,16 @@ def measure_more(args, out: dict) -> dict:
                 torch.cuda.empty_cache()
 
     shape = "toy" if out["smoke"] else "1.5B"
-    label = f"random Qwen2, {shape} shapes, activation checkpointing"
-    r = attempt(f"learner step, {label}", lambda: checkpointed_step(SHAPES[shape], args, device,
-                                                                    out["peak_bf16_tflops"]))
-    if r:
-        out["learner"][label] = r
+    for ckpt, served in ((True, False), (False, True), (True, True)):  # both off: bench/gpu.py's own row
+        label = f"random Qwen2, {shape} shapes" + (", activation checkpointing" if ckpt else "") + (
+            ", served bf16 weights" if served else "")
+        r = attempt(f"learner step, {label}", lambda: lever_step(SHAPES[shape], args, device,
+                                                                 out["peak_bf16_tflops"], ckpt, served))
+        if r:
+            out["learner"][label] = r
     out["ipc"] = attempt("ipc transport", lambda: ipc_transport(sz["ipc_bytes"], sz["ipc_bucket"],
                                                                 sz["ipc_versions"], device))
     out["delta"] = attempt("delta encode/apply", lambda: delta_times(sz["delta_numel"], device, sz["repeats"])) or []
-    out["skipped"]["served weights on/off"] = ("the learner keeps no separate served copy to switch (bench/gpu.py "
-                                               "steps the fp32 master weights only)")
     return out
 
 
