@@ -84,6 +84,9 @@ PARTS = (
          ("--quick", "--device-check", "--out", "{json_dir}"), ("gpu",)),
 )
 ORDER = [s for p in PARTS for s in p.sections]
+# Why a section may be missing, beyond "not run yet": the GPU one needs a GPU machine (docs/gpu.md).
+NOT_RUN = {"gpu": "the GPU run is still owed: no GPU machine has been lent yet; on one, run `python bench/gpu.py "
+                  "--device-check --out DIR` as docs/gpu.md says, and copy DIR/gpu.json to docs/results/"}
 
 HEADER = """# rlpipe: results
 
@@ -148,7 +151,7 @@ def render(out: Path, failed: dict[str, str] | None = None) -> Path:
                          machine="; ".join(machines) or "this machine", contents=contents)
     if missing or failed:
         text += "\n**Not in this report:** " + ", ".join(
-            f"{n} ({(failed or {}).get(n, 'not run yet')})" for n in missing) + "\n"
+            f"{n} ({(failed or {}).get(n, NOT_RUN.get(n, 'not run yet'))})" for n in missing) + "\n"
     text += "\n" + "\n\n".join(render_section(s, "results/") for s in sections.values())
     path = out / "results.md"
     path.write_text(text)
