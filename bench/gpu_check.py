@@ -10,10 +10,11 @@ process, the gloo group, the handle's JSON encoding and the per-bucket acks all 
 handle is a stand-in and the receiver does not read the bytes (the section says so).
 
 What must travel (the device image lacks it; ``scripts/gpu_wheels.sh`` downloads exactly these
-into the ignored ``.whl/``, 2.7 MiB, and the run carries ``.whl``): pydantic 2.14.4,
+into the ignored ``.whl/``, 2.8 MiB, and the run carries ``.whl``): pydantic 2.14.4,
 pydantic-core 2.50.5, annotated-types 0.8.0, typing-inspection 0.4.5 (rlpipe/config.py's
-pydantic, reached through rlpipe.schema and learner.batch). Everything else the check imports
-is on the device (torch, transformers, numpy, safetensors, psutil, pyyaml, typing-extensions).
+pydantic, reached through rlpipe.schema and learner.batch), and typing-extensions 4.16+ (pydantic
+needs >= 4.16; the device's version is unknown). Everything else the check imports is on the
+device (torch, transformers, numpy, safetensors, psutil, pyyaml).
 The set is what importing exactly :data:`CHECK_MODULES` pulls in beyond the standard library
 (``scripts/gpu_wheels.sh --probe`` lists it again), less the device's package list.
 """

@@ -25,7 +25,8 @@ own = {"bench", "learner", "quant", "weight_sync", "rlpipe", "__main__", "__mp_m
 print("\n".join(sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names) - own
                        - {m for m in sys.modules if m.startswith("_")})))'
 fi
-WHEELS=(pydantic pydantic-core annotated-types typing-inspection)
+# typing-extensions too: pydantic needs >= 4.16, and the device's version is not known here.
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
 pins=()
 for name in "${WHEELS[@]}"; do
   version=$("$PY" -m pip show "$name" | awk '/^Version:/ {print $2}')
