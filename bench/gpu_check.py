@@ -30,7 +30,8 @@ import time
 import torch
 
 # Every rlpipe module the device check imports (the dry run imports exactly these).
-CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "learner.batch", "learner.loss", "learner.policy", "rlpipe.schema", "weight_sync.ipc",
+CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "learner.batch", "learner.loss", "learner.policy", "learner.served",
+                 "rlpipe.schema", "weight_sync.ipc",
                  "weight_sync.delta", "weight_sync.manifest", "weight_sync.transport", "quant.delta", "quant.int8",
                  "quant.profile", "rlpipe.results", "bench.peak_memory")
 DRY = "CPU dry run: CUDA IPC export/map skipped (stand-in handle, bytes not read); numbers meaningless."

@@ -80,7 +80,8 @@ PARTS = (
          (), ("--quick",), ("soak",)),
     # without CUDA the full run is the smoke too, and its section says the numbers are meaningless
     Part("gpu", "GPU device check: learner MFU (activation checkpointing on/off), per-update quantization "
-         "to 32B, W8A8 kernels, IPC transport, delta, checkpoint save (CPU dry run without a GPU)", "bench/gpu.py", ("--device-check", "--out", "{json_dir}"),
+         "to 32B, W8A8 kernels, IPC transport, delta, checkpoint save (CPU dry run without a GPU)", "bench/gpu.py",
+         ("--device-check", "--out", "{json_dir}"),
          ("--quick", "--device-check", "--out", "{json_dir}"), ("gpu",)),
 )
 ORDER = [s for p in PARTS for s in p.sections]

@@ -48,7 +48,8 @@ def test_the_device_checks_dry_run_writes_every_table_and_imports_nothing_from_v
     steps = rows("Learner step")  # the levers: activation checkpointing and served weights, each on and off
     for step in steps:
         assert step["step s"] > 0 and step["tokens/s"] > 0 and step["MFU"] is None  # no GPU, no peak to divide by
-    levers = {(r.get("checkpointed_layers", 0), r.get("served_weights", False)) for r in sec["data"]["learner"].values()}
+    levers = {(r.get("checkpointed_layers", 0), r.get("served_weights", False))
+              for r in sec["data"]["learner"].values()}
     assert levers == {(0, False), (2, False), (0, True), (2, True)}, levers
     (ipc,) = rows("IPC transport between two processes on one GPU")
     assert ipc["buckets"] > 1 and ipc["IpcBroadcast s/version"] > 0 and ipc["raw copy GB/s"] > 0
