@@ -265,7 +265,7 @@ class GlooGroup:
         others still get the version (a failed collective leaves every peer waiting out its
         timeout)."""
         try:
-            return self._pair(dst).send([tensor], 1, tag)
+            return self._pair(dst).send([tensor], 0 if dst == 0 else 1, tag)
         except SyncError:
             raise
         except Exception as e:
