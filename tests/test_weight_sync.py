@@ -439,7 +439,10 @@ def test_a_generations_only_member_that_died_is_left_out_at_once_and_its_restart
             t0 = time.monotonic()
             stats = sender.sync(version, lambda: weights.items(), live)
             assert stats.members == 1 and (stats.form_s > 0) == (version == 5), stats
-            assert results.get(timeout=30) == ("w0", checksum(weights.items()), version)
+            got = results.get(timeout=30)
+            while got[1] == "SyncError" and version == 5:  # the restart may first try the generation it
+                got = results.get(timeout=30)  # read at its start, gone with its store (a loaded machine)
+            assert got == ("w0", checksum(weights.items()), version)
             assert time.monotonic() - t0 < timeout_s / 2
         assert sender.members == ("w0",) and sender.left_out_total == 1
     finally:
