@@ -24,6 +24,8 @@ from tests.conftest import ROOT, free_run_id, wait_for
 pytestmark = pytest.mark.slow
 
 
+# soak: a live fleet run of minutes; tests/test_autoscale.py holds the policy's rules in the suite
+@pytest.mark.soak
 def test_the_fleet_grows_while_the_learner_starves_and_shrinks_while_rollout_idles(tmp_path, toy_model_path,
                                                                                     redis_server):
     run_id = free_run_id("autoscale")

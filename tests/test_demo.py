@@ -147,6 +147,8 @@ def test_short_demo_runs_and_stamps_its_records(tmp_path, precision, is_mode, dt
     assert 0 < rows[0]["mismatch_k3_kl"] < 0.05
 
 
+# soak: a whole mixed demo; tests/test_mixed_fleet.py holds a mixed fleet's promise in the suite
+@pytest.mark.soak
 def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     """``rlpipe demo --precision int8,bf16``: the launcher calibrates an int8 profile, one
     worker runs int8 (from the profile's checkpoint, updated with the learner's int8
@@ -183,7 +185,9 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     assert json.loads((last / "rollout" / "int8" / "quant.json").read_text())["quant_profile"] == profile.hash
 
 
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+# SIGKILL is a soak case (the same cleanup path as Ctrl-C, minutes on CI)
+@pytest.mark.parametrize("how", [signal.SIGINT, pytest.param(signal.SIGKILL, marks=pytest.mark.soak)],
+                         ids=["ctrl-c", "sigkill"])
 def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
     """The signal goes to the demo's whole process group, as a terminal's Ctrl-C does. A
     Ctrl-C finishes the step in hand and checkpoints it, then stops the workers and Redis

@@ -41,6 +41,8 @@ def test_learner_ranks_is_one_key_that_turns_the_learner_into_torchrun():
     assert env["OMP_NUM_THREADS"] == "3"
 
 
+# soak: a whole two-rank demo; test_ddp, test_fsdp and test_demo cover its parts in the suite
+@pytest.mark.soak
 @pytest.mark.slow
 def test_two_learner_ranks_train_the_toy_llama_sync_an_int8_worker_and_stop_cleanly(tmp_path):
     # int8 covers what a bf16 worker would here, and more: the sharded bf16 sync has tests/test_fsdp.py

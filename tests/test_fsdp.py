@@ -69,7 +69,8 @@ def optimizer_format(run_dir) -> str:
     return "sharded" if sharded else "full"
 
 
-@pytest.mark.parametrize("checkpoint_format", ["full", "auto"])
+# "auto" (sharded on several ranks) is a soak case: minutes on CI, and "full" crosses the same loads
+@pytest.mark.parametrize("checkpoint_format", ["full", pytest.param("auto", marks=pytest.mark.soak)])
 def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server, toy_model_path, tmp_path,
                                                                    checkpoint_format):
     groups = synthetic_groups(load_policy(toy_model_path), 16, seed=5, noise=0.1)
@@ -122,6 +123,8 @@ def test_sync_from_sharded_ranks_gathers_one_bucket_at_a_time(redis_server, tmp_
     assert sync_peak < whole_peak / 4, got
 
 
+# soak: minutes on CI; test_fsdp's sharded sync and test_quant's int8 cover each half in the suite
+@pytest.mark.soak
 def test_int8_from_sharded_ranks_is_the_whole_models_quantization_bit_for_bit(redis_server, tmp_path):
     """Item 6 of the GPU-cluster issue: the learner's int8 channel under FSDP plans its
     manifest from shapes, quantizes each bucket as it is gathered and monitors a layer
@@ -153,6 +156,8 @@ def test_int8_from_sharded_ranks_is_the_whole_models_quantization_bit_for_bit(re
         ("model.layers.0.", "model.layers.16.", "model.layers.31."))
 
 
+# soak: minutes on CI; test_multinode's lost node covers a rank's death ending the job and its resume
+@pytest.mark.soak
 def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(tmp_path, toy_model_path):
     from tests.test_restarts import SETTINGS, SETTLE
 

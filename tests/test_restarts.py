@@ -65,6 +65,8 @@ def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_
     assert books["lost"] == 0 and books["trained_twice"] == 0
 
 
+# soak: a fault run of minutes; test_rollout_loop and test_queue cover leases given back in the suite
+@pytest.mark.soak
 def test_a_dead_or_paused_worker_loses_no_prompt_and_none_is_trained_twice(tmp_path, toy_model_path):
     """w1 is paused (SIGSTOP) with groups in flight past its heartbeat TTL: its prompts are
     re-issued, and when it resumes, its late pushes of them are refused (a zombie). Later

@@ -41,6 +41,8 @@ def stream_records(q: TrajectoryQueue) -> list:
     return [e.record for e in q._decode(q.r.xrange(q.keys.traj))]
 
 
+# soak: two engines for minutes; test_queue's cursor across processes and test_resume's SIGTERM cover it in the suite
+@pytest.mark.soak
 def test_workers_share_the_cursor_and_sigterm_gives_unfinished_prompts_back(redis_server, toy_model_path, tmp_path):
     from learner.policy import load_policy
     from weight_sync.sender import WeightSender

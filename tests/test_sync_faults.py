@@ -130,6 +130,8 @@ def test_a_worker_killed_mid_transfer_costs_one_timeout_and_catches_up_on_restar
     assert w0.poll() is None
 
 
+# soak: minutes on CI; test_resume's takeover and test_weight_sync's re-forming cover it in the suite
+@pytest.mark.soak
 def test_workers_keep_serving_through_a_learner_restart_then_rejoin(run):
     cfg, start_learner, start_worker = run(workers=1)
     r, keys = connect(cfg.redis_url), Keys(cfg.run_id)
