@@ -202,6 +202,11 @@ def test_a_relay_passes_a_workers_proof_to_the_gate_but_cannot_use_the_connectio
                 dst.sendall(data)
         except OSError:
             pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_RDWR)  # the gate closed on the relay: so does the relay's client
+            except OSError:
+                pass
 
     def mitm():
         victim, _ = relay.accept()
@@ -211,6 +216,7 @@ def test_a_relay_passes_a_workers_proof_to_the_gate_but_cannot_use_the_connectio
         victim.sendall(_recv_for(up, 1.0))  # the gate's yes (and its proof, where it gives one)
         admitted.set()
         mine, _ = bridge.accept()  # the relay's own store client, over the worker's connection
+        bridge.close()  # one try: a retry of the client is refused, not left waiting in the backlog
         threading.Thread(target=pump, args=(up, mine), daemon=True).start()
         pump(mine, up)
 
