@@ -443,7 +443,10 @@ def test_a_generations_only_member_that_died_is_left_out_at_once_and_its_restart
             while got[1] == "SyncError" and version == 5:  # the restart may first try the generation it
                 got = results.get(timeout=30)  # read at its start, gone with its store (a loaded machine)
             assert got == ("w0", checksum(weights.items()), version)
-            assert time.monotonic() - t0 < timeout_s / 2
+            # Version 5 forms the generation the restart joins: on a loaded machine the restart may
+            # first spend its store client's connect timeout on the generation it read at its start
+            # (seen: 5.8 s). A stale listing shows as members == 0 above, not as time.
+            assert time.monotonic() - t0 < (2 * timeout_s if version == 5 else timeout_s / 2)
         assert sender.members == ("w0",) and sender.left_out_total == 1
     finally:
         stop(procs)
