@@ -415,7 +415,9 @@ def test_a_generations_only_member_that_died_is_left_out_at_once_and_its_restart
     killed worker, alone on its precision's channel, stopped the learner for a minute). Now
     it is left out in its incarnation at once, and its restart gets every version on time."""
     run_id = free_run_id("ws")
-    timeout_s = 6.0  # the check-in deadline a stale listing would cost
+    # the check-in deadline a stale listing would cost; above the restart's own 5 s store timeout, which
+    # it may first spend on the generation it read at its start (its store gone) on a loaded machine
+    timeout_s = 12.0
     procs, results = start_receivers(redis_server, run_id, {"w0": "crash"}, versions=10)  # dies in version 3
     sender = make_sender(r, run_id, timeout_s=timeout_s, bucket_bytes=64 << 10)
     weights, live = model_weights(5), {"w0": "a"}
