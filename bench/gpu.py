@@ -385,6 +385,24 @@ def checkpoint_save(model, label: str) -> dict:
 
 
 # -- the section ----------------------------------------------------------------------------------
+def attempt_part(out: dict, what: str, fn, device: str):
+    """Run one part of the check: on a GPU a failure is recorded in ``out["errors"]`` and the
+    rest run; in the dry run (``out["smoke"]``) it is fatal, so rot shows on CPU."""
+    try:
+        return fn()
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if out["smoke"] or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        import traceback
+
+        traceback.print_exc()
+        out["errors"][what] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def measure(args) -> dict:
     """Every measurement at the sizes of ``args`` (smoke: toy). On a GPU a measurement that
     fails is recorded with its error and the others still run (one rented hour should not
@@ -401,19 +419,7 @@ def measure(args) -> dict:
         print(f"[{time.perf_counter() - t_start:.1f}s] {msg}", file=sys.stderr, flush=True)
 
     def attempt(what: str, fn):
-        try:
-            return fn()
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if smoke or isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            import traceback
-
-            traceback.print_exc()
-            out["errors"][what] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            return None
-        finally:
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        return attempt_part(out, what, fn, device)
 
     def step(label: str, model) -> None:
         batch = random_batch(model.config.vocab_size, args.rows, args.seq)

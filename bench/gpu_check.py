@@ -229,25 +229,13 @@ def sizes(quick: bool) -> dict:
 def measure_more(args, out: dict) -> dict:
     """The device check's parts that bench/gpu.py's ``measure`` lacks, each attempted on its
     own on a GPU (a failure is recorded and the rest run) and fatal in the dry run."""
-    from bench.gpu import SHAPES
+    from bench.gpu import SHAPES, attempt_part
 
     device = "cpu" if out["smoke"] else "cuda"
     sz = sizes(out["smoke"])
 
     def attempt(what, fn):
-        try:
-            return fn()
-        except Exception as e:
-            if out["smoke"]:
-                raise
-            import traceback
-
-            traceback.print_exc()
-            out["errors"][what] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            return None
-        finally:
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        return attempt_part(out, what, fn, device)
 
     shape = "toy" if out["smoke"] else "1.5B"
     for ckpt, served in ((True, False), (False, True), (True, True)):  # both off: bench/gpu.py's own row
