@@ -109,6 +109,16 @@ class Evals:
             self.r.xadd(self.keys.eval_requests, {"version": version, "step": step})
             log.info("eval of version %d (step %d) requested", version, step)
 
+    def start(self, version: int, step: int) -> None:
+        """The evaluation a learner asks for before its first step here. With ``eval.base_at_rest``
+        a fresh run's step 0 waits for it, so every row sees version 0 (an evaluation beside training
+        spans the versions the engine takes meanwhile); a restart logged it already and goes on."""
+        if self.cfg.eval.base_at_rest and step == 0 and self.last_id == "0-0":
+            log.info("eval.base_at_rest: waiting for the base model's evaluation before the first update")
+            self.finish(version, step)
+        else:
+            self.request(version, step)
+
     def poll(self, step: int) -> list[dict]:
         """Log the results that arrived since the last one logged; returns them. Any other
         entry is dead-lettered (see the module docstring), and the learner goes on."""

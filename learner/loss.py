@@ -39,7 +39,7 @@ def row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # -- advantages ------------------------------------------------------------------------------
 def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm: bool = True,
-                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float = 1e-6, negative_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages (G, n) for rewards (G, n), and which groups carry signal (G,) bool.
 
     grpo          r - mean(group), divided by the group's std when ``std_norm``
@@ -49,6 +49,9 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm:
 
     A group whose rewards are all equal has no signal under any of them: its advantages
     are 0 and it is reported as not informative, so the learner skips it (dynamic sampling).
+    ``negative_scale`` (``learner.negative_scale``) then scales the advantages below 0: pushing
+    a sampled token down spreads its mass over the others (entropy grows), while pulling a right
+    answer up concentrates it, which is what greedy pass@1 reads.
     """
     informative = (rewards.max(dim=1).values - rewards.min(dim=1).values) > 0
     n = rewards.shape[1]
@@ -64,6 +67,8 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm:
             adv = (centered - signal.mean()) / (signal.std() + eps)
     else:
         raise ValueError(f"advantage: unknown estimator {estimator!r}")
+    if negative_scale != 1.0:
+        adv = torch.where(adv < 0, adv * negative_scale, adv)
     return adv * informative[:, None], informative
 
 

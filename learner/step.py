@@ -129,7 +129,8 @@ class PPOStep:
         # kl_in reward: each sample's reward less kl_coef x its k1 sum against the reference, under
         # the policy that sampled it as the learner sees it (pi_old).
         kl_metrics, scored = self._kl_before_update(pi_old, ref_lp, batch.mask, rewards)
-        advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm)
+        advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm,
+                                                         negative_scale=lc.negative_scale)
         batch.advantages = advantages.reshape(-1).to(self.device)  # rows are records x samples (collate)
         weights, is_metrics = importance_weights(pi_old, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low,
                                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
@@ -214,7 +215,8 @@ class PPOStep:
         mu, n_rows = batch.behavior_logprobs, len(batch.rewards)
         ref_lp = self._no_grad_pass(batch, policy=False)[2] if self.reference is not None else None
         kl_metrics, scored = self._kl_before_update(mu, ref_lp, batch.mask, rewards)
-        advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm)
+        advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm,
+                                                         negative_scale=lc.negative_scale)
         batch.advantages = advantages.reshape(-1).to(self.device)
         everyone = torch.arange(n_rows, device=self.device)
         pi_old, entropy, seen = torch.zeros_like(mu), torch.zeros_like(mu), torch.zeros(n_rows, device=self.device)

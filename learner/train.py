@@ -179,8 +179,8 @@ class Learner:
             self.ledger.take_over_pending()
             self._set_status("running")
             self.metrics.set(learner_step=self.step, learner_version=self.version)
-            if self.evals.due(self.step):
-                self.evals.request(self.version, self.step)  # step 0: the base model
+            if self.evals.due(self.step):  # step 0 (or a restart's step): the base model
+                self.evals.start(self.version, self.step)
         while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None

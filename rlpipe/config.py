@@ -372,6 +372,10 @@ class LearnerConfig(HttpTimeouts):
                                                                "baseline), reinforce_pp (group baseline, batch "
                                                                "normalisation)")
     adv_std_norm: bool = Field(True, description="grpo: divide by the group's reward std")
+    negative_scale: float = Field(1.0, ge=0, le=1, description="the negative advantages are multiplied by this "
+                                  "(1 = the estimator's own); below 1 a step learns more from the right answers "
+                                  "than it pushes down the wrong ones, which sharpens greedy pass@1 and keeps "
+                                  "entropy from growing (docs/baselines.md)")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = Field(
         "token_mean", description="how per-token losses make the step's loss: the mean over all tokens, the mean "
         "over sequences of each one's token mean, or each sequence's sum over loss_norm_length (Dr. GRPO)")
@@ -603,6 +607,9 @@ class EvalConfig(Section):
                               "(else a shared question is refused at launch)")
     concurrency: int = Field(8, ge=1, description="rows in flight at once on the worker's engine, beside "
                              "its rollout groups")
+    base_at_rest: bool = Field(False, description="the learner waits for step 0's evaluation before its first "
+                               "update, so the base model is evaluated alone, not across the first versions "
+                               "(what a paired test against the base model needs)")
     final_wait_s: float = Field(600.0, ge=0, description="how long the learner waits at the end of the run "
                                 "for the last evaluation (workers keep serving meanwhile)")
 

@@ -165,7 +165,8 @@ def role_envs(cfg: RunConfig) -> tuple[list[dict[str, str]], dict[str, str]]:
     """The environment of each worker and of the learner: their cores, OMP threads and GPUs."""
     cores = parse_cpus(cfg.rollout.cpus) or None
     gpus = launch_plan(cfg)
-    return ([{**worker_env(i, cfg.workers, cores), **gpus.worker_env(i)} for i in range(cfg.workers)],
+    learner_cores = parse_cpus(cfg.learner.cpus)
+    return ([{**worker_env(i, cfg.workers, cores, learner_cores), **gpus.worker_env(i)} for i in range(cfg.workers)],
             {**learner_env(cfg), **gpus.learner_env()})
 
 

@@ -45,7 +45,7 @@ import psutil
 
 from rlpipe.auth import SYNC_TOKEN_ENV, sync_token
 from rlpipe.config import ConfigError
-from rlpipe.proc import AFFINITY_ENV, parse_cpus
+from rlpipe.proc import AFFINITY_ENV, NICE_ENV, SHARED_CORE_NICE, parse_cpus
 
 # Environment every role gets: no hub, no telemetry, quiet vLLM.
 ROLE_ENV = {
@@ -236,16 +236,25 @@ def torchrun_command(cfg, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return cmd, {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
-def worker_env(index: int, n_workers: int, cores: list[int] | None = None) -> dict[str, str]:
+def worker_env(index: int, n_workers: int, cores: list[int] | None = None,
+               learner_cores: list[int] = ()) -> dict[str, str]:
     """Give worker ``index`` its share of ``cores`` (``rollout.cpus``; by default this
     machine's): an equal slice when there are more cores than workers, else one core each,
     round-robin. The engine runs in the worker's process tree with vLLM's own OpenMP binding
     off (the ``uni`` executor, rollout_service/vllm_compat.py), so this mask and
-    ``OMP_NUM_THREADS`` are all that place it."""
+    ``OMP_NUM_THREADS`` are all that place it.
+
+    A worker given one of ``learner_cores`` (``learner.cpus``) runs at the lowest priority
+    (nice 19): it takes that core while the learner waits for groups, and yields it to the
+    learner's step at once, so the learner trains as fast as alone and its idle time becomes
+    rollout."""
     cores = cores or sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // n_workers)
     mine = [cores[(index * per + k) % len(cores)] for k in range(per)]
-    return {AFFINITY_ENV: ",".join(map(str, mine)), "OMP_NUM_THREADS": str(per)}
+    env = {AFFINITY_ENV: ",".join(map(str, mine)), "OMP_NUM_THREADS": str(per)}
+    if set(mine) & set(learner_cores):
+        env[NICE_ENV] = str(SHARED_CORE_NICE)
+    return env
 
 
 def learner_env(cfg) -> dict[str, str]:

@@ -22,6 +22,8 @@ def setup_logging(role: str, level: str | None = None) -> None:
 
 
 AFFINITY_ENV = "RLPIPE_CPU_AFFINITY"
+NICE_ENV = "RLPIPE_NICE"  # a worker that shares a core with the learner yields it (rlpipe.launcher.worker_env)
+SHARED_CORE_NICE = 19
 
 
 def parse_cpus(spec: str) -> list[int]:
@@ -38,10 +40,14 @@ def apply_cpu_affinity() -> list[int]:
     """Pin this process to the cores in ``RLPIPE_CPU_AFFINITY`` (set by the launcher from
     ``rollout.cpus`` / ``learner.cpus``), so a role keeps its own cores. Called before
     anything starts threads or children: vLLM's engine process and torchrun's learner
-    ranks inherit the mask. Returns the cores (empty: unset, left as it was)."""
+    ranks inherit the mask. ``RLPIPE_NICE`` lowers the priority the same way (a worker on
+    the learner's core). Returns the cores (empty: unset, left as it was)."""
     cpus = parse_cpus(os.environ.get(AFFINITY_ENV, ""))
     if cpus:
         os.sched_setaffinity(0, cpus)
+    nice = int(os.environ.get(NICE_ENV) or 0)
+    if nice > os.getpriority(os.PRIO_PROCESS, 0):  # inherited by the engine process, as the mask is
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     return cpus
 
 

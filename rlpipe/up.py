@@ -198,7 +198,8 @@ class Supervisor:
         i = int(name[1:])
         return Role(name, ["rollout", *cfg_arg, "--worker-id", name, "--precision", self.cfg.rollout.worker_precision(i),
                            "--address-file", str(self.run_dir / "addresses" / name)],
-                    {**worker_env(i, max(i + 1, self.cfg.worker_slots), parse_cpus(self.cfg.rollout.cpus) or None),
+                    {**worker_env(i, max(i + 1, self.cfg.worker_slots), parse_cpus(self.cfg.rollout.cpus) or None,
+                                 parse_cpus(self.cfg.learner.cpus)),
                      **self.gpus.worker_env(i)})
 
     def _grace(self, role: Role) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -134,6 +135,15 @@ def test_role_cpus_give_each_role_its_cores_and_must_exist():
     assert [(w["RLPIPE_CPU_AFFINITY"], w["OMP_NUM_THREADS"]) for w in workers] == [("0,1", "2"), ("2,3", "2")]
     assert learner == {"RLPIPE_CPU_AFFINITY": "4,5", "OMP_NUM_THREADS": "2"}
     assert role_envs(build_config({}, environ={}))[1] == {}  # unset: the learner is not pinned, as before
+    assert not any("RLPIPE_NICE" in w for w in workers)  # apart from the learner: full priority
+
+    shared = build_config({}, environ={}, workers=2, **{"rollout.cpus": "0-1", "learner.cpus": "1"})
+    workers, _ = role_envs(shared)  # w1 shares the learner's core: it yields it
+    assert [(w["RLPIPE_CPU_AFFINITY"], w.get("RLPIPE_NICE")) for w in workers] == [("0", None), ("1", "19")]
+    code = "import os; from rlpipe.proc import apply_cpu_affinity; apply_cpu_affinity(); print(os.nice(0))"
+    niced = subprocess.run([sys.executable, "-c", code], env={**os.environ, **workers[1]}, capture_output=True,
+                           text=True, check=True)
+    assert niced.stdout.strip() == "19"  # applied where the role starts, before its engine process
     with pytest.raises(ConfigError, match="learner.cpus"):
         check_cpus(build_config({}, environ={}, **{"learner.cpus": "100000"}))
     with pytest.raises(ConfigError, match="rollout.cpus"):

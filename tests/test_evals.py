@@ -90,6 +90,27 @@ def test_the_learner_waits_at_the_end_for_the_last_versions_evaluation(r, tmp_pa
     assert short.finish(version=1, step=1) is None  # nobody evaluates: it gives up after final_wait_s
 
 
+def test_base_at_rest_waits_for_the_base_models_result_before_the_first_step_and_a_restart_does_not(r, tmp_path):
+    cfg = eval_config(**{"eval.base_at_rest": True, "eval.final_wait_s": 30})
+    keys = Keys(cfg.run_id)
+    evals = Evals(cfg, r, keys, LearnerMetrics(tmp_path / "metrics.jsonl", run_name=cfg.run_id))
+    threading.Timer(0.5, publish, (r, keys, result(0, 0.125))).start()
+    t0 = time.monotonic()
+    evals.start(version=0, step=0)
+    assert 0.4 < time.monotonic() - t0 < 10  # it waited for the result, and logged it
+    assert [res["version"] for res in evals.results] == [0]
+
+    restarted = Evals(cfg, r, keys, LearnerMetrics(None))  # at step 0 again, the base model already logged
+    t0 = time.monotonic()
+    restarted.start(version=0, step=0)
+    assert time.monotonic() - t0 < 1 and restarted.results == []
+
+    beside = Evals(eval_config(**{"eval.final_wait_s": 30}), r, Keys(free_run_id("eval")), LearnerMetrics(None))
+    t0 = time.monotonic()
+    beside.start(version=0, step=0)  # the default: asked for, not waited on
+    assert time.monotonic() - t0 < 1 and int(r.xlen(beside.keys.eval_requests)) == 1
+
+
 def test_one_worker_takes_each_request_and_a_gone_workers_request_is_taken_over(r):
     cfg = eval_config()
     keys = Keys(cfg.run_id)

@@ -42,6 +42,17 @@ def test_grpo_advantages_by_hand():
     assert plain[0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
+def test_negative_scale_scales_only_the_negative_advantages():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    full, _ = compute_advantages(rewards, "grpo")
+    adv, informative = compute_advantages(rewards, "grpo", negative_scale=0.25)
+    assert informative.tolist() == [True, True, False]
+    assert torch.equal(adv[full > 0], full[full > 0])
+    assert torch.allclose(adv[full < 0], 0.25 * full[full < 0])
+    assert adv[2].abs().sum() == 0  # a group without a spread stays without signal
+    assert torch.allclose(compute_advantages(rewards, "grpo", negative_scale=0.0)[0].clamp(max=0), torch.zeros(3, 4))
+
+
 def test_rloo_subtracts_the_mean_of_the_other_samples():
     adv, _ = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 0.0, 0.0, 0.0]]), "rloo")
     assert adv[0].tolist() == pytest.approx([1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3])
