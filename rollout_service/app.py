@@ -188,7 +188,7 @@ async def status(worker: TheWorker):
 async def open_session(req: models.OpenSession, worker: TheWorker):
     """Open a multi-turn session on a prompt: chat messages (rendered with the chat template),
     text or token ids. Its ids are kept exactly from here on (rollout_service/sessions.py)."""
-    return worker.open_session(req)
+    return await worker.open_session(req)
 
 
 @api.post("/v1/sessions/{session_id}/turn", response_model=models.TurnResult, responses=SESSION_ERRORS)

@@ -12,7 +12,9 @@ the learner will train on (re-tokenizing a rendered history can merge a sampled 
 Every turn generates on all ids so far. Sessions are bounded (``rollout.max_sessions``,
 ``session_max_turns``, ``session_max_tokens``, ``session_idle_timeout_s``); each refusal is a
 4xx whose detail starts with the config key it hit, and an idle session is given back (removed
-and counted), never kept forever.
+and counted), never kept forever. The API's text is rendered and tokenized off the event
+loop (``Sessions.start_off_loop``, ``turn``: rollout_service/tokenizing.py), and text that
+cannot fit in ``session_max_tokens`` is refused from its bytes before it is tokenized.
 
 The store is independent of the engine: it samples through a ``sample`` coroutine (the
 worker's, the same plumbing as ``/v1/generate``), so tests can drive it with a fake.
@@ -30,6 +32,7 @@ from pathlib import Path
 from fastapi import HTTPException
 
 from rollout_service.api_models import Episode, Finish, Turn, TurnResult, bad_request, max_tokens_within
+from rollout_service.tokenizing import OffLoop, TokenBound
 
 EXPIRED_REMEMBERED = 4096  # expired ids kept to tell "expired" from "never existed" in a 404
 
@@ -141,11 +144,15 @@ class ChatTemplate:
 
 
 class Sessions:
-    """The worker's open sessions. ``sample(ids, sampling)`` -> ``(SampleResult, v0, v1)``."""
+    """The worker's open sessions. ``sample(ids, sampling)`` -> ``(SampleResult, v0, v1)``;
+    ``off_loop`` runs their text work (the API's: its threads; the rollout loop's episodes: none)."""
 
-    def __init__(self, limits, tokenizer, template: str | None, sample, version, metrics=None):
+    def __init__(self, limits, tokenizer, template: str | None, sample, version, metrics=None,
+                 off_loop: OffLoop | None = None):
         self.limits, self.tokenizer, self.sample, self.version = limits, tokenizer, sample, version
         self.chat = ChatTemplate(tokenizer, template)
+        self.bound = TokenBound(tokenizer)
+        self.off_loop = off_loop or OffLoop(threads=0)
         self.metrics = metrics
         self.open: dict[str, Session] = {}
         self.expired: OrderedDict[str, float] = OrderedDict()
@@ -199,12 +206,37 @@ class Sessions:
     def start(self, messages: list[dict] | None, tools: list | None, prompt: str | None,
               prompt_ids: list[int] | None) -> Session:
         """Open a session on a chat prompt (rendered without a generation prompt: the first turn
-        adds it, after any messages it brings), a text prompt, or ids."""
+        adds it, after any messages it brings), a text prompt, or ids; its text is tokenized on
+        the caller's thread (the API's: :meth:`start_off_loop`)."""
+        self.check_room()
+        return self._opened(self.prompt_ids(messages, tools, prompt, prompt_ids), messages, tools)
+
+    async def start_off_loop(self, messages: list[dict] | None, tools: list | None, prompt: str | None,
+                             prompt_ids: list[int] | None) -> Session:
+        """:meth:`start`, its text rendered and tokenized off the event loop (``off_loop``)."""
+        self.check_room()
+        ids = await self.off_loop(self.prompt_ids, messages, tools, prompt, prompt_ids)
+        self.check_room()  # others may have opened meanwhile
+        return self._opened(ids, messages, tools)
+
+    def check_room(self) -> None:
+        """429 with ``max_sessions`` open (idle ones expired first)."""
         self.expire()
         if len(self.open) >= self.limits.max_sessions:
             raise self.refuse(429, "max_sessions", f"{len(self.open)} sessions are open on this worker; finish one")
+
+    def prompt_ids(self, messages: list[dict] | None, tools: list | None, prompt: str | None,
+                   prompt_ids: list[int] | None) -> list[int]:
+        """A new session's prompt ids, refused (409) when they leave no room to sample: from the
+        text's bytes, before it is tokenized, when they already say so (``TokenBound``)."""
+        text = self.chat.render(messages, tools, False) if messages is not None else prompt
+        if text is not None:
+            too_long = self.bound.over(text, self.max_tokens - 1)
+            if too_long:
+                raise self.refuse(409, "session_max_tokens", f"the prompt {too_long}: no room to sample within "
+                                  f"{self.max_tokens}")
         if messages is not None:
-            ids = self.chat.encode(self.chat.render(messages, tools, False))
+            ids = self.chat.encode(text)
         elif prompt is not None:
             ids = [int(i) for i in self.tokenizer(prompt)["input_ids"]]  # as /v1/generate tokenizes text
         else:
@@ -213,23 +245,33 @@ class Sessions:
         if len(ids) >= self.max_tokens:
             raise self.refuse(409, "session_max_tokens", f"the prompt's {len(ids)} tokens leave no room to sample "
                               f"within {self.max_tokens}")
+        return ids
+
+    def _opened(self, ids: list[int], messages: list[dict] | None, tools: list | None) -> Session:
         session = Session(uuid.uuid4().hex, [], len(ids), messages, tools)
         session.append(ids, 0, None, [self.version()] * len(ids))
         self.open[session.id] = session
         return session
 
     def context(self, session: Session, req: Turn | None, new_messages: list[dict]) -> list[int]:
-        """The ids to append before the next model turn, tokenized once, now."""
+        """The ids to append before the next model turn, tokenized once, now; text that leaves
+        no room to sample is refused (409) from its bytes before it is tokenized when they say so."""
         if session.messages is None:
             if new_messages:
                 raise bad_request("message", "a plain session takes 'text' or 'token_ids', not messages")
             if req is not None and req.token_ids is not None:
                 self.check_ids(req.token_ids, "token_ids")
                 return list(req.token_ids)
-            return self.chat.encode(req.text) if req is not None and req.text else []
-        if req is not None and (req.text is not None or req.token_ids is not None):
+            text = req.text if req is not None and req.text else ""
+        elif req is not None and (req.text is not None or req.token_ids is not None):
             raise bad_request("text", "a chat session takes a 'message'")
-        return self.chat.encode(self.chat.suffix(session, new_messages))
+        else:
+            text = self.chat.suffix(session, new_messages)
+        too_long = self.bound.over(text, self.max_tokens - len(session.ids) - 1)
+        if too_long:
+            raise self.refuse(409, "session_max_tokens", f"session {session.id} holds {len(session.ids)} ids and the "
+                              f"text to append {too_long}: no room to sample within {self.max_tokens}")
+        return self.chat.encode(text)
 
     async def turn(self, session: Session, req: Turn, new_messages: list[dict] | None = None,
                    max_tokens_field: str | None = "max_tokens") -> TurnResult:
@@ -246,7 +288,7 @@ class Sessions:
             raise self.refuse(409, "session_max_turns", f"session {session.id} has had its {turns} turns")
         session.busy = True
         try:
-            context = self.context(session, req, new_messages)
+            context = await self.off_loop(self.context, session, req, new_messages)
             room = self.max_tokens - len(session.ids) - len(context)
             if room < 1:
                 raise self.refuse(409, "session_max_tokens", f"session {session.id} holds {len(session.ids)} ids "

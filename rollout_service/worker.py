@@ -10,6 +10,7 @@ are start-up, SIGTERM's drain and shutdown.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -121,15 +122,22 @@ class Worker:
             self._start_loop()
         else:
             self.engine.synced = True  # standalone: the weights on disk are the policy
+        # The start-up heap (torch, vLLM, the tokenizer: some 700k objects) is collected once and
+        # frozen out of the collector: a full collection of it took 1.3 s on the event loop, set
+        # off by the first burst of requests (48 refused 1 MB prompts held /healthz that long).
+        gc.collect()
+        gc.freeze()
         self.started = True
         log.info("worker %s ready at %s (%s)", self.id, self.address, self.profile.precision)
 
     def _start_sessions(self, chat_template: str | None) -> None:
         """The session store, and its reaper that gives back idle sessions."""
         from rollout_service.sessions import Sessions
+        from rollout_service.tokenizing import OffLoop
 
         self.sessions = Sessions(self.limits, self.tokenizer, chat_template, self._sample_one,
-                                 lambda: self.engine.version, self.metrics)
+                                 lambda: self.engine.version, self.metrics, off_loop=OffLoop())
+        self.sessions.bound.measured  # noqa: B018 - measured once now, not in the first request
         self.reaper = asyncio.ensure_future(self.sessions.reap())
 
     def _start_loop(self) -> None:
@@ -164,6 +172,8 @@ class Worker:
             await self.evals.stop()
         if self.loop is not None:
             await (self.stopping or self.loop.stop())
+        if self.sessions is not None:
+            self.sessions.off_loop.close()
         self.engine.shutdown()
 
     def drain(self) -> None:
@@ -258,7 +268,7 @@ class Worker:
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         """``req``'s ``n`` samples, within the API's share of the engine (``ApiShare``)."""
         self._check_ready()
-        prompt_ids = self._prompt_ids(req)
+        prompt_ids = await self._prompt_ids(req)
         results, v0, v1 = await self.sample(prompt_ids, req.n, req.sampling())
         return GenerateResponse(
             prompt_token_ids=list(prompt_ids),
@@ -270,13 +280,13 @@ class Worker:
         )
 
     # -- sessions and the OpenAI-shaped routes (rollout_service/sessions.py, openai_api.py) ------
-    def open_session(self, req: OpenSession) -> SessionOpened:
+    async def open_session(self, req: OpenSession) -> SessionOpened:
         """A new session (not while draining: it could not finish; open ones may)."""
         self._check_ready()
         if self.draining:
             raise HTTPException(503, "draining: no new sessions on this worker")
         messages = None if req.messages is None else [m.for_template() for m in req.messages]
-        session = self.sessions.start(messages, req.tools, req.prompt, req.prompt_token_ids)
+        session = await self.sessions.start_off_loop(messages, req.tools, req.prompt, req.prompt_token_ids)
         return SessionOpened(session_id=session.id, prompt_token_ids=session.ids)
 
     async def session_turn(self, session_id: str, req: Turn) -> TurnResult:
@@ -293,9 +303,8 @@ class Worker:
         self._check_ready()
         session_id = session_of(req, session_header)
         if session_id is None:
-            chat = self.sessions.chat
             messages = [m.for_template() for m in req.messages]
-            return await self._stateless(req, True, chat.encode(chat.render(messages, req.tools, True)))
+            return await self._stateless(req, True, await self.sessions.off_loop(self._chat_ids, messages, req.tools))
         session = self.sessions.get(session_id)
         return await self._session_turn(req, True, session, new_messages(session, req), None)
 
@@ -306,8 +315,11 @@ class Worker:
         self._check_ready()
         session_id = session_of(req, session_header)
         if session_id is None:
-            ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer(req.prompt)["input_ids"]
-            return await self._stateless(req, False, [int(i) for i in ids])
+            if isinstance(req.prompt, list):
+                return await self._stateless(req, False, [int(i) for i in req.prompt])
+            ids = await self.sessions.off_loop(self._text_ids, req.prompt, "prompt", self.limits.max_model_len - 1,
+                                               f"no room within the model length {self.limits.max_model_len}")
+            return await self._stateless(req, False, ids)
         as_turn = {"token_ids": req.prompt} if isinstance(req.prompt, list) else {"text": req.prompt or None}
         return await self._session_turn(req, False, self.sessions.get(session_id), [], as_turn)
 
@@ -349,15 +361,32 @@ class Worker:
                           r.finish_reason, bool(req.logprobs)) for i, r in enumerate(results)]
         return response(req, chat, prompt_ids, choices, None, v0, v1)
 
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
-        """The prompt's token ids (text tokenized here), checked against what the schema cannot
-        state: the limits for text, the vocabulary, and the prompt plus ``max_tokens`` within the
-        model length (422 naming the field)."""
+    # -- text to ids, in the text threads (rollout_service/tokenizing.py) ----------------------
+    def _text_ids(self, text: str, field: str, limit: int, beyond: str, encode=None) -> list[int]:
+        """``text``'s ids, or a 422 naming ``field`` (``beyond`` says why) when it makes more than
+        ``limit`` tokens, known from its bytes before it is tokenized when they say so
+        (``TokenBound``: 1 MB took seconds to tokenize, its bytes take milliseconds)."""
+        too_long = self.sessions.bound.over(text, limit)
+        if too_long:
+            raise bad_request(field, f"{too_long}: {beyond}")
+        return encode(text) if encode else [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def _chat_ids(self, messages: list[dict], tools: list | None) -> list[int]:
+        """A stateless chat's prompt ids: rendered with the generation prompt, then as ``_text_ids``."""
+        return self._text_ids(self.sessions.chat.render(messages, tools, True), "messages",
+                              self.limits.max_model_len - 1,
+                              f"no room within the model length {self.limits.max_model_len}", self.sessions.chat.encode)
+
+    async def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids (text tokenized off the event loop, or refused from its bytes
+        before), checked against what the schema cannot state: the limits for text, the
+        vocabulary, and the prompt plus ``max_tokens`` within the model length (422 naming the field)."""
         limits = self.limits
         if req.prompt is not None:
             field = "prompt"
             try:
-                prompt_ids = self.tokenizer(req.prompt)["input_ids"]
+                prompt_ids = await self.sessions.off_loop(self._text_ids, req.prompt, field, limits.max_prompt_tokens,
+                                                          f"exceeds the limit of {limits.max_prompt_tokens}")
             except (TypeError, ValueError) as e:  # text the schema let through but the tokenizer refuses
                 raise bad_request(field, f"the tokenizer refused it: {e}") from None
         else:

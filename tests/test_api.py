@@ -16,9 +16,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -324,6 +327,73 @@ def test_an_api_burst_leaves_the_rollout_loop_its_share(worker, toy_model_path):
           f"API answers {dict(counts)}")
     assert counts.keys() == {200, 429} and max(api_held) <= capacity, (counts, max(api_held))
     assert loop / (loop + api) >= 0.3, (loop, api)
+
+
+# 48 clients at once, each posting a 1 MB prompt: a process of their own, so that their threads
+# do not hold the GIL of the test's /healthz probe (argv: the worker's address, the routes as JSON).
+MEGABYTE_CLIENTS = r"""
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+import httpx
+address, paths = sys.argv[1], json.loads(sys.argv[2])
+body = json.dumps({"prompt": "12+30=" * (1_000_000 // 6)}).encode()
+def post(path):
+    try:
+        with httpx.Client(base_url=f"http://{address}", timeout=120) as http:
+            resp = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    except httpx.HTTPError as e:  # a frozen worker reset connections it could not read in time
+        return None, repr(e)
+    return resp.status_code, resp.text[:300]
+with ThreadPoolExecutor(len(paths)) as pool:
+    print(json.dumps(list(pool.map(post, paths))))
+"""
+
+
+def test_48_concurrent_1mb_prompts_are_refused_and_the_worker_stays_live(worker):
+    """Issue 33 item 13: 48 concurrent 1 MB prompts, each answered 409, froze the worker's event
+    loop for 43 s (each was tokenized on it) and let its heartbeat expire. On the session
+    worker (with its rollout loop and heartbeat), 16 each to /v1/sessions (409, the session's
+    limit), /v1/completions and /v1/generate (422, the model length and max_prompt_tokens), of
+    digits and signs the toy tokenizes one token per character (its worst case): every one is
+    refused, naming its limit, while /healthz answers within 1 s throughout and the registry
+    entry never comes near expiring (refreshed every rollout.heartbeat_s)."""
+    routes = [("/v1/sessions", 409, "rollout.session_max_tokens"), ("/v1/completions", 422, "no room"),
+              ("/v1/generate", 422, "exceeds the limit")] * 16
+    key, done, probes = worker.keys.worker("w0"), threading.Event(), []
+    ttl_ms = worker.cfg.rollout.heartbeat_ttl_s * 1000
+
+    def probe():
+        with httpx.Client(base_url=f"http://{worker.address}", timeout=5) as http:
+            while not done.is_set():
+                t0 = time.monotonic()
+                try:
+                    status = http.get("/healthz").status_code
+                except httpx.TimeoutException:
+                    status = None
+                probes.append((time.monotonic() - t0, status, worker.r.pttl(key)))
+                done.wait(0.1)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    t0 = time.monotonic()
+    try:
+        clients = subprocess.run([sys.executable, "-c", MEGABYTE_CLIENTS, worker.address,
+                                  json.dumps([path for path, _, _ in routes])], capture_output=True, text=True,
+                                 timeout=300)
+        elapsed = time.monotonic() - t0
+        time.sleep(0.5)
+    finally:
+        done.set()
+        prober.join(30)
+    assert clients.returncode == 0, clients.stderr[-3000:]
+    answers = json.loads(clients.stdout)
+    slowest = max(p[0] for p in probes)
+    print(f"\n48 refusals in {elapsed:.1f} s; /healthz probed {len(probes)} times, slowest {slowest:.3f} s; "
+          f"registry TTL at least {min(p[2] for p in probes)} ms of {ttl_ms:.0f}")
+    for (path, code, why), (got, body) in zip(routes, answers):
+        assert got == code and why in body, (path, got, body)
+    assert all(status == 200 for _, status, _ in probes) and slowest < 1.0, max(probes)
+    assert min(p[2] for p in probes) > ttl_ms - 2 * worker.cfg.rollout.heartbeat_s * 1000 - 2000, probes
 
 
 # -- fuzzing ----------------------------------------------------------------------------
