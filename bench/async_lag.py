@@ -19,7 +19,7 @@ hits every lag. Over the steps after ``--warmup`` each run gives:
     reward, mismatch    reward (last 5 steps, all runs the same steps), mismatch KL of all groups and
                         of the staleness-0 groups alone (mismatch_kl_fresh): precision vs policy lag
 
-Writes two ``rlpipe.results`` sections to ``--json-dir``: ``async.json`` (tables, reward vs
+Writes two ``launch.results`` sections to ``--json-dir``: ``async.json`` (tables, reward vs
 wall-clock, speedup vs limit) and ``attribution.json`` (mismatch KL at each lag, all groups
 vs staleness 0, per seed, and over steps). Runs stay in ``--out``; ``--from-runs`` redoes
 the sections from them without training.
@@ -46,7 +46,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlpipe.results import Section, figure  # noqa: E402
+from launch.results import Section, figure  # noqa: E402
 
 QUICK = {"lags": "0,1", "seeds": "0", "steps": 6, "warmup": 2,
          "set": {"learner.groups_per_step": 16, "learner.checkpoint_every": 100}}
@@ -96,7 +96,7 @@ def run_stats(rows: list[dict], warmup: int) -> dict:
 
 class Placement:
     """Which cores every process (every thread) of each role may run on, sampled during a
-    run from /proc: a role is named by its ``rlpipe.cli <role>`` ancestor (the vLLM engine
+    run from /proc: a role is named by its ``launch.cli <role>`` ancestor (the vLLM engine
     process and torchrun's ranks count as their role's), redis-server as ``redis``."""
 
     def __init__(self):
@@ -137,8 +137,8 @@ class Placement:
     def _role(proc) -> str:
         for p in [proc, *proc.parents()]:
             cmd = p.cmdline()
-            if "rlpipe.cli" in cmd:
-                return cmd[cmd.index("rlpipe.cli") + 1]
+            if "launch.cli" in cmd:
+                return cmd[cmd.index("launch.cli") + 1]
             if p.name().startswith("redis-server"):
                 return "redis"
         return ""
@@ -156,7 +156,7 @@ def run_one(run_id: str, seed: int, lag: int, args, common: dict, runs_dir: Path
     placement = ""
     if not args.from_runs:
         from rlpipe.config import build_config
-        from rlpipe.demo import run_demo
+        from launch.demo import run_demo
 
         shutil.rmtree(run_dir, ignore_errors=True)  # an old run's Redis AOF and metrics would be read again
         cfg = build_config({}, environ={}, seed=seed, run_id=run_id, **{**common, "queue.max_lag": lag})

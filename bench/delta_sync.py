@@ -1,5 +1,5 @@
 """Delta weight sync, measured over the updates of a real run: the bytes each sync would
-send as deltas against the version a worker holds (quant/delta.py), against the full int8
+send as deltas against the version a worker holds (weight_sync/delta_codec.py), against the full int8
 wire and against bf16, and what encoding and applying them costs.
 
 The versions are those of a short int8 ``rlpipe demo`` (the toy task, the demo's learning
@@ -53,7 +53,7 @@ def train(steps: int, groups: int | None, out: Path, config: str | None = None, 
     import yaml
 
     from rlpipe.config import build_config
-    from rlpipe.demo import run_demo
+    from launch.demo import run_demo
 
     shutil.rmtree(out / rid, ignore_errors=True)  # a kept run dir would be resumed, not trained anew
     base = yaml.safe_load(Path(config).read_text()) if config else {}
@@ -125,7 +125,7 @@ def measure(run: Path, repeats: int) -> list[dict]:
     import torch
 
     from learner.metrics import read_jsonl
-    from quant.delta import apply_, encode_all, totals
+    from weight_sync.delta_codec import apply_, encode_all, totals
 
     torch.set_num_threads(1)
     learner_visible = {r["step"]: r.get("quant_update_visible_fraction") for r in read_jsonl(run / "metrics.jsonl")}
@@ -166,7 +166,7 @@ def measure(run: Path, repeats: int) -> list[dict]:
 
 
 def report(rows: list[dict], run: Path, args, real: tuple[list[dict], Path] | None = None):
-    from rlpipe.results import Section, figure
+    from launch.results import Section, figure
 
     sec = Section("delta_sync", "Delta weight sync: bytes per sync over a real int8 run, delta vs full vs bf16")
     bf16 = {r["version"]: r["full_bytes"] for r in rows if r["wire"] == "bf16"}
@@ -215,7 +215,7 @@ def report(rows: list[dict], run: Path, args, real: tuple[list[dict], Path] | No
              "step (row amax / 127, or / 63 for 7-bit weights), not by the batch size. The toy's weights are small "
              "for its learning rate, so about a fifth of its int8 values move each step; the real model's recipe "
              "below, at its learning rate of 2e-5, moves about one in a thousand.")
-    sec.note("Encodings per tensor (quant/delta.py): dense, sparse (gaps + values), bitmap (bit mask + values), and "
+    sec.note("Encodings per tensor (weight_sync/delta_codec.py): dense, sparse (gaps + values), bitmap (bit mask + values), and "
              "the same positions with one sign bit per changed value where it moved by one step (the few that moved "
              "further overwritten from a sparse list). Smallest by exact byte count. On the toy bf16 gains little "
              "(most of its values move every update); on the real model at its learning rate a bf16 delta is a few "
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="also train the real model's recipe (configs/smollm2-math.yaml) this many steps in int8 "
                          "and measure its syncs (0: not)")
     ap.add_argument("--real-from-run", help="measure this kept run of the real model's recipe instead")
-    ap.add_argument("--json", help="write the report section here (rlpipe/results.py)")
+    ap.add_argument("--json", help="write the report section here (launch/results.py)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.groups, args.repeats = QUICK["steps"], QUICK["groups"], 1

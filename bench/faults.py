@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlpipe.toy import ensure_toy_model  # noqa: E402
+from launch.toy import ensure_toy_model  # noqa: E402
 from tests.conftest import TOY_SPEC  # noqa: E402
 from tests.test_chaos import run_chaos  # noqa: E402
 

@@ -32,8 +32,8 @@ import torch
 # Every rlpipe module the device check imports (the dry run imports exactly these).
 CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "learner.batch", "learner.loss", "learner.policy", "learner.served",
                  "rlpipe.schema", "weight_sync.ipc",
-                 "weight_sync.delta", "weight_sync.manifest", "weight_sync.transport", "quant.delta", "quant.int8",
-                 "quant.profile", "rlpipe.results", "bench.peak_memory")
+                 "weight_sync.delta", "weight_sync.manifest", "weight_sync.transport", "weight_sync.delta_codec", "quant.int8",
+                 "quant.profile", "launch.results", "bench.peak_memory")
 DRY = "CPU dry run: CUDA IPC export/map skipped (stand-in handle, bytes not read); numbers meaningless."
 
 
@@ -168,8 +168,8 @@ def moved(base: torch.Tensor, wire: str, fraction: float, seed: int = 0) -> torc
 
 
 def delta_times(numel: int, device: str, repeats: int) -> list[dict]:
-    """quant/delta.py's encode and apply_ on one flat bucket of each wire, on ``device``."""
-    from quant.delta import apply_, checksum, encode
+    """weight_sync/delta_codec.py's encode and apply_ on one flat bucket of each wire, on ``device``."""
+    from weight_sync.delta_codec import apply_, checksum, encode
 
     rows = []
     for wire in ("int8", "bf16"):
@@ -266,7 +266,7 @@ def add_tables(sec, res: dict) -> None:
                     "copy of each bucket into its own buffer, ack); raw copy: one device-to-device copy_ of the "
                     "same bytes")
     if res.get("delta"):
-        sec.table("Delta encode and apply (quant/delta.py), one bucket per wire",
+        sec.table("Delta encode and apply (weight_sync/delta_codec.py), one bucket per wire",
                   ["wire", "bucket bytes", "delta bytes", "form", "encode s", "apply s"],
                   [[d["wire"], d["bytes"], d["delta_bytes"], d["form"], d["encode_s"], d["apply_s"]]
                    for d in res["delta"]],
@@ -280,7 +280,7 @@ def device_check(args) -> dict:
     from pathlib import Path
 
     from bench.gpu import measure, section
-    from rlpipe.results import render_section
+    from launch.results import render_section
 
     t0 = time.perf_counter()
     res = measure_more(args, measure(args))

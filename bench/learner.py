@@ -18,7 +18,7 @@ checkpoints excluded) for each of
   compile for tens of seconds; like every run's first step, the median leaves them out
   only partly, so use ``--steps 8`` or more for this group.
 
-Each configuration is a real learner process (``python -m rlpipe.cli learner``, under
+Each configuration is a real learner process (``python -m launch.cli learner``, under
 ``python -m torch.distributed.run --standalone --nproc-per-node 2`` for 2 ranks), as a
 deployment runs it, reading its own Redis stream (an embedded ``redis-server``),
 pre-filled with the same synthetic groups: random prompts and answers to the toy
@@ -230,7 +230,7 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
     queue = TrajectoryQueue(connect(redis_url), cfg.run_id)
     for rec in records[: args.steps * args.groups]:
         queue.push(dataclasses.replace(rec, run_id=cfg.run_id))  # the reader admits only this run's groups
-    learner = ["-m", "rlpipe.cli", "learner", "--config", str(run_dir / "config.yaml")]
+    learner = ["-m", "launch.cli", "learner", "--config", str(run_dir / "config.yaml")]
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks)]
                              if row.ranks > 1 else []), *learner]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed as failed")
     ap.add_argument("--seed", type=int, default=0, help="the synthetic groups and the order of each round")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "learner.json"), help="JSON of every number")
-    ap.add_argument("--json", help="also write the report section (rlpipe/results.py) here")
+    ap.add_argument("--json", help="also write the report section (launch/results.py) here")
     ap.add_argument("--workdir", help="keep every run's directory (config, log, metrics) here")
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU part even where CUDA is available")
     ap.add_argument("--gpu-rows", type=int, default=8)
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     quick = args.quick
     if args.real:
-        from rlpipe.builtin_models import ensure_builtin_model
+        from launch.builtin_models import ensure_builtin_model
         from rlpipe.paths import SMOLLM2
 
         args.model = args.model or str(ensure_builtin_model(SMOLLM2, log=lambda m: print(m, file=sys.stderr)))
@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> dict:
                 resolved = f"{g.name}/{row.name}"  # fails on its own
             specs.setdefault((row.ranks, g.metric, resolved), []).append((g, row))
 
-    from rlpipe.redis_server import EmbeddedRedis
-    from rlpipe.toy import ensure_toy_model
+    from launch.redis_server import EmbeddedRedis
+    from launch.toy import ensure_toy_model
     from tests.conftest import TOY_SPEC
 
     model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
@@ -510,8 +510,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def section(report: dict, header: str):
-    """The learner's part of the evidence report (rlpipe/results.py)."""
-    from rlpipe.results import Section, figure
+    """The learner's part of the evidence report (launch/results.py)."""
+    from launch.results import Section, figure
 
     sec = Section("learner", "Learner: training tokens/s by precision, IS mode, batching and parallelism")
     speed = [g for g in report["groups"] if g["metric"] == TOKENS]

@@ -41,7 +41,7 @@ PRECISIONS = ("bf16", "fp8", "int8-static", "int8-dynamic")
 
 def model_dir(size: str, workdir: Path) -> str:
     if SIZES[size] is None:
-        from rlpipe.toy import ensure_toy_model
+        from launch.toy import ensure_toy_model
 
         return str(ensure_toy_model(log=lambda m: None))
     out = workdir / f"model-{size}"
@@ -57,7 +57,7 @@ def model_dir(size: str, workdir: Path) -> str:
 
 def profile_dir(model: str, activations: str, workdir: Path) -> str:
     from rlpipe.config import build_config
-    from rlpipe.demo import resolve_quant_profile
+    from launch.demo import resolve_quant_profile
 
     cfg = build_config({}, environ={}, **{"model.path": model, "quant.int8.activations": activations,
                                           "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, choices=(1, 2), help="rollout: 2 = forward then reverse order")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", help="also write the report section here (rlpipe/results.py; raw numbers in its data)")
+    ap.add_argument("--json", help="also write the report section here (launch/results.py; raw numbers in its data)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one rollout engine process
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--profile", default="", help=argparse.SUPPRESS)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{r['fp8_s']:>8.4f} {r['monitors_s']:>9.4f} {r['recalibrate_s']:>11.2f} "
                       f"{r['recalibrate_vs_frozen']:>12.0f}", flush=True)
         if "sync" in sections:
-            from rlpipe.redis_server import EmbeddedRedis
+            from launch.redis_server import EmbeddedRedis
 
             print("\nweight sync to one receiver over loopback gloo", flush=True)
             print(f"{'size':>5} {'wire':>5} {'MiB':>8} {'sync s':>8} {'bytes/bf16':>10} {'time/bf16':>9}")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def report(results: dict, args):
-    from rlpipe.results import Section, figure
+    from launch.results import Section, figure
 
     sec = Section("quant", "Quantized rollout: bf16 vs fp8 vs int8 (rollout speed, quantization, bytes on the wire)")
     if "rollout" in results:

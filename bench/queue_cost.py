@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 import rlpipe.queue as rq  # noqa: E402
 from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
-from rlpipe.redis_server import EmbeddedRedis  # noqa: E402
-from rlpipe.results import Section, figure  # noqa: E402
+from launch.redis_server import EmbeddedRedis  # noqa: E402
+from launch.results import Section, figure  # noqa: E402
 
 PROMPT_TOKENS = 8  # what ragged_groups' prompts have: <bos> a a + b b =
 SIZES = {"1k": 1024, "8k": 8192}  # tokens per group, prompt + response over the samples
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(args, key, small if args.quick else normal)
     warmup = max(2, args.repeats // 20)
 
-    from rlpipe.toy import ensure_toy_model
+    from launch.toy import ensure_toy_model
     from tests.conftest import TOY_SPEC
 
     t_start = time.perf_counter()

@@ -50,7 +50,7 @@ def run_config(config: Path | None, **sets):
 
 def calibrated(cfg, workdir: Path) -> tuple[str, Path, float]:
     """The model directory, a fresh profile (calibrated now, into ``workdir``) and its seconds."""
-    from rlpipe.demo import resolve_model, resolve_quant_profile
+    from launch.demo import resolve_model, resolve_quant_profile
 
     model = resolve_model(cfg, log=lambda m: print(m, file=sys.stderr))
     t0 = time.perf_counter()
@@ -276,7 +276,7 @@ async def score(task, prompts, responses: list[list[str]]) -> list[float]:
 
 # -- report ----------------------------------------------------------------------------------
 def report(results: dict, args):
-    from rlpipe.results import Section, figure
+    from launch.results import Section, figure
 
     real, toy = results["real"], results["toy"]
     sec = Section("real-int8", "INT8 calibration transfer on a real model: SmolLM2-135M-Instruct's activations")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-rows", type=int, default=128, help="held-out rows each engine answers greedily")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: few prompts, short answers, the int8 engine only, no per-layer KL")
-    ap.add_argument("--json", help="write the report section here (rlpipe/results.py)")
+    ap.add_argument("--json", help="write the report section here (launch/results.py)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine process
     args = ap.parse_args(argv)
     if args.engine:

@@ -49,7 +49,7 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlpipe.toy import BOS_ID, CHARS, EOS_ID, PAD_ID, SPECIAL_TOKENS, build_tokenizer
+    from launch.toy import BOS_ID, CHARS, EOS_ID, PAD_ID, SPECIAL_TOKENS, build_tokenizer
 
     build_tokenizer(out)
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ async def _run_rlpipe(args, model: str) -> list[dict]:
 
     from quant.profiles import profile_for
     from rlpipe.queue import TrajectoryQueue, connect
-    from rlpipe.redis_server import EmbeddedRedis
+    from launch.redis_server import EmbeddedRedis
     from rollout_service.engine import RolloutEngine
     from rollout_service.loop import RolloutLoop
     from rollout_service.metrics import RolloutMetrics
@@ -173,7 +173,7 @@ def main() -> None:
                         "(default: all cores but one, and all cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed batches per phase process")
     p.add_argument("--rounds", type=int, default=2, help="offline/rlpipe process pairs per thread setting")
-    p.add_argument("--json", help="also write the report section here (rlpipe/results.py; every run in its data)")
+    p.add_argument("--json", help="also write the report section here (launch/results.py; every run in its data)")
     p.add_argument("--phase", choices=["offline", "rlpipe"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -216,7 +216,7 @@ def main() -> None:
 
 
 def report(summary: dict, args, cores: int):
-    from rlpipe.results import Section, figure
+    from launch.results import Section, figure
 
     sec = Section("rollout", "Rollout: rlpipe's loop vs plain offline vLLM")
     sec.table(f"{args.groups} groups x {args.n} samples, <= {args.max_tokens} tokens, {args.precision}, random Qwen2 "

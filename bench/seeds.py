@@ -6,7 +6,7 @@ Every finding is an entry of ``FINDINGS``: its arms (config keys that differ), i
 steps, the per-run numbers of its table, and notes. Each arm x seed is a whole
 ``rlpipe demo`` run (Redis, workers and learner as separate processes), kept in
 ``<out>/<finding>/runs/<arm>-s<seed>/``; ``--from-runs`` redoes the tables and plots from
-the kept runs without training. Each finding writes one ``rlpipe.results`` section,
+the kept runs without training. Each finding writes one ``launch.results`` section,
 ``<json-dir>/<finding>.json`` plus its PNGs: a table per arm and seed with each arm's
 mean over seeds, one plot panel per curve (each seed faint, the mean over seeds bold) and
 the notes.
@@ -41,7 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlpipe.results import Section, figure, render_section, this_command  # noqa: E402
+from launch.results import Section, figure, render_section, this_command  # noqa: E402
 
 Stat = Callable[[list[dict]], float | int | None]
 
@@ -441,7 +441,7 @@ def run_finding(name: str, f: Finding, arms: list[str], seeds: list[int], settin
     """Train every arm x seed as a whole demo run; returns {arm: {seed: metrics rows}} of those that finished."""
     from learner.metrics import read_jsonl
     from rlpipe.config import build_config
-    from rlpipe.demo import run_demo
+    from launch.demo import run_demo
 
     runs_dir = out / name / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)

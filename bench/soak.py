@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlpipe.results import Section  # noqa: E402
+from launch.results import Section  # noqa: E402
 
 PYTEST = [sys.executable, "-m", "pytest", "-m", "soak", "-p", "no:cacheprovider", "-q"]
 

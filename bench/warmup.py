@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     from learner.metrics import read_jsonl
     from rlpipe.config import build_config
-    from rlpipe.demo import run_demo
+    from launch.demo import run_demo
 
     out, runs_dir = Path(args.out).resolve(), Path(args.runs_dir).resolve()
     common: dict = {"steps": args.steps}

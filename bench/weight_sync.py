@@ -61,8 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rlpipe.queue import Keys, connect  # noqa: E402
-from rlpipe.redis_server import EmbeddedRedis  # noqa: E402
-from rlpipe.results import Section, figure  # noqa: E402
+from launch.redis_server import EmbeddedRedis  # noqa: E402
+from launch.results import Section, figure  # noqa: E402
 from weight_sync.manifest import DTYPES, Manifest, chunks, pack_chunk  # noqa: E402
 from weight_sync.rendezvous import read_sync  # noqa: E402
 from weight_sync.sender import CHUNK_BYTES, WeightSender  # noqa: E402
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--link-gbit", type=float, default=0,
                     help="also measure 10M and larger on loopback shaped to this link speed (tc tbf; root), with "
                          "chunks and with whole buckets (0: not)")
-    ap.add_argument("--json", help="also write the report section (rlpipe/results.py; raw rows in its data) here")
+    ap.add_argument("--json", help="also write the report section (launch/results.py; raw rows in its data) here")
     args = ap.parse_args(argv)
     sizes = args.sizes.split(",")
     bad = [s for s in sizes if s not in SIZES]

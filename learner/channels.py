@@ -21,7 +21,7 @@ import torch
 from quant.transfer import Stream, Wire, rollout_weights
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.gpus import role_transport
+from launch.gpus import role_transport
 from weight_sync.convergence import Converged, Convergence
 from weight_sync.ipc import IpcBroadcast
 from weight_sync.names import served_names, served_parameters

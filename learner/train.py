@@ -16,7 +16,7 @@ group is trained once in the lineage of the final weights, or dropped as stale
 (learner/ledger.py keeps these books).
 
 Run it with ``rlpipe learner --config run.yaml``, or ``torchrun --nproc-per-node N -m
-rlpipe.cli learner ...`` for data parallelism (learner/dist.py).
+launch.cli learner ...`` for data parallelism (learner/dist.py).
 """
 
 from __future__ import annotations

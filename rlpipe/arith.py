@@ -1,7 +1,7 @@
 """The toy task: small-number arithmetic (``"37+45="`` -> ``"82"``) and its reward.
 
 A task definition only (standard library), so the rollout workers' task code and the
-config's checks use it without the toy model builder (rlpipe/toy.py), which warm-starts
+config's checks use it without the toy model builder (launch/toy.py), which warm-starts
 its model on this task.
 """
 

@@ -203,7 +203,7 @@ class RolloutConfig(HttpTimeouts):
                                    "gpu_memory_utilization, max_num_seqs, enable_prefix_caching, ...), checked at "
                                    "launch against vLLM's own (rollout_service/engine_args.py)")
     gpus: DeviceList = Field("", description="CUDA devices the workers share out (`rlpipe demo`/`up` "
-                      "set each worker's CUDA_VISIBLE_DEVICES to its slice, rlpipe/gpus.py); '' = automatic "
+                      "set each worker's CUDA_VISIBLE_DEVICES to its slice, launch/gpus.py); '' = automatic "
                       "on a machine with GPUs")
     heartbeat_s: float = Field(2.0, gt=0, description="how often a worker refreshes its registry entry")
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker's registry entry expires this long after "
@@ -385,7 +385,7 @@ class LearnerConfig(HttpTimeouts):
                        "rank with `threads` torch threads (0: its share of the cores); rank 0 talks to Redis, "
                        "the workers and the disk")
     nodes: int = Field(1, ge=1, description="machines the learner spans, each running `rlpipe learner` with "
-                       "`ranks` ranks (rlpipe/launcher.py torchrun_command); above 1 they meet at `rendezvous`")
+                       "`ranks` ranks (launch/launcher.py torchrun_command); above 1 they meet at `rendezvous`")
     node_rank: int = Field(0, ge=0, description="this machine's index among `nodes` (node 0 holds global rank 0, "
                            "which talks to Redis, the workers and the disk); on Kubernetes the pod's ordinal")
     rendezvous: str = Field("", pattern=r"^$|^[^\s:]+:\d+$", description="host:port on node 0 where the nodes "
@@ -421,7 +421,7 @@ class LearnerConfig(HttpTimeouts):
                       "them; OMP threads = its cores, or `threads`), so it never competes with the workers for a "
                       "core; '' = unpinned")
     gpus: DeviceList = Field("", description="CUDA devices of the learner's ranks, one per rank "
-                      "(its CUDA_VISIBLE_DEVICES in `rlpipe demo`/`up`, rlpipe/gpus.py); '' = automatic on a "
+                      "(its CUDA_VISIBLE_DEVICES in `rlpipe demo`/`up`, launch/gpus.py); '' = automatic on a "
                       "machine with GPUs")
     host: str = Field("127.0.0.1", description="address the learner's HTTP (/healthz, /metrics, /status) "
                       "listens on; a non-loopback one needs RLPIPE_API_TOKEN (or allow_unauthenticated)")
@@ -801,7 +801,7 @@ def check_model_path(path: str | None, builds_toy: bool = True) -> None:
     traceback, after Redis and the engine): a Hugging Face model directory (with a
     config.json) or, where the command prepares one (``builds_toy``: demo, up, calibrate,
     build-model), null, a toy model's name (``toy-<arch>``, rlpipe/paths.py) or a built-in
-    real model's (``smollm2-135m-instruct``, rlpipe/builtin_models.py). A role (rollout,
+    real model's (``smollm2-135m-instruct``, launch/builtin_models.py). A role (rollout,
     learner) loads the directory its launcher resolved."""
     names = ", ".join([TOY_PREFIX + a for a in TOY_ARCHS] + list(BUILTIN_NAMES))
     if path is None:
@@ -898,7 +898,7 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if why := served_problem(cfg.model.path):
         problems.append(why)
-    from rlpipe.gpus import role_transport
+    from launch.gpus import role_transport
 
     try:
         transport = role_transport(cfg)

@@ -2,7 +2,7 @@
 
 The core (config checks, quant's cached checkpoints) and the roof (demo, the toy model
 builder) both need these; they live here, standard library only, so that neither reaches
-into rlpipe/toy.py for a path.
+into launch/toy.py for a path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ TOY_ARCHS = {
     "llama": {"arch": "llama", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False},
 }
 
-# Real models rlpipe prepares once from an installed package (rlpipe/builtin_models.py).
+# Real models rlpipe prepares once from an installed package (launch/builtin_models.py).
 SMOLLM2 = "smollm2-135m-instruct"
 BUILTIN_NAMES = (SMOLLM2,)
 

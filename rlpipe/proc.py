@@ -22,7 +22,7 @@ def setup_logging(role: str, level: str | None = None) -> None:
 
 
 AFFINITY_ENV = "RLPIPE_CPU_AFFINITY"
-NICE_ENV = "RLPIPE_NICE"  # a worker that shares a core with the learner yields it (rlpipe.launcher.worker_env)
+NICE_ENV = "RLPIPE_NICE"  # a worker that shares a core with the learner yields it (launch.launcher.worker_env)
 SHARED_CORE_NICE = 19
 
 

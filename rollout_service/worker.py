@@ -80,7 +80,7 @@ class Worker:
     the app's lifespan; ``drain`` is SIGTERM's first step (rollout_service/server.py)."""
 
     def __init__(self, cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None):
-        from rlpipe.gpus import role_transport
+        from launch.gpus import role_transport
         from rollout_service.engine import RolloutEngine
         from rollout_service.metrics import RolloutMetrics
 

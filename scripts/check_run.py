@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         return 2
     from rollout_service.tasks import make_task
 
-    sys.path.insert(0, os.getcwd())  # task.reward's module, found as the roles find it (python -m rlpipe.cli, here)
+    sys.path.insert(0, os.getcwd())  # task.reward's module, found as the roles find it (python -m launch.cli, here)
     try:
         cfg = load_config(argv[0])
         validate_run(cfg)

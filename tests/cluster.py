@@ -26,7 +26,7 @@ from learner import checkpoint
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import PASSWORD_FILE_ENV, IndexSet, Keys, TrajectoryQueue, connect
-from rlpipe.redis_server import EmbeddedRedis
+from launch.redis_server import EmbeddedRedis
 from tests.conftest import ROOT, free_run_id, launch_worker, stop_worker, wait_for
 
 
@@ -74,7 +74,7 @@ class Cluster:
         log = open(self.dir / "learner.log", "a")
         log.write(f"\n=== learner start {time.strftime('%X')} ===\n")
         log.flush()
-        self.learner = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(self.cfg_path)],
+        self.learner = subprocess.Popen([sys.executable, "-m", "launch.cli", "learner", "--config", str(self.cfg_path)],
                                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -27,9 +27,9 @@ import torch
 from rlpipe.arith import ArithmeticTask
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import Keys, TrajectoryQueue, connect
-from rlpipe.redis_server import EmbeddedRedis
+from launch.redis_server import EmbeddedRedis
 from rlpipe.registry import set_learner_state, worker_incarnations
-from rlpipe.toy import ToyModelSpec, ensure_toy_model
+from launch.toy import ToyModelSpec, ensure_toy_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # The demo's own toy model (default config, seed 0): built once, reused by the tests and the demo.
@@ -154,7 +154,7 @@ def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(cfg_path),
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "rollout", "--config", str(cfg_path),
                                  "--worker-id", worker_id, "--address-file", str(address_file), *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     r = connect(cfg.redis_url)
@@ -193,7 +193,7 @@ def standalone_worker(cfg, run_dir: Path, worker_id: str, token: str):
     env = {**os.environ, "RLPIPE_API_TOKEN": token, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     with open(run_dir / "worker.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "rollout", "--config", str(run_dir / "config.yaml"),
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "rollout", "--config", str(run_dir / "config.yaml"),
                                  "--worker-id", worker_id, "--address-file", str(address_file)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

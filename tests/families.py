@@ -25,7 +25,7 @@ LAYERS = 2
 def tiny_config(family: str):
     import transformers
 
-    from rlpipe.toy import BOS_ID, CHARS, EOS_ID, PAD_ID, SPECIAL_TOKENS
+    from launch.toy import BOS_ID, CHARS, EOS_ID, PAD_ID, SPECIAL_TOKENS
 
     name, extra = FAMILIES[family]
     fields = {"vocab_size": len(SPECIAL_TOKENS) + len(CHARS), "hidden_size": 64, "intermediate_size": 128,
@@ -45,7 +45,7 @@ def tiny_model(family: str, seed: int = 0):
 
 def save_tiny_model(family: str, out_dir: Path) -> str:
     """A model directory of the family (safetensors, config, the toy's tokenizer), as vLLM loads one."""
-    from rlpipe.toy import build_tokenizer
+    from launch.toy import build_tokenizer
 
     tiny_model(family).save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer(out_dir)

@@ -34,7 +34,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
-from rlpipe.cli import main as rlpipe_main
+from launch.cli import main as rlpipe_main
 from rlpipe.config import build_config, dump_config
 from rlpipe.registry import set_learner_state
 from tests.conftest import standalone_worker, wait_for

@@ -104,7 +104,7 @@ def test_autoscale_bounds_are_checked_at_launch():
 
 
 def test_rlpipe_up_autoscale_sets_the_bounds_and_starts_at_the_minimum():
-    from rlpipe.cli import _overrides, _parser
+    from launch.cli import _overrides, _parser
 
     args = _parser().parse_args(["up", "--autoscale", "2:5"])
     assert _overrides(args) == {"autoscale.enabled": True, "autoscale.min_workers": 2, "autoscale.max_workers": 5,

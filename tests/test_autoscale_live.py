@@ -17,7 +17,7 @@ from learner.metrics import read_jsonl
 from rlpipe.config import build_config, dump_config
 from rlpipe.faults import GROUP_DELAY_ENV, STEP_DELAY_ENV
 from rlpipe.queue import connect
-from rlpipe.up import STATE_FILE
+from launch.up import STATE_FILE
 from tests.cluster import audit
 from tests.conftest import ROOT, free_run_id, wait_for
 
@@ -47,7 +47,7 @@ def test_the_fleet_grows_while_the_learner_starves_and_shrinks_while_rollout_idl
            STEP_DELAY_ENV: str(step_delay)}
     run_dir = tmp_path / "runs" / run_id
     with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "up", "--config", str(cfg_path),
+        up = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", "--config", str(cfg_path),
                                "--runs-dir", str(tmp_path / "runs")], stdout=log, stderr=subprocess.STDOUT,
                               env=env, cwd=ROOT, start_new_session=True)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from rlpipe import bench
-from rlpipe.results import Section, figure, load_section
+from launch import bench
+from launch.results import Section, figure, load_section
 from tests.conftest import ROOT
 
 
@@ -54,13 +54,13 @@ def test_a_section_refuses_a_ragged_table_and_a_file_that_is_not_one(tmp_path):
 
 
 def test_the_cli_names_an_unknown_part_and_every_part_script_exists(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rlpipe.cli", "bench", "--only", "queue,nope", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "--only", "queue,nope", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "--only: unknown part(s) ['nope']" in proc.stderr
     for part in bench.PARTS:
         assert (ROOT / part.script).exists(), part.script
         cmd = part.command(quick=True, json_dir=tmp_path)
         assert cmd[-2] in ("--json", "--json-dir") and str(tmp_path) in cmd[-1]
-    ok = subprocess.run([sys.executable, "-m", "rlpipe.cli", "bench", "--render-only", "--out", str(tmp_path)],
+    ok = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "--render-only", "--out", str(tmp_path)],
                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert ok.returncode == 0 and (tmp_path / "results.md").read_text().startswith("# rlpipe: results")

@@ -1,4 +1,4 @@
-"""The built-in real model's GGUF conversion (rlpipe/builtin_models.py), on a tiny GGUF written
+"""The built-in real model's GGUF conversion (launch/builtin_models.py), on a tiny GGUF written
 here with the ``gguf`` package in the real file's layout: llama architecture, Q4_1 matrices, a
 Q8_0 embedding tied to the head, F32 norms, q/k rows permuted for rotary as llama.cpp stores
 them, a byte-level BPE tokenizer and a ChatML template. The real 135M file takes minutes; this
@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from rlpipe import builtin_models
-from rlpipe.builtin_models import MARKER, MissingPackage, convert_gguf, ensure_builtin_model
+from launch import builtin_models
+from launch.builtin_models import MARKER, MissingPackage, convert_gguf, ensure_builtin_model
 
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS = 2, 64, 128, 4, 2
 HEAD_DIM = HIDDEN // HEADS

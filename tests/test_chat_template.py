@@ -194,7 +194,7 @@ def test_worker_start_fails_naming_the_field_before_the_engine_starts(tmp_path, 
 
 
 def test_calibration_prompts_use_the_chat_template(tokenizer_dir, tokenizer, dataset):
-    from rlpipe.demo import calibration_sequences
+    from launch.demo import calibration_sequences
 
     cfg = task_cfg(dataset, chat_template=True, system_prompt=SYSTEM)
     cfg = cfg.model_copy(deep=True)

@@ -23,7 +23,7 @@ from tests.conftest import free_run_id, wait_for
 
 
 def rlpipe(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", *args], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **(env or {})}, cwd=cwd)
     return out.returncode, out.stderr
 
@@ -125,10 +125,10 @@ def test_a_run_writes_no_password_and_its_files_are_private(tmp_path, monkeypatc
     """The launcher's path (prepare_run, Launcher) with REDIS_URL=redis://:PW@host: a real
     Redis that requires PW, and a real learner child, which must get through to it."""
     from rlpipe.auth import SYNC_TOKEN_ENV
-    from rlpipe.demo import prepare_run
-    from rlpipe.launcher import Launcher
+    from launch.demo import prepare_run
+    from launch.launcher import Launcher
     from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, Keys, connect
-    from rlpipe.redis_server import EmbeddedRedis
+    from launch.redis_server import EmbeddedRedis
     from rlpipe.registry import learner_state
 
     password = "pw-" + os.urandom(8).hex()

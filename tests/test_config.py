@@ -95,11 +95,11 @@ def test_a_sharded_learner_quantizes_but_is_refused_automatic_recalibration():
 
 
 def test_cli_names_the_bad_field_without_importing_the_engine():
-    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "demo", "--set", "learner.is_mode=magic"],
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "demo", "--set", "learner.is_mode=magic"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "learner.is_mode" in out.stderr
-    probe = ("import sys, rlpipe.cli; code = rlpipe.cli.main(['learner', '--set', 'sampling.n=zero']); "
+    probe = ("import sys, launch.cli; code = launch.cli.main(['learner', '--set', 'sampling.n=zero']); "
              "print(code, 'torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "False", "False"], out.stderr
@@ -126,7 +126,7 @@ def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
 
 
 def test_role_cpus_give_each_role_its_cores_and_must_exist():
-    from rlpipe.demo import check_cpus, role_envs
+    from launch.demo import check_cpus, role_envs
     from rlpipe.proc import parse_cpus
 
     assert parse_cpus("0,2-3") == [0, 2, 3] and parse_cpus("") == []

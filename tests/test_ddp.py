@@ -56,7 +56,7 @@ def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_mod
     ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups,
                                 **{"learner.max_tokens_per_microbatch": microbatch_tokens,
                                    "learner.parallel": parallel})
-    learner = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
+    learner = [sys.executable, "-m", "launch.cli", "learner", "--config"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*learner, str(single_dir / "config.yaml")], check=True, env=env, timeout=300,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

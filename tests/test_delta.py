@@ -1,4 +1,4 @@
-"""quant/delta.py: deltas give back the new tensor bit for bit, in the smallest encoding,
+"""weight_sync/delta_codec.py: deltas give back the new tensor bit for bit, in the smallest encoding,
 and refuse a base they were not built on. CPU, no engines."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from quant.delta import Delta, DeltaMismatch, apply, apply_, encode, encode_all, totals
+from weight_sync.delta_codec import Delta, DeltaMismatch, apply, apply_, encode, encode_all, totals
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

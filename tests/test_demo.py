@@ -16,9 +16,9 @@ import pytest
 from learner import checkpoint
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, load_config
-from rlpipe.demo import run_demo
+from launch.demo import run_demo
 from rlpipe.queue import Keys, connect
-from rlpipe.redis_server import EmbeddedRedis
+from launch.redis_server import EmbeddedRedis
 from rlpipe.registry import learner_state, live_workers
 from tests.cluster import audit
 from tests.conftest import interruptible, wait_for
@@ -154,7 +154,7 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     worker runs int8 (from the profile's checkpoint, updated with the learner's int8
     tensors), the other bf16, each on its own sync channel."""
     from quant.profile import QuantProfile
-    from rlpipe.cli import main as rlpipe_main
+    from launch.cli import main as rlpipe_main
 
     code = rlpipe_main(["demo", "--precision", "int8,bf16", "--steps", "5", "--run-id", "mixed", "--runs-dir",
                         str(tmp_path), "--set", "learner.groups_per_step=16", "--set", "quant.int8.calibration_samples=48",
@@ -194,7 +194,7 @@ def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
     last, and prints the summary: the books kept in Redis's append-only file balance."""
     run_dir = tmp_path / "stop"
     log = open(tmp_path / "demo.log", "wb")
-    demo = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "demo", "--steps", "500", "--workers", "1",
+    demo = subprocess.Popen([sys.executable, "-m", "launch.cli", "demo", "--steps", "500", "--workers", "1",
                              "--run-id", "stop", "--runs-dir", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=interruptible)
     try:

@@ -28,14 +28,14 @@ PARALLEL = "fsdp"  # the ranks' learner.parallel: the default with more than one
 
 
 def test_learner_ranks_is_one_key_that_turns_the_learner_into_torchrun():
-    from rlpipe.cli import _overrides, _parser
-    from rlpipe.launcher import torchrun_command
+    from launch.cli import _overrides, _parser
+    from launch.launcher import torchrun_command
 
     for command in ("demo", "up"):
         assert _overrides(_parser().parse_args([command, "--learner-ranks", "3"]))["learner.ranks"] == 3
     cmd, env = torchrun_command(build_config({}, environ={}, **{"learner.ranks": 2}), ["learner", "--config", "r.yaml"])
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "rlpipe.cli", "learner", "--config", "r.yaml"]
+                   "-m", "launch.cli", "learner", "--config", "r.yaml"]
     assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))  # each rank its share
     _, env = torchrun_command(build_config({}, environ={}, **{"learner.ranks": 2, "learner.threads": 3}), [])
     assert env["OMP_NUM_THREADS"] == "3"
@@ -50,7 +50,7 @@ def test_two_learner_ranks_train_the_toy_llama_sync_an_int8_worker_and_stop_clea
     run_dir = tmp_path / "ranks"
     log_path = tmp_path / "demo.log"
     log = open(log_path, "wb")
-    demo = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "demo", "--learner-ranks", "2", "--workers", "1",
+    demo = subprocess.Popen([sys.executable, "-m", "launch.cli", "demo", "--learner-ranks", "2", "--workers", "1",
                              "--precision", precision, "--steps", "200", "--run-id", "ranks", "--runs-dir", str(tmp_path),
                              "--set", "model.path=toy-llama", "--set", f"learner.parallel={PARALLEL}",
                              "--set", "learner.groups_per_step=8"], stdout=log, stderr=subprocess.STDOUT,

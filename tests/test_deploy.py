@@ -259,7 +259,7 @@ def test_env_names_are_config_keys_or_read_by_the_code(target, tmp_path):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_args_parse_with_the_cli(target):
-    from rlpipe.cli import _parser
+    from launch.cli import _parser
 
     docs = render(target)
     config_paths = set()
@@ -352,7 +352,7 @@ def test_the_smollm2_overlay_runs_the_recipe_on_the_model_it_builds():
     """overlays/smollm2-math is configs/smollm2-math.yaml on Kubernetes: every key the recipe sets has the recipe's
     value (but the local launcher's core pinning and the model, which the init container prepares by the recipe's
     name and links at the overlay's model.path)."""
-    from rlpipe.cli import _parser
+    from launch.cli import _parser
 
     def flat(tree, prefix=""):
         for k, v in tree.items():
@@ -495,7 +495,7 @@ def test_labels_resources_security(target, tmp_path):
         else:
             assert not gpus, f"{name}: GPUs belong in the gpu overlay only"
     if "gpu" in target:  # one GPU per learner rank of the pod's node, torchrun inside the pod; a worker's engine's worth
-        from rlpipe.gpus import gpus_per_worker
+        from launch.gpus import gpus_per_worker
 
         cfg = run_config(docs, tmp_path)
         limits = container(workload(docs, "learner"), "learner")["resources"]["limits"]
@@ -570,7 +570,7 @@ MULTINODE = "overlays/gpu-multinode"
 def test_multinode_learner_meets_at_pod_0(tmp_path):
     """One pod per learner node, all started together; each pod's torchrun gets its node rank
     from its pod index and meets the others at pod 0's name under the headless Service."""
-    from rlpipe.launcher import torchrun_command
+    from launch.launcher import torchrun_command
 
     docs = render(MULTINODE)
     cfg = run_config(docs, tmp_path)

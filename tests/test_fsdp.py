@@ -34,7 +34,7 @@ from tests.test_learner import synthetic_groups
 from tests.test_weight_sync import start_receivers, stop
 
 pytestmark = pytest.mark.slow
-LEARNER = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
+LEARNER = [sys.executable, "-m", "launch.cli", "learner", "--config"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # For a peak of resident memory that is what a rank holds: glibc serves every allocation of

@@ -1,4 +1,4 @@
-"""Each role's CUDA devices (rlpipe/gpus.py) and the vLLM engine arguments a run passes
+"""Each role's CUDA devices (launch/gpus.py) and the vLLM engine arguments a run passes
 through (rollout_service/engine_args.py): the decisions rlpipe makes, on CPU, with device
 counts given. That vLLM and torch open the devices they are shown is theirs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlpipe.config import ConfigError, build_config, validate_run
-from rlpipe.gpus import plan_gpus
+from launch.gpus import plan_gpus
 from tests.test_cli_errors import assert_usage_error, rlpipe
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rlpipe.config import ConfigError
-from rlpipe.gpus import plan_gpus
+from launch.gpus import plan_gpus
 from rlpipe.queue import Keys
 from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with

@@ -1,6 +1,6 @@
 """A learner over two "nodes": two `rlpipe learner` processes on this machine, each its
 own torchrun agent (learner.nodes 2, learner.node_rank 0/1), meeting over loopback at
-learner.rendezvous (torchrun's static rendezvous, rlpipe/launcher.py torchrun_command).
+learner.rendezvous (torchrun's static rendezvous, launch/launcher.py torchrun_command).
 
 They must train what one process trains (to float tolerance, as tests/test_ddp.py's ranks
 on one machine do). A node that dies must stop the job, not hang it, and the restarted
@@ -23,12 +23,12 @@ from safetensors.torch import load_file
 
 from learner import checkpoint
 from learner.policy import load_policy
-from rlpipe.launcher import kill_group
+from launch.launcher import kill_group
 from rlpipe.queue import TrajectoryQueue, connect
 from tests.test_ddp import prepared_run
 from tests.test_learner import for_run, synthetic_groups
 
-LEARNER = [sys.executable, "-m", "rlpipe.cli", "learner", "--config"]
+LEARNER = [sys.executable, "-m", "launch.cli", "learner", "--config"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

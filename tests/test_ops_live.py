@@ -34,8 +34,8 @@ from learner.metrics import read_jsonl
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import Keys, connect
-from rlpipe.redis_server import free_port
-from rlpipe.up import STATE_FILE, write_prometheus_config
+from launch.redis_server import free_port
+from launch.up import STATE_FILE, write_prometheus_config
 from tests.cluster import audit, segments, steady
 from tests.conftest import ROOT, free_run_id, wait_for
 from tests.ops_tools import alert_rules, dashboard_queries, tool
@@ -69,7 +69,7 @@ class Live:
         return json.loads((self.run_dir / STATE_FILE).read_text())["roles"]
 
     def cli(self, *args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "rlpipe.cli", *args, "--run-dir", str(self.run_dir)],
+        out = subprocess.run([sys.executable, "-m", "launch.cli", *args, "--run-dir", str(self.run_dir)],
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         return out.stdout
@@ -132,7 +132,7 @@ def live(tmp_path_factory, toy_model_path, redis_server):
     dump_config(cfg, cfg_path)
     env = {**os.environ, "REDIS_URL": redis_server.url}  # Redis outlives `up`, for the audit
     with open(work / "up.log", "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "up", "--config", str(cfg_path),
+        up = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", "--config", str(cfg_path),
                                "--runs-dir", str(work / "runs")], stdout=log, stderr=subprocess.STDOUT,
                               env=env, cwd=ROOT, start_new_session=True)
     run_dir = work / "runs" / run_id

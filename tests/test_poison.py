@@ -47,7 +47,7 @@ def run(redis_server, toy_model_path, tmp_path):
 
     def start(env: dict | None = None) -> subprocess.Popen:
         log = open(tmp_path / "learner.log", "a")
-        return subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config",
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", "learner", "--config",
                                  str(tmp_path / "config.yaml")], env={**os.environ, **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT)
 

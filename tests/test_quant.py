@@ -25,7 +25,7 @@ from quant.profile import ProfileError, QuantProfile, model_fingerprint
 from quant.profiles import profile_for
 from quant.transfer import Int8Weights
 from rlpipe.config import ConfigError, Int8Quant, QuantConfig, build_config
-from rlpipe.demo import calibration_sequences, resolve_quant_profile
+from launch.demo import calibration_sequences, resolve_quant_profile
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The built-in real model (SmolLM2-135M-Instruct, rlpipe/builtin_models.py) on the real engine.
+"""The built-in real model (SmolLM2-135M-Instruct, launch/builtin_models.py) on the real engine.
 
 Real prompts are long enough to be prefilled in chunks, which the toy's few-token prompts
 never were: a seeded request that was chunk-prefilled killed vLLM's CPU engine
@@ -31,7 +31,7 @@ STEP_TOKENS = 64
 
 @pytest.fixture(scope="session")
 def real_model_path() -> str:
-    from rlpipe.builtin_models import ensure_builtin_model
+    from launch.builtin_models import ensure_builtin_model
 
     return str(ensure_builtin_model(SMOLLM2))
 

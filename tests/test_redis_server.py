@@ -15,7 +15,7 @@ import redis
 
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, RestartWatch, connect, outages
-from rlpipe.redis_server import EmbeddedRedis
+from launch.redis_server import EmbeddedRedis
 
 
 def test_embedded_redis_persists_through_a_restart(tmp_path):
@@ -107,7 +107,7 @@ def test_redis_down_at_start_waits_then_names_the_url(tmp_path, toy_model_path):
                        redis_wait_s=2.0, **{"model.path": toy_model_path})
     dump_config(cfg, tmp_path / "config.yaml")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "learner", "--config", str(tmp_path / "config.yaml")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr[-2000:]
     assert "rlpipe: error: Redis at redis://:***@127.0.0.1:1/0 unreachable" in out.stderr

@@ -55,7 +55,7 @@ def run(redis_server, toy_model_path, tmp_path):
         log = open(tmp_path / "learner.log", "a")
         log.write(f"\n=== start (crash at {crash_at or 'nothing'}) ===\n")
         log.flush()
-        return subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config",
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", "learner", "--config",
                                  str(tmp_path / "config.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def no_loss():

@@ -343,7 +343,7 @@ def post(base, path, body=None, **kw):
 def toy_tokenizer():
     from transformers import AutoTokenizer
 
-    from rlpipe.toy import ensure_toy_model
+    from launch.toy import ensure_toy_model
     from tests.conftest import TOY_SPEC
 
     return AutoTokenizer.from_pretrained(str(ensure_toy_model(TOY_SPEC, log=lambda m: None)))

@@ -608,7 +608,7 @@ def test_the_learner_command_refuses_a_reachable_sync_host_without_a_token(tmp_p
     cfg = build_config({}, environ={}, run_dir=str(tmp_path), **{"sync.host": "0.0.0.0", "model.path": str(tmp_path)})
     dump_config(cfg, tmp_path / "config.yaml")
     env = {k: v for k, v in os.environ.items() if k not in ("RLPIPE_SYNC_TOKEN", "RLPIPE_API_TOKEN")}
-    out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "learner", "--config", str(tmp_path / "config.yaml")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "rlpipe: error: sync.host: '0.0.0.0'" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr

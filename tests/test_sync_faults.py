@@ -52,7 +52,7 @@ def run(redis_server, toy_model_path, tmp_path):
 
         def start_learner() -> subprocess.Popen:
             log = open(tmp_path / "learner.log", "ab")
-            proc = subprocess.Popen([sys.executable, "-m", "rlpipe.cli", "learner", "--config",
+            proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "learner", "--config",
                                      str(tmp_path / "config.yaml")], stdout=log, stderr=subprocess.STDOUT)
             procs.append(proc)
             return proc
@@ -263,7 +263,7 @@ def test_a_worker_whose_model_lacks_a_tensor_the_learner_sends_stops_the_learner
     worker.start()
     try:
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "rlpipe.cli", "learner", "--config", str(tmp_path / "config.yaml")],
+        out = subprocess.run([sys.executable, "-m", "launch.cli", "learner", "--config", str(tmp_path / "config.yaml")],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 2, out.stderr[-3000:]
         assert ("rlpipe: error: worker w0 cannot take the learner's weights: the learner sends 'lm_head.weight', "

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from rlpipe.arith import ArithmeticTask
-from rlpipe.toy import EOS_ID, ToyModelSpec, build_tokenizer, ensure_toy_model
+from launch.toy import EOS_ID, ToyModelSpec, build_tokenizer, ensure_toy_model
 
 
 def test_problems_are_a_pure_function_of_seed_and_index():
@@ -54,8 +54,8 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     from transformers import AutoTokenizer
 
     from rlpipe.config import ConfigError, build_config
-    from rlpipe.demo import resolve_model
-    from rlpipe.toy import toy_spec
+    from launch.demo import resolve_model
+    from launch.toy import toy_spec
 
     small = dict(hidden_size=32, intermediate_size=64, target_sampled_accuracy=0.5, sft_max_steps=10, eval_every=5,
                  eval_prompts=16, seed=5)
@@ -118,7 +118,7 @@ def test_worked_targets_show_the_columns_and_end_in_the_answer():
 
 def test_worked_warm_start_examples_round_trip_through_the_tokenizer(tmp_path):
     """Every character of a worked answer is in the toy alphabet: no <unk>, decoded back exactly."""
-    from rlpipe.toy import UNK_ID, sft_example
+    from launch.toy import UNK_ID, sft_example
 
     tok = build_tokenizer(tmp_path)
     task = ArithmeticTask(style="worked", ops="+-*", size=200)
@@ -134,7 +134,7 @@ def test_a_tool_warm_start_example_is_the_episode_the_calculator_session_holds(t
     ``calculator`` environment holds under configs/toy-chat.jinja (a prompt, the call, the
     tool's reply, the answer), trained on the model's turns only; the tool share is part
     of the toy's key, and the toys without it keep theirs."""
-    from rlpipe.toy import UNK_ID, tool_example, toy_spec
+    from launch.toy import UNK_ID, tool_example, toy_spec
     from tests.conftest import ROOT
 
     tok = build_tokenizer(tmp_path)
@@ -155,7 +155,7 @@ def test_a_tool_warm_start_example_is_the_episode_the_calculator_session_holds(t
 
 def test_worked_style_is_its_own_toy_and_the_answer_toy_keeps_its_key():
     from rlpipe.config import build_config
-    from rlpipe.toy import toy_spec
+    from launch.toy import toy_spec
 
     assert ToyModelSpec().key() == "494a98eff854"  # the key before arith_style existed: caches stay valid
     assert toy_spec(task=ArithmeticTask(style="worked")).key() != ToyModelSpec().key()
@@ -170,7 +170,7 @@ def test_task_and_paths_are_core_modules_without_the_builder(tmp_path):
 
     code = ("import sys, rlpipe.arith, rlpipe.paths; print(rlpipe.paths.cache_root()); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'transformers', 'learner', 'rollout_service', 'quant') or m == 'rlpipe.toy'))")
+            "('torch', 'transformers', 'learner', 'rollout_service', 'quant') or m == 'launch.toy'))")
     env = {**os.environ, "RLPIPE_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == [str(tmp_path), "[]"]

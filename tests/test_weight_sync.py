@@ -598,7 +598,7 @@ def test_a_quantized_generation_sends_deltas_bit_exactly_and_a_full_version_ever
 
 
 def test_a_delta_against_another_base_is_refused_before_anything_is_written():
-    from quant.delta import DeltaMismatch
+    from weight_sync.delta_codec import DeltaMismatch
     from weight_sync.delta import apply_version, bucket_checksums, encode_version, payload_sizes
 
     v1, v2, v3 = int8_versions(3)

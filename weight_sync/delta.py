@@ -2,7 +2,7 @@
 
 Within one sync generation every member keeps the last version's packed buckets (the
 receiver's buffers, weight_sync/receiver.py) and the sender keeps the same bytes, so the
-next version can travel as each bucket's change against them (quant/delta.py: per bucket
+next version can travel as each bucket's change against them (weight_sync/delta_codec.py: per bucket
 the smallest of dense, sparse, bitmap and their one-step sign forms; buckets are
 dtype-homogeneous, so a bucket is one flat tensor of its dtype). This pays for quantized
 wires, where most int8 values keep their value from one update to the next; bf16 values
@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from quant.delta import Delta, DeltaMismatch, apply_, checksum, encode
+from weight_sync.delta_codec import Delta, DeltaMismatch, apply_, checksum, encode
 from weight_sync.manifest import DTYPES, Manifest
 
 ALIGN = 8  # each part of a payload starts at a multiple of this, so it views as its dtype in place

@@ -46,7 +46,7 @@ _ASK, _ANSWER = 1001, 1002  # gloo tags of the handshake, apart from a version's
 def resolve_transport(requested: str, cuda_devices: int) -> str:
     """The transport a process uses for ``sync.transport``: ``auto`` is NCCL where CUDA is
     present and gloo (staged in host memory) where it is not (a launch that knows where
-    every role runs refines it: rlpipe.gpus.plan_transport). Raises ValueError, naming
+    every role runs refines it: launch.gpus.plan_transport). Raises ValueError, naming
     the key, for a transport this machine cannot run."""
     if requested not in TRANSPORTS:
         raise ValueError(f"sync.transport: {requested!r} is not one of {', '.join(TRANSPORTS)}")

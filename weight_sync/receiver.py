@@ -19,7 +19,7 @@ import signal
 
 import torch
 
-from quant.delta import DeltaMismatch
+from weight_sync.delta_codec import DeltaMismatch
 from rlpipe.auth import sync_token
 from weight_sync.delta import apply_version, bucket_checksums, payload_sizes
 from weight_sync.gate import GateClient

@@ -46,8 +46,8 @@ import yaml
 
 from rlpipe import registry
 from rlpipe.config import RunConfig, secret_env
-from rlpipe.gpus import launch_plan
-from rlpipe.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
+from launch.gpus import launch_plan
+from launch.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
 from rlpipe.proc import parse_cpus
 from rlpipe.readback import number
 
@@ -460,7 +460,7 @@ def extract_rules(path: Path) -> Path:
 def run_up(cfg: RunConfig, runs_dir: str = "runs", progress: bool = True) -> int:
     """Supervise until the learner is done (0), Ctrl-C or SIGTERM (130), or a role that
     keeps failing at start or Redis lost for good (1); the summary is printed each time."""
-    from rlpipe.demo import _summarize, format_summary, prepare_run
+    from launch.demo import _summarize, format_summary, prepare_run
     from rlpipe.queue import RedisUnavailable, connect
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)

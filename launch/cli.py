@@ -7,7 +7,7 @@
     rlpipe build-model [--seed S]                         prepare/cache the model (toy or built-in), print its path
     rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
     rlpipe up --config run.yaml                           the roles of deploy/k8s on this machine, supervised
-    rlpipe status | restart ROLE | scale ROLE N           act on a running `rlpipe up` (rlpipe/up.py)
+    rlpipe status | restart ROLE | scale ROLE N           act on a running `rlpipe up` (launch/up.py)
 
 Arguments are parsed and the config validated before anything heavy (torch, vLLM) is
 imported, so ``--help`` and config errors are instant. What can be known wrong before a
@@ -173,7 +173,7 @@ def _stop_on_sigterm() -> None:
 
 def _run_demo(args, cfg) -> int:
     _stop_on_sigterm()
-    from rlpipe.demo import format_summary, run_demo
+    from launch.demo import format_summary, run_demo
 
     try:
         summary = run_demo(cfg, runs_dir=args.runs_dir, timeout_s=args.timeout)
@@ -187,7 +187,7 @@ def _run_demo(args, cfg) -> int:
 
 def _run_up(args, cfg) -> int:
     _stop_on_sigterm()
-    from rlpipe.up import run_up
+    from launch.up import run_up
 
     try:
         return run_up(cfg, runs_dir=args.runs_dir)
@@ -234,11 +234,11 @@ def _run_learner(args, cfg) -> int:
 
     apply_cpu_affinity()
     if (cfg.learner.ranks > 1 or cfg.learner.nodes > 1) and "WORLD_SIZE" not in os.environ:
-        # Several ranks: become `torchrun ... -m rlpipe.cli <these arguments>` (same pid, so the
+        # Several ranks: become `torchrun ... -m launch.cli <these arguments>` (same pid, so the
         # launcher, `rlpipe up` or the kubelet keeps signalling the process it started).
         import shlex
 
-        from rlpipe.launcher import torchrun_command
+        from launch.launcher import torchrun_command
 
         cmd, env = torchrun_command(cfg, args.argv)
         print(f"rlpipe learner: learner.ranks={cfg.learner.ranks} x nodes={cfg.learner.nodes}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}: "
@@ -259,7 +259,7 @@ def _stderr_log(message: str) -> None:
 
 
 def _run_calibrate(args, cfg) -> int:
-    from rlpipe.demo import resolve_model, resolve_quant_profile
+    from launch.demo import resolve_model, resolve_quant_profile
 
     model_path = resolve_model(cfg, log=_stderr_log)
     try:
@@ -271,14 +271,14 @@ def _run_calibrate(args, cfg) -> int:
 
 
 def _run_build_model(args, cfg) -> int:
-    from rlpipe.demo import resolve_model
+    from launch.demo import resolve_model
 
     print(resolve_model(cfg, log=_stderr_log))
     return 0
 
 
 def _run_bench(args, cfg) -> int:
-    from rlpipe import bench
+    from launch import bench
 
     return bench.main(args.quick, args.only, args.out, args.render_only)
 
@@ -287,7 +287,7 @@ def _run_plot(args, cfg) -> int:
     from pathlib import Path
 
     from learner.metrics import read_jsonl
-    from rlpipe.plots import fleet_changed, plot_fleet, plot_run
+    from launch.plots import fleet_changed, plot_fleet, plot_run
 
     rows = read_jsonl(Path(args.run_dir) / "metrics.jsonl")
     if not rows:
@@ -302,7 +302,7 @@ def _run_plot(args, cfg) -> int:
 
 def _run_control(args, cfg) -> int:
     """status, restart, scale: act on a running `rlpipe up` through its run directory."""
-    from rlpipe import up
+    from launch import up
     from rlpipe.queue import RedisUnavailable
 
     try:

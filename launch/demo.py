@@ -23,12 +23,12 @@ from pathlib import Path
 from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, check_model_path, dump_config, secret_env, validate_run, \
     without_secrets
-from rlpipe.gpus import launch_plan
-from rlpipe.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
+from launch.gpus import launch_plan
+from launch.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
 from rlpipe.paths import BUILTIN_NAMES
 from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
-from rlpipe.redis_server import EmbeddedRedis
+from launch.redis_server import EmbeddedRedis
 
 
 def resolve_model(cfg: RunConfig, log=print) -> str:
@@ -43,12 +43,12 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     if path and Path(path).is_dir():
         return path
     if path in BUILTIN_NAMES:
-        from rlpipe.builtin_models import ensure_builtin_model
+        from launch.builtin_models import ensure_builtin_model
 
         return str(ensure_builtin_model(path, log=log))
     from rlpipe.arith import ArithmeticTask
     from rlpipe.paths import TOY_PREFIX
-    from rlpipe.toy import ensure_toy_model, toy_spec
+    from launch.toy import ensure_toy_model, toy_spec
 
     arch = path[len(TOY_PREFIX):] if path else None  # toy-<arch> (check_model_path) or null
     spec = toy_spec(
@@ -172,7 +172,7 @@ def role_envs(cfg: RunConfig) -> tuple[list[dict[str, str]], dict[str, str]]:
 
 def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
     """The run's summary (also in ``summary.json``); ``interrupted`` in it after a Ctrl-C or
-    SIGTERM, which stop the run in order (rlpipe.launcher) and still summarize it."""
+    SIGTERM, which stop the run in order (launch.launcher) and still summarize it."""
     t_start = time.time()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
@@ -335,7 +335,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
             summary[f"staleness_mean[{p}]"] = sum(s * n for s, n in lags) / sum(n for _, n in lags) if lags else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
-        from rlpipe.plots import plot_run
+        from launch.plots import plot_run
 
         summary["plot"] = str(plot_run(rows, run_dir / "metrics.png",
                                        title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",

@@ -3,7 +3,7 @@
 Each part is one script in ``bench/``, run as its own process (the scripts start engines,
 Redis and learner processes of their own, and a crash in one must not take the others
 down), with the arguments of the full run or of ``--quick``. Each writes a section
-(``rlpipe/results.py``: tables, plots, notes and its exact command) into
+(``launch/results.py``: tables, plots, notes and its exact command) into
 ``<out>/results/``; the report is then rendered from every section there, so
 ``--only`` re-runs some parts and keeps the others' latest numbers.
 
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpipe.results import ROOT, load_section, render_section
+from launch.results import ROOT, load_section, render_section
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ Everything is made locally from a seed and cached under ``~/.cache/rlpipe`` (or
 ``$RLPIPE_CACHE``): no hub is ever contacted. vLLM and transformers load the result from
 the directory like any Hugging Face checkpoint.
 
-    python -m rlpipe.toy /tmp/toy-model      # build (or reuse) and print its path
+    python -m launch.toy /tmp/toy-model      # build (or reuse) and print its path
 """
 
 from __future__ import annotations

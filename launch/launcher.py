@@ -1,6 +1,6 @@
 """The local launcher: owns the run directory, the child processes and their logs.
 
-Each role runs as ``python -m rlpipe.cli <role> ...`` in its own process session, with
+Each role runs as ``python -m launch.cli <role> ...`` in its own process session, with
 its output in ``runs/<id>/logs/<name>.log`` and its command line in
 ``runs/<id>/commands.txt``. Children are stopped by process group (SIGTERM, then SIGKILL
 after a grace period), which takes vLLM's engine processes with them; and each child
@@ -98,7 +98,7 @@ class Launcher:
         self.secret_env = {**own_token, **(secret_env or {})}
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "rlpipe.cli", *args]
+        cmd = [sys.executable, "-m", "launch.cli", *args]
         full_env = {**os.environ, **ROLE_ENV, **self.secret_env, **(env or {}), "RLPIPE_PARENT_PID": str(os.getpid())}
         with open(self.log_dir / f"{name}.log", "ab", opener=_private) as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -212,7 +212,7 @@ def kill_group(proc: subprocess.Popen, sig: int) -> None:
 def torchrun_command(cfg, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run ``rlpipe <argv>`` (a learner) as ``cfg.learner.ranks``
     data-parallel ranks on this machine: ``python -m torch.distributed.run --standalone
-    --nproc-per-node N -m rlpipe.cli <argv>``. torchrun forwards SIGTERM to every rank (the
+    --nproc-per-node N -m launch.cli <argv>``. torchrun forwards SIGTERM to every rank (the
     learner's graceful stop) and SIGKILLs what is left after its shutdown timeout. Each rank
     gets ``learner.threads`` threads, or its share of this process's cores, in
     ``OMP_NUM_THREADS`` (torch's default thread count; torchrun would otherwise give it 1).
@@ -232,7 +232,7 @@ def torchrun_command(cfg, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     else:
         meet = ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *meet, "--nproc-per-node", str(lc.ranks),
-           "-m", "rlpipe.cli", *argv]
+           "-m", "launch.cli", *argv]
     return cmd, {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
