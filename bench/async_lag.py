@@ -155,8 +155,8 @@ def run_one(run_id: str, seed: int, lag: int, args, common: dict, runs_dir: Path
     run_dir = runs_dir / run_id
     placement = ""
     if not args.from_runs:
-        from rlpipe.config import build_config
         from launch.demo import run_demo
+        from rlpipe.config import build_config
 
         shutil.rmtree(run_dir, ignore_errors=True)  # an old run's Redis AOF and metrics would be read again
         cfg = build_config({}, environ={}, seed=seed, run_id=run_id, **{**common, "queue.max_lag": lag})

@@ -52,8 +52,8 @@ def train(steps: int, groups: int | None, out: Path, config: str | None = None, 
 
     import yaml
 
-    from rlpipe.config import build_config
     from launch.demo import run_demo
+    from rlpipe.config import build_config
 
     shutil.rmtree(out / rid, ignore_errors=True)  # a kept run dir would be resumed, not trained anew
     base = yaml.safe_load(Path(config).read_text()) if config else {}

@@ -53,9 +53,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.peak_memory import peak_rise_kib  # noqa: E402
+from launch.results import Section  # noqa: E402
 from quant.int8 import FP8_MAX, INT8_MAX, fp8_tensors, quantized_linears, smooth_groups, smoothing_vector  # noqa: E402
 from quant.profile import QuantProfile  # noqa: E402
-from launch.results import Section  # noqa: E402
 
 # Hugging Face Qwen2 configs of the shapes measured (random weights; only shapes matter).
 SHAPES = {

@@ -56,8 +56,8 @@ def model_dir(size: str, workdir: Path) -> str:
 
 
 def profile_dir(model: str, activations: str, workdir: Path) -> str:
-    from rlpipe.config import build_config
     from launch.demo import resolve_quant_profile
+    from rlpipe.config import build_config
 
     cfg = build_config({}, environ={}, **{"model.path": model, "quant.int8.activations": activations,
                                           "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})

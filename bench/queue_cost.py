@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import rlpipe.queue as rq  # noqa: E402
-from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
 from launch.redis_server import EmbeddedRedis  # noqa: E402
 from launch.results import Section, figure  # noqa: E402
+from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
 
 PROMPT_TOKENS = 8  # what ragged_groups' prompts have: <bos> a a + b b =
 SIZES = {"1k": 1024, "8k": 8192}  # tokens per group, prompt + response over the samples

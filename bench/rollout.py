@@ -106,9 +106,9 @@ def run_rlpipe(args, model: str) -> list[dict]:
 async def _run_rlpipe(args, model: str) -> list[dict]:
     from transformers import AutoTokenizer
 
+    from launch.redis_server import EmbeddedRedis
     from quant.profiles import profile_for
     from rlpipe.queue import TrajectoryQueue, connect
-    from launch.redis_server import EmbeddedRedis
     from rollout_service.engine import RolloutEngine
     from rollout_service.loop import RolloutLoop
     from rollout_service.metrics import RolloutMetrics

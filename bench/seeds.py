@@ -439,9 +439,9 @@ def parse_sets(items: list[str]) -> dict:
 
 def run_finding(name: str, f: Finding, arms: list[str], seeds: list[int], settings: dict, out: Path) -> dict:
     """Train every arm x seed as a whole demo run; returns {arm: {seed: metrics rows}} of those that finished."""
+    from launch.demo import run_demo
     from learner.metrics import read_jsonl
     from rlpipe.config import build_config
-    from launch.demo import run_demo
 
     runs_dir = out / name / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)

@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="no new runs: redo table and plot from --runs-dir, or from <out>/curves.csv where a run is gone")
     ap.add_argument("--rerun", action="store_true", help="run again even where a completed run exists")
     args = ap.parse_args(argv)
+    from launch.demo import run_demo
     from learner.metrics import read_jsonl
     from rlpipe.config import build_config
-    from launch.demo import run_demo
 
     out, runs_dir = Path(args.out).resolve(), Path(args.runs_dir).resolve()
     common: dict = {"steps": args.steps}

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from dataclasses import replace
 import multiprocessing as mp
 import os
 import resource
@@ -53,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,9 +60,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlpipe.queue import Keys, connect  # noqa: E402
 from launch.redis_server import EmbeddedRedis  # noqa: E402
 from launch.results import Section, figure  # noqa: E402
+from rlpipe.queue import Keys, connect  # noqa: E402
 from weight_sync.manifest import DTYPES, Manifest, chunks, pack_chunk  # noqa: E402
 from weight_sync.rendezvous import read_sync  # noqa: E402
 from weight_sync.sender import CHUNK_BYTES, WeightSender  # noqa: E402

@@ -21,7 +21,8 @@ import argparse
 import os
 import sys
 
-from rlpipe.config import ConfigError, check_model_path, load_config, parse_yaml, validate_run
+from launch.checks import check_model_path, validate_run
+from rlpipe.config import ConfigError, load_config, parse_yaml
 
 LEARNER_RANKS_HELP = "run the learner as N data-parallel ranks under torchrun (sets learner.ranks)"
 
@@ -286,8 +287,8 @@ def _run_bench(args, cfg) -> int:
 def _run_plot(args, cfg) -> int:
     from pathlib import Path
 
-    from learner.metrics import read_jsonl
     from launch.plots import fleet_changed, plot_fleet, plot_run
+    from learner.metrics import read_jsonl
 
     rows = read_jsonl(Path(args.run_dir) / "metrics.jsonl")
     if not rows:

@@ -20,15 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from rlpipe import registry
-from rlpipe.config import ConfigError, RunConfig, check_model_path, dump_config, secret_env, validate_run, \
-    without_secrets
+from launch.checks import check_model_path, validate_run
 from launch.gpus import launch_plan
 from launch.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
+from launch.redis_server import EmbeddedRedis
+from rlpipe import registry
+from rlpipe.config import ConfigError, RunConfig, dump_config, secret_env, without_secrets
 from rlpipe.paths import BUILTIN_NAMES
 from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
-from launch.redis_server import EmbeddedRedis
 
 
 def resolve_model(cfg: RunConfig, log=print) -> str:
@@ -46,9 +46,9 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
         from launch.builtin_models import ensure_builtin_model
 
         return str(ensure_builtin_model(path, log=log))
+    from launch.toy import ensure_toy_model, toy_spec
     from rlpipe.arith import ArithmeticTask
     from rlpipe.paths import TOY_PREFIX
-    from launch.toy import ensure_toy_model, toy_spec
 
     arch = path[len(TOY_PREFIX):] if path else None  # toy-<arch> (check_model_path) or null
     spec = toy_spec(

@@ -28,19 +28,13 @@ from dataclasses import dataclass
 
 from rlpipe.config import ConfigError, RunConfig
 from rlpipe.proc import parse_cpus
+from weight_sync.nccl import cuda_devices, resolve_for_config
 
 
 def gpus_per_worker(cfg: RunConfig) -> int:
     from rollout_service.engine_args import engine_processes
 
     return engine_processes(cfg.rollout.engine)
-
-
-def cuda_devices() -> int:
-    """How many CUDA devices this process sees (0 on a machine without any)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +74,7 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
         if missing := [i for i in ids if i >= n_devices]:
             raise ConfigError(f"{key}: GPUs {missing} do not exist here (devices 0-{n_devices - 1})")
     if n_devices == 0:
-        _resolve(cfg.sync.transport, 0)  # nccl on a machine without CUDA: refused here
+        resolve_for_config(cfg.sync.transport, 0)  # nccl on a machine without CUDA: refused here
         return GpuPlan()
     if learner and len(learner) != ranks:
         raise ConfigError(f"learner.gpus: {len(learner)} GPUs for learner.ranks {ranks}: one GPU per rank")
@@ -110,7 +104,7 @@ def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list
     workers off rank 0's GPU; CUDA IPC only those on it. A run has one transport, so
     ``auto`` is nccl when no worker shares rank 0's GPU, ipc when every one does, and gloo
     for a fleet of both; ``nccl`` or ``ipc`` that cannot reach a worker is refused."""
-    transport = _resolve(requested, n_devices)
+    transport = resolve_for_config(requested, n_devices)
     shared = [i for i, s in enumerate(slices) if sender_gpu in s]
     apart = [i for i, s in enumerate(slices) if sender_gpu not in s]
     if requested == "auto" and transport == "nccl" and shared:
@@ -123,21 +117,6 @@ def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list
         raise ConfigError(f"sync.transport: ipc cannot reach worker {apart[0]}, which is not on GPU {sender_gpu} "
                           f"with learner rank 0 (CUDA IPC shares memory on one GPU); use nccl or gloo")
     return transport
-
-
-def role_transport(cfg: RunConfig) -> str:
-    """The transport this role uses: ``sync.transport`` resolved on this machine (a role that
-    ``rlpipe demo`` or ``up`` started gets their resolution in its environment)."""
-    return _resolve(cfg.sync.transport, cuda_devices())
-
-
-def _resolve(requested: str, n_devices: int) -> str:
-    from weight_sync.nccl import resolve_transport
-
-    try:
-        return resolve_transport(requested, n_devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def launch_plan(cfg: RunConfig) -> GpuPlan:

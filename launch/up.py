@@ -44,10 +44,10 @@ from pathlib import Path
 
 import yaml
 
-from rlpipe import registry
-from rlpipe.config import RunConfig, secret_env
 from launch.gpus import launch_plan
 from launch.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
+from rlpipe import registry
+from rlpipe.config import RunConfig, secret_env
 from rlpipe.proc import parse_cpus
 from rlpipe.readback import number
 

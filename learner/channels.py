@@ -21,11 +21,10 @@ import torch
 from quant.transfer import Stream, Wire, rollout_weights
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
-from launch.gpus import role_transport
 from weight_sync.convergence import Converged, Convergence
 from weight_sync.ipc import IpcBroadcast
 from weight_sync.names import served_names, served_parameters
-from weight_sync.nccl import NcclBroadcast
+from weight_sync.nccl import NcclBroadcast, role_transport
 from weight_sync.rendezvous import GenerationFloor
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError

@@ -6,12 +6,11 @@ ill-typed keys are errors that name the key. The launcher resolves the config (m
 Redis URL, run directory) and writes it to ``runs/<id>/config.yaml`` for its children, so
 every role sees exactly the same values.
 
-Rules that span roles are checked in one place, :func:`validate_run`.
+Rules that span roles are checked once, at launch: launch/checks.py's ``validate_run``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -21,7 +20,6 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from rlpipe.datasets import check_dataset, is_file
-from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 from rlpipe.precisions import SPECS, Precision, WireKind
 
 # docs/design.md 'Loss'; learner/loss.py says what each one does.
@@ -796,30 +794,6 @@ def secret_env(cfg: RunConfig) -> dict[str, str]:
     return {PASSWORD_ENV: password} if password is not None else {}
 
 
-def check_model_path(path: str | None, builds_toy: bool = True) -> None:
-    """``model.path`` names a model, checked before anything starts (else a transformers
-    traceback, after Redis and the engine): a Hugging Face model directory (with a
-    config.json) or, where the command prepares one (``builds_toy``: demo, up, calibrate,
-    build-model), null, a toy model's name (``toy-<arch>``, rlpipe/paths.py) or a built-in
-    real model's (``smollm2-135m-instruct``, launch/builtin_models.py). A role (rollout,
-    learner) loads the directory its launcher resolved."""
-    names = ", ".join([TOY_PREFIX + a for a in TOY_ARCHS] + list(BUILTIN_NAMES))
-    if path is None:
-        if builds_toy:
-            return
-        raise ConfigError("model.path: not set; a role needs a model directory "
-                          "(`rlpipe build-model` prepares the toy or a built-in one)")
-    p = Path(path)
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            return
-        raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
-    if builds_toy and (path in BUILTIN_NAMES or path.startswith(TOY_PREFIX) and path[len(TOY_PREFIX):] in TOY_ARCHS):
-        return
-    hint = f" nor a model rlpipe prepares ({names})" if builds_toy else ""
-    raise ConfigError(f"model.path: {path} is not a directory{hint}")
-
-
 def learner_quantized(cfg: RunConfig) -> list[str]:
     """The fleet's precisions whose weights the learner quantizes (int8; fp8 quantized on the learner)."""
     return [p for p in cfg.rollout.precisions if cfg.quant.wire(p) != "cast"]
@@ -835,106 +809,3 @@ def sharded_quant_problem(cfg: RunConfig, sharded: bool) -> str | None:
                 "learner.parallel: ddp")
     return None
 
-
-def environment_problems(cfg: RunConfig) -> list[str]:
-    """A multi-turn task that could not run: an environment that does not import, or no chat
-    template to render its messages with (every worker would fail every group)."""
-    from rollout_service.environments import load_environment
-
-    problems = []
-    try:
-        load_environment(cfg.task.environment)
-    except ConfigError as e:
-        problems.append(str(e))
-    tokenizer_config = Path(cfg.model.path) / "tokenizer_config.json" if cfg.model.path else None
-    if not cfg.rollout.chat_template and tokenizer_config is not None and tokenizer_config.is_file() and \
-            "chat_template" not in json.loads(tokenizer_config.read_text()) and \
-            not (tokenizer_config.parent / "chat_template.jinja").is_file():
-        problems.append(f"task.environment: episodes are chat sessions, and {cfg.model.path}'s tokenizer has no chat "
-                        "template: set rollout.chat_template")
-    return problems
-
-
-def served_problem(path: str | None) -> str | None:
-    """Why the learner's weights of the model at ``path`` would not load into the workers'
-    engine (else every worker refuses every update and the run waits at step 0), or None.
-    A model the check cannot build is named with its error: an MoE's weight conversion
-    raised RuntimeError, and the launch ended in a traceback (issue 33 item 7)."""
-    if not path or not (Path(path) / "config.json").is_file():
-        return None
-    from weight_sync.names import served_mismatch
-
-    try:
-        why = served_mismatch(path)
-    except ValueError as e:
-        why = str(e)
-    except Exception as e:
-        return f"model.path: {path} could not be loaded to check that its weights fit the workers' engine: " \
-               f"{type(e).__name__}: {e}"
-    return f"model.path: the learner's weights do not fit the workers' engine: {why}" if why else None
-
-
-def validate_run(cfg: RunConfig) -> None:
-    """Cross-role rules, checked once at launch."""
-    problems = []
-    if cfg.sampling.max_tokens > cfg.rollout.max_new_tokens:
-        problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
-    if cfg.task.type == "arith" and cfg.task.arith_style == "worked":
-        from rlpipe.arith import ArithmeticTask
-
-        need = ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, size=cfg.task.size, style="worked",
-                              seed=cfg.task.seed).max_target_chars() + 1  # + <eos>
-        if cfg.sampling.max_tokens < need:
-            # Else a correct worked answer is cut before its last number and scores 0: no signal to learn from.
-            problems.append(f"sampling.max_tokens: task.arith_style 'worked' needs at least {need} here "
-                            f"(the longest worked answer plus <eos>), got {cfg.sampling.max_tokens}")
-    if cfg.learner.minibatches > cfg.learner.groups_per_step:
-        problems.append("learner.minibatches: more minibatches than groups per step")
-    if cfg.learner.geo_low >= cfg.learner.geo_high:
-        problems.append("learner.geo_low: must be below learner.geo_high")
-    if cfg.rollout.fleet and len(cfg.rollout.fleet) > cfg.workers:
-        problems.append("rollout.fleet: lists more precisions than there are workers")
-    if cfg.sampling.n < 2:
-        problems.append("sampling.n: group advantages need at least 2 samples per prompt")
-    if why := served_problem(cfg.model.path):
-        problems.append(why)
-    from launch.gpus import role_transport
-
-    try:
-        transport = role_transport(cfg)
-    except ConfigError as e:
-        problems.append(str(e))
-        transport = "gloo"
-    if cfg.rollout.engine:
-        from rollout_service.engine_args import engine_args_problems
-
-        problems += engine_args_problems(cfg.rollout.engine, transport)
-    sharded = cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp"
-    if why := sharded_quant_problem(cfg, sharded):
-        problems.append(why)
-    if cfg.task.environment:
-        problems += environment_problems(cfg)
-    if cfg.model.toy_tool_calls and cfg.task.environment != "calculator":
-        problems.append("model.toy_tool_calls: the toy would be taught to call a calculator that only "
-                        "task.environment: calculator answers")
-    path = cfg.model.path
-    if cfg.model.toy_tool_calls and path and not path.startswith(TOY_PREFIX) and \
-            not (Path(path) / "rlpipe_toy.json").is_file():  # a toy the launcher built is its directory
-        problems.append(f"model.toy_tool_calls: only a toy model is warm-started, and model.path is {path}")
-    if cfg.eval.every and cfg.task.type == "arith":
-        problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
-    if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
-        problems.append("eval.dataset: the same as task.dataset; evaluate on held-out rows (e.g. gsm8k:test)")
-    elif cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared:
-        from rlpipe.datasets import check_disjoint, load_rows
-
-        t = cfg.task  # both sets are read with the task's fields, as the workers read them (a name has its own)
-        try:  # else the held-out score measures memory, not learning
-            check_disjoint(*(load_rows(d, t.prompt_field, t.answer_field, t.id_field, need_answer=False)
-                             for d in (t.dataset, cfg.eval.dataset)), names=("task", "eval"))
-        except ValueError as e:
-            problems.append(f"eval.dataset: {e} (eval.drop_shared: true drops them from the held-out rows)")
-        except OSError as e:
-            problems.append(f"eval.dataset: cannot read it: {e}")
-    if problems:
-        raise ConfigError("invalid config: " + "; ".join(problems))

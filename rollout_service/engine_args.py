@@ -3,7 +3,7 @@
 Users tune the engine (``gpu_memory_utilization``, ``max_num_seqs``,
 ``enable_prefix_caching``, ...) without rlpipe naming each knob. The keys must be fields of
 vLLM's ``EngineArgs``, so a typo is an error naming it and vLLM's closest fields, not a
-setting silently ignored; checked at launch (rlpipe.config.validate_run) and when an engine
+setting silently ignored; checked at launch (launch.checks.validate_run) and when an engine
 starts. Values are vLLM's to check, when the engine starts.
 
 Some fields rlpipe sets itself: the error names the run's key that sets them.

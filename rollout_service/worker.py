@@ -23,8 +23,15 @@ from prometheus_client import generate_latest
 
 from quant.profiles import profile_for
 from rlpipe.config import RunConfig
-from rollout_service.api_models import (Choice, GenerateRequest, GenerateResponse, SessionOpened, Turn, bad_request,
-                                        max_tokens_within)
+from rollout_service.api_models import (
+    Choice,
+    GenerateRequest,
+    GenerateResponse,
+    SessionOpened,
+    Turn,
+    bad_request,
+    max_tokens_within,
+)
 
 if TYPE_CHECKING:
     from rollout_service.api_models import Episode, Finish, OpenSession, TurnResult
@@ -80,9 +87,9 @@ class Worker:
     the app's lifespan; ``drain`` is SIGTERM's first step (rollout_service/server.py)."""
 
     def __init__(self, cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None):
-        from launch.gpus import role_transport
         from rollout_service.engine import RolloutEngine
         from rollout_service.metrics import RolloutMetrics
+        from weight_sync.nccl import role_transport
 
         self.cfg, self.id, self.address, self.redis_client = cfg, worker_id, address, redis_client
         self.limits = cfg.rollout

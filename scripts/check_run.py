@@ -19,7 +19,8 @@ import asyncio
 import os
 import sys
 
-from rlpipe.config import ConfigError, load_config, validate_run
+from launch.checks import validate_run
+from rlpipe.config import ConfigError, load_config
 
 
 def main(argv: list[str]) -> int:

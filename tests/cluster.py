@@ -22,11 +22,11 @@ from pathlib import Path
 
 import yaml
 
+from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import PASSWORD_FILE_ENV, IndexSet, Keys, TrajectoryQueue, connect
-from launch.redis_server import EmbeddedRedis
 from tests.conftest import ROOT, free_run_id, launch_worker, stop_worker, wait_for
 
 

@@ -24,12 +24,12 @@ import httpx
 import pytest
 import torch
 
+from launch.redis_server import EmbeddedRedis
+from launch.toy import ToyModelSpec, ensure_toy_model
 from rlpipe.arith import ArithmeticTask
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import Keys, TrajectoryQueue, connect
-from launch.redis_server import EmbeddedRedis
 from rlpipe.registry import set_learner_state, worker_incarnations
-from launch.toy import ToyModelSpec, ensure_toy_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # The demo's own toy model (default config, seed 0): built once, reused by the tests and the demo.

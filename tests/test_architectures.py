@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlpipe.config import ConfigError, build_config, validate_run
+from launch.checks import validate_run
+from rlpipe.config import ConfigError, build_config
 from rlpipe.queue import connect
 from tests.conftest import WorkerHarness, max_diff, start_worker, stop_worker
 from tests.families import FAMILIES, save_tiny_model, tiny_model

@@ -124,11 +124,11 @@ def test_without_secrets_drops_the_password_and_secret_env_carries_it():
 def test_a_run_writes_no_password_and_its_files_are_private(tmp_path, monkeypatch, toy_model_path):
     """The launcher's path (prepare_run, Launcher) with REDIS_URL=redis://:PW@host: a real
     Redis that requires PW, and a real learner child, which must get through to it."""
-    from rlpipe.auth import SYNC_TOKEN_ENV
     from launch.demo import prepare_run
     from launch.launcher import Launcher
-    from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, Keys, connect
     from launch.redis_server import EmbeddedRedis
+    from rlpipe.auth import SYNC_TOKEN_ENV
+    from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, Keys, connect
     from rlpipe.registry import learner_state
 
     password = "pw-" + os.urandom(8).hex()

@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from rlpipe.config import ConfigError, build_config, load_config, validate_run
+from launch.checks import validate_run
+from rlpipe.config import ConfigError, build_config, load_config
 
 
 def test_defaults_are_valid():

@@ -13,12 +13,12 @@ import httpx
 import psutil
 import pytest
 
+from launch.demo import run_demo
+from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, load_config
-from launch.demo import run_demo
 from rlpipe.queue import Keys, connect
-from launch.redis_server import EmbeddedRedis
 from rlpipe.registry import learner_state, live_workers
 from tests.cluster import audit
 from tests.conftest import interruptible, wait_for
@@ -153,8 +153,8 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     """``rlpipe demo --precision int8,bf16``: the launcher calibrates an int8 profile, one
     worker runs int8 (from the profile's checkpoint, updated with the learner's int8
     tensors), the other bf16, each on its own sync channel."""
-    from quant.profile import QuantProfile
     from launch.cli import main as rlpipe_main
+    from quant.profile import QuantProfile
 
     code = rlpipe_main(["demo", "--precision", "int8,bf16", "--steps", "5", "--run-id", "mixed", "--runs-dir",
                         str(tmp_path), "--set", "learner.groups_per_step=16", "--set", "quant.int8.calibration_samples=48",

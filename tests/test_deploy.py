@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from rlpipe.config import ConfigError, build_config, load_config, validate_run
+from launch.checks import validate_run
+from rlpipe.config import ConfigError, build_config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

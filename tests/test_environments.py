@@ -135,7 +135,8 @@ class EvenOddEnv:
 
 
 def test_environment_problems_are_refused_at_launch_naming_the_key(toy_model_path):
-    from rlpipe.config import build_config, validate_run
+    from launch.checks import validate_run
+    from rlpipe.config import build_config
 
     cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "task.environment": "tests.nope:Env"})
     with pytest.raises(ConfigError) as e:
@@ -145,7 +146,8 @@ def test_environment_problems_are_refused_at_launch_naming_the_key(toy_model_pat
 
 
 def test_a_toy_taught_to_call_the_calculator_is_refused_without_it_or_without_a_toy(toy_model_path):
-    from rlpipe.config import build_config, validate_run
+    from launch.checks import validate_run
+    from rlpipe.config import build_config
     from rlpipe.paths import SMOLLM2
 
     calculator = {"task.environment": "calculator", "model.toy_tool_calls": 0.25,

@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from launch.checks import validate_run
 from learner.evals import Evals
 from learner.metrics import LearnerMetrics, read_jsonl
 from rlpipe import registry
-from rlpipe.config import ConfigError, build_config, validate_run
+from rlpipe.config import ConfigError, build_config
 from rlpipe.datasets import load_rows, question_key
 from rlpipe.queue import Keys
 from rollout_service.evals import GROUP, EvalRunner, make_eval_task, wilson_interval

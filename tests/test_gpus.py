@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlpipe.config import ConfigError, build_config, validate_run
+from launch.checks import validate_run
 from launch.gpus import plan_gpus
+from rlpipe.config import ConfigError, build_config
 from tests.test_cli_errors import assert_usage_error, rlpipe
 
 

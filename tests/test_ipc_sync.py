@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from rlpipe.config import ConfigError
 from launch.gpus import plan_gpus
+from rlpipe.config import ConfigError
 from rlpipe.queue import Keys
 from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with
@@ -59,7 +59,7 @@ def test_a_launch_refuses_ipc_where_it_cannot_reach_a_worker_naming_the_key(sett
 
 
 def test_a_launch_refuses_ipc_without_cuda_and_a_tp_engine_under_ipc():
-    from rlpipe.config import validate_run
+    from launch.checks import validate_run
     from rollout_service.engine_args import engine_args_problems
 
     (tp,) = engine_args_problems({"tensor_parallel_size": 2}, "ipc")  # vLLM's handle is for one GPU's uuid

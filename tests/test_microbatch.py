@@ -37,8 +37,8 @@ _CACHE = {}
 
 def synthetic_groups_cache():
     if "groups" not in _CACHE:
-        from learner.policy import load_policy
         from launch.demo import resolve_model
+        from learner.policy import load_policy
 
         model = load_policy(resolve_model(build_config({}, environ={})))
         _CACHE["groups"] = synthetic_groups(model, 6, seed=5, noise=0.1)

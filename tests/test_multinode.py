@@ -21,9 +21,9 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from launch.launcher import kill_group
 from learner import checkpoint
 from learner.policy import load_policy
-from launch.launcher import kill_group
 from rlpipe.queue import TrajectoryQueue, connect
 from tests.test_ddp import prepared_run
 from tests.test_learner import for_run, synthetic_groups

@@ -16,14 +16,21 @@ import time
 import pytest
 import torch
 
-from rlpipe.config import ConfigError
 from launch.gpus import plan_gpus
+from rlpipe.config import ConfigError
 from rlpipe.queue import Keys
 from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with
 from weight_sync.manifest import Manifest, incompatibility, pack_bucket, unpack_bucket
-from weight_sync.nccl import (NcclBroadcast, learner_handshake, rank_offsets, resolve_transport, update_info,
-                              wire_tensors, worker_handshake)
+from weight_sync.nccl import (
+    NcclBroadcast,
+    learner_handshake,
+    rank_offsets,
+    resolve_transport,
+    update_info,
+    wire_tensors,
+    worker_handshake,
+)
 from weight_sync.receiver import expect_header, join_group
 from weight_sync.sender import WeightSender
 from weight_sync.transport import GlooGroup, SyncError
@@ -280,7 +287,7 @@ def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after
 
 
 def test_a_launch_refuses_nccl_without_cuda_and_a_tp_engine_without_nccl():
-    from rlpipe.config import validate_run
+    from launch.checks import validate_run
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA devices")

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.func import functional_call
 
+from launch.demo import calibration_sequences, resolve_quant_profile
 from quant.calibrate import activation_amax, calibrate
 from quant.int8 import (
     fp8_tensors,
@@ -25,7 +26,6 @@ from quant.profile import ProfileError, QuantProfile, model_fingerprint
 from quant.profiles import profile_for
 from quant.transfer import Int8Weights
 from rlpipe.config import ConfigError, Int8Quant, QuantConfig, build_config
-from launch.demo import calibration_sequences, resolve_quant_profile
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 
+from launch.demo import resolve_quant_profile
 from quant.int8 import quant_config
 from quant.profile import write_checkpoint
 from rlpipe.config import build_config
-from launch.demo import resolve_quant_profile
 from rlpipe.queue import connect
 from rlpipe.registry import live_workers, worker_incarnations
 from tests.conftest import WorkerHarness, launch_worker, start_worker, stop_worker, wait_for

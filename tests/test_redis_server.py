@@ -13,9 +13,9 @@ import time
 import pytest
 import redis
 
+from launch.redis_server import EmbeddedRedis
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, RestartWatch, connect, outages
-from launch.redis_server import EmbeddedRedis
 
 
 def test_embedded_redis_persists_through_a_restart(tmp_path):

@@ -317,7 +317,7 @@ def test_arith_style_config():
 
 
 def test_worked_style_needs_room_for_its_longest_answer():
-    from rlpipe.config import validate_run
+    from launch.checks import validate_run
 
     with pytest.raises(ConfigError, match=r"sampling\.max_tokens: task\.arith_style 'worked' needs at least 20"):
         validate_run(build_config({"task": {"arith_style": "worked"}}, environ={}))  # the default 8 tokens

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from rlpipe.arith import ArithmeticTask
 from launch.toy import EOS_ID, ToyModelSpec, build_tokenizer, ensure_toy_model
+from rlpipe.arith import ArithmeticTask
 
 
 def test_problems_are_a_pure_function_of_seed_and_index():
@@ -53,9 +53,9 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from rlpipe.config import ConfigError, build_config
     from launch.demo import resolve_model
     from launch.toy import toy_spec
+    from rlpipe.config import ConfigError, build_config
 
     small = dict(hidden_size=32, intermediate_size=64, target_sampled_accuracy=0.5, sft_max_steps=10, eval_every=5,
                  eval_prompts=16, seed=5)
@@ -154,8 +154,8 @@ def test_a_tool_warm_start_example_is_the_episode_the_calculator_session_holds(t
 
 
 def test_worked_style_is_its_own_toy_and_the_answer_toy_keeps_its_key():
-    from rlpipe.config import build_config
     from launch.toy import toy_spec
+    from rlpipe.config import build_config
 
     assert ToyModelSpec().key() == "494a98eff854"  # the key before arith_style existed: caches stay valid
     assert toy_spec(task=ArithmeticTask(style="worked")).key() != ToyModelSpec().key()

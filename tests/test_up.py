@@ -16,10 +16,10 @@ import signal
 import subprocess
 import time
 
+from launch.up import START_TRIES, USAGE_ERROR, Role, Supervisor, read_desired, write_desired
 from rlpipe import registry
 from rlpipe.config import build_config
 from rlpipe.queue import Keys
-from launch.up import START_TRIES, USAGE_ERROR, Role, Supervisor, read_desired, write_desired
 from tests.conftest import free_run_id
 
 

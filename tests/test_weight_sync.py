@@ -598,8 +598,8 @@ def test_a_quantized_generation_sends_deltas_bit_exactly_and_a_full_version_ever
 
 
 def test_a_delta_against_another_base_is_refused_before_anything_is_written():
-    from weight_sync.delta_codec import DeltaMismatch
     from weight_sync.delta import apply_version, bucket_checksums, encode_version, payload_sizes
+    from weight_sync.delta_codec import DeltaMismatch
 
     v1, v2, v3 = int8_versions(3)
     m = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in v1.items()], 256 << 10, delta=True)

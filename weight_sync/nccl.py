@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from rlpipe.config import ConfigError, RunConfig
 from weight_sync.manifest import Manifest
 from weight_sync.transport import GlooGroup, SyncError
 
@@ -57,6 +58,25 @@ def resolve_transport(requested: str, cuda_devices: int) -> str:
                 "shares the learner's CUDA memory with an engine on its GPU")
         raise ValueError(f"sync.transport: {requested} {what} and this machine has none (use auto or gloo)")
     return requested
+
+
+def resolve_for_config(requested: str, n_devices: int) -> str:
+    """:func:`resolve_transport`, refusing with the ConfigError a launch reports."""
+    try:
+        return resolve_transport(requested, n_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices this process sees (0 on a machine without any)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def role_transport(cfg: RunConfig) -> str:
+    """The transport this role uses: ``sync.transport`` resolved on this machine (a role that
+    ``rlpipe demo`` or ``up`` started gets their resolution in its environment)."""
+    return resolve_for_config(cfg.sync.transport, cuda_devices())
 
 
 def rank_offsets(engine_ranks: list[int]) -> tuple[list[int], int]:

@@ -19,9 +19,9 @@ import signal
 
 import torch
 
-from weight_sync.delta_codec import DeltaMismatch
 from rlpipe.auth import sync_token
 from weight_sync.delta import apply_version, bucket_checksums, payload_sizes
+from weight_sync.delta_codec import DeltaMismatch
 from weight_sync.gate import GateClient
 from weight_sync.manifest import HEADER_LEN, Manifest, chunks, header_tensor, unpack_bucket
 from weight_sync.transport import GlooGroup, SyncError, check_in
