@@ -137,8 +137,8 @@ def check_launch(cfg, command: str) -> None:
     """What can be known wrong before anything starts: an exposed API or sync store, the
     model, and the ports this command will listen on (a rank under torchrun leaves the
     learner's port to rank 0, checked before torchrun started)."""
+    from launch.role_setup import check_listen
     from rlpipe.auth import check_exposure, check_sync_exposure
-    from rlpipe.proc import check_listen
 
     if command == "rollout":
         check_exposure(cfg.rollout.host, "rollout.host", cfg.allow_unauthenticated)
@@ -199,7 +199,7 @@ def _run_up(args, cfg) -> int:
 def _role(label: str, start) -> int:
     """Run a role process's ``start()``: its log label, stopped with its parent, and the exit
     codes a supervisor acts on (2: a missing or mismatched profile, 3: Redis unreachable)."""
-    from rlpipe.proc import exit_with_parent, setup_logging
+    from launch.role_setup import exit_with_parent, setup_logging
 
     setup_logging(label)
     exit_with_parent()
@@ -215,7 +215,7 @@ def _role(label: str, start) -> int:
 
 
 def _run_rollout(args, cfg) -> int:
-    from rlpipe.proc import apply_cpu_affinity
+    from launch.role_setup import apply_cpu_affinity
 
     apply_cpu_affinity()  # first: the cores the launcher gave this role, before vLLM's engine process starts
 
@@ -231,7 +231,7 @@ def _run_rollout(args, cfg) -> int:
 def _run_learner(args, cfg) -> int:
     # First: the cores the launcher gave this role (RLPIPE_CPU_AFFINITY), before any thread
     # or torchrun's ranks start; they all inherit the mask.
-    from rlpipe.proc import apply_cpu_affinity
+    from launch.role_setup import apply_cpu_affinity
 
     apply_cpu_affinity()
     if (cfg.learner.ranks > 1 or cfg.learner.nodes > 1) and "WORLD_SIZE" not in os.environ:

@@ -24,10 +24,10 @@ from launch.checks import check_model_path, validate_run
 from launch.gpus import launch_plan
 from launch.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
 from launch.redis_server import EmbeddedRedis
+from launch.role_setup import parse_cpus
 from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, dump_config, secret_env, without_secrets
 from rlpipe.paths import BUILTIN_NAMES
-from rlpipe.proc import parse_cpus
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from launch.role_setup import parse_cpus
 from rlpipe.config import ConfigError, RunConfig
-from rlpipe.proc import parse_cpus
 from weight_sync.nccl import cuda_devices, resolve_for_config
 
 

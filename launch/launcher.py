@@ -4,7 +4,7 @@ Each role runs as ``python -m launch.cli <role> ...`` in its own process session
 its output in ``runs/<id>/logs/<name>.log`` and its command line in
 ``runs/<id>/commands.txt``. Children are stopped by process group (SIGTERM, then SIGKILL
 after a grace period), which takes vLLM's engine processes with them; and each child
-stops itself if the launcher dies (``RLPIPE_PARENT_PID``, see rlpipe.proc).
+stops itself if the launcher dies (``RLPIPE_PARENT_PID``, see launch/role_setup.py).
 
 Stopping a run goes in one order (:meth:`Launcher.stop_all`, and ``rlpipe up`` likewise):
 the learner first, given :data:`LEARNER_GRACE_S` to finish the step in hand, sync it and
@@ -43,9 +43,9 @@ from pathlib import Path
 
 import psutil
 
+from launch.role_setup import AFFINITY_ENV, NICE_ENV, SHARED_CORE_NICE, parse_cpus
 from rlpipe.auth import SYNC_TOKEN_ENV, sync_token
 from rlpipe.config import ConfigError
-from rlpipe.proc import AFFINITY_ENV, NICE_ENV, SHARED_CORE_NICE, parse_cpus
 
 # Environment every role gets: no hub, no telemetry, quiet vLLM.
 ROLE_ENV = {

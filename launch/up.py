@@ -46,9 +46,9 @@ import yaml
 
 from launch.gpus import launch_plan
 from launch.launcher import LEARNER_GRACE_S, Launcher, kill_group, learner_env, log_tail, signals_held, worker_env
+from launch.role_setup import parse_cpus
 from rlpipe import registry
 from rlpipe.config import RunConfig, secret_env
-from rlpipe.proc import parse_cpus
 from rlpipe.readback import number
 
 STATE_FILE, DESIRED_FILE = "up.json", "desired.json"

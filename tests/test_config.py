@@ -128,7 +128,7 @@ def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
 
 def test_role_cpus_give_each_role_its_cores_and_must_exist():
     from launch.demo import check_cpus, role_envs
-    from rlpipe.proc import parse_cpus
+    from launch.role_setup import parse_cpus
 
     assert parse_cpus("0,2-3") == [0, 2, 3] and parse_cpus("") == []
     cfg = build_config({}, environ={}, workers=2, **{"rollout.cpus": "0-3", "learner.cpus": "4-5"})
@@ -141,7 +141,7 @@ def test_role_cpus_give_each_role_its_cores_and_must_exist():
     shared = build_config({}, environ={}, workers=2, **{"rollout.cpus": "0-1", "learner.cpus": "1"})
     workers, _ = role_envs(shared)  # w1 shares the learner's core: it yields it
     assert [(w["RLPIPE_CPU_AFFINITY"], w.get("RLPIPE_NICE")) for w in workers] == [("0", None), ("1", "19")]
-    code = "import os; from rlpipe.proc import apply_cpu_affinity; apply_cpu_affinity(); print(os.nice(0))"
+    code = "import os; from launch.role_setup import apply_cpu_affinity; apply_cpu_affinity(); print(os.nice(0))"
     niced = subprocess.run([sys.executable, "-c", code], env={**os.environ, **workers[1]}, capture_output=True,
                            text=True, check=True)
     assert niced.stdout.strip() == "19"  # applied where the role starts, before its engine process
