@@ -252,6 +252,11 @@ def paired_change(first: dict, last: dict, key: str = "rows_right") -> str:
             f"{lost} lost, sign test p = {p:.3g}")
 
 
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool, interrupted: bool = False) -> dict:
     """The run in one table, from ``metrics.jsonl`` and the queue's books. Called with every
     role stopped and Redis still up; if Redis is unreachable even so (an external one, down),
@@ -270,11 +275,6 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         counters, pending, unacknowledged = dict.fromkeys(("produced", "trained", "dropped_stale", "dead")), None, None
         print(f"rlpipe: the queue's books are left out of the summary: Redis is unreachable ({e})", file=sys.stderr)
     k = min(3, max(1, len(rows) // 4)) if rows else 0
-
-    def mean(values):
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else None
-
     summary = {
         "run_id": cfg.run_id,
         "seed": cfg.seed,
@@ -302,11 +302,27 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
     }
     if "quant_kl_vs_bf16" in (rows[-1] if rows else {}):
         summary["quant_profile_end"] = rows[-1].get("quant_profile")
-        summary["quant_kl_vs_bf16_mean"] = mean(x.get("quant_kl_vs_bf16") for x in rows)
+        summary["quant_kl_vs_bf16_mean"] = _mean(x.get("quant_kl_vs_bf16") for x in rows)
         summary["quant_act_clip_fraction_max"] = max(x.get("quant_act_clip_fraction", 0) for x in rows)
         summary["quant_recalibrations_total"] = rows[-1].get("quant_recalibrations_total", 0)
     evals = read_jsonl(run_dir / "metrics.jsonl", kind="eval")
-    if evals:  # held-out accuracy at the first and the last version evaluated, with 95% intervals
+    summary.update(_eval_summary(evals))
+    if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
+        summary.update(_fleet_summary(cfg, rows, k))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rows:
+        from launch.plots import plot_run
+
+        summary["plot"] = str(plot_run(rows, run_dir / "metrics.png",
+                                       title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",
+                                       evals=evals))
+    return summary
+
+
+def _eval_summary(evals: list[dict]) -> dict:
+    """Held-out accuracy at the first and the last version evaluated, with 95% intervals."""
+    summary = {}
+    if evals:
         first, last = min(evals, key=lambda e: e["version"]), max(evals, key=lambda e: e["version"])
         for name, e in (("start", first), ("end", last)):
             summary[f"eval_pass@1_{name}"] = (f"{e['pass_at_1']:.3f} [{e['pass_at_1_low']:.3f}, "
@@ -321,25 +337,24 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         for name, key in (("strict", "rows_right"), ("lenient", "rows_right_lenient")):
             if key in first and key in last and first is not last:
                 summary[f"eval_paired_{name}"] = paired_change(first, last, key)
-    if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
-        for p in sorted(cfg.rollout.precisions):
-            summary[f"reward_start[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[:k])
-            summary[f"reward_end[{p}]"] = mean(x.get("reward_by_precision", {}).get(p) for x in rows[-k:])
-            summary[f"mismatch_kl_mean[{p}]"] = mean(x.get("mismatch_by_precision", {}).get(p, {}).get("mismatch_kl")
-                                                     for x in rows)
-            summary[f"groups[{p}]"] = sum(x.get("groups_by_precision", {}).get(p, 0) for x in rows)
-            summary[f"dropped_stale[{p}]"] = rows[-1].get("dropped_stale_by_precision_total", {}).get(p, 0) \
-                if rows else 0
-            lags = [(x["staleness_by_precision"][p]["staleness_mean"], x["groups_by_precision"][p])
-                    for x in rows if p in x.get("staleness_by_precision", {})]
-            summary[f"staleness_mean[{p}]"] = sum(s * n for s, n in lags) / sum(n for _, n in lags) if lags else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if rows:
-        from launch.plots import plot_run
+    return summary
 
-        summary["plot"] = str(plot_run(rows, run_dir / "metrics.png",
-                                       title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",
-                                       evals=evals))
+
+def _fleet_summary(cfg: RunConfig, rows: list[dict], k: int) -> dict:
+    """Each precision's reward and mismatch, side by side (a mixed fleet): the rewards at the
+    start and the end average the first and the last ``k`` of ``rows``."""
+    summary = {}
+    for p in sorted(cfg.rollout.precisions):
+        summary[f"reward_start[{p}]"] = _mean(x.get("reward_by_precision", {}).get(p) for x in rows[:k])
+        summary[f"reward_end[{p}]"] = _mean(x.get("reward_by_precision", {}).get(p) for x in rows[-k:])
+        summary[f"mismatch_kl_mean[{p}]"] = _mean(x.get("mismatch_by_precision", {}).get(p, {}).get("mismatch_kl")
+                                                  for x in rows)
+        summary[f"groups[{p}]"] = sum(x.get("groups_by_precision", {}).get(p, 0) for x in rows)
+        summary[f"dropped_stale[{p}]"] = rows[-1].get("dropped_stale_by_precision_total", {}).get(p, 0) \
+            if rows else 0
+        lags = [(x["staleness_by_precision"][p]["staleness_mean"], x["groups_by_precision"][p])
+                for x in rows if p in x.get("staleness_by_precision", {})]
+        summary[f"staleness_mean[{p}]"] = sum(s * n for s, n in lags) / sum(n for _, n in lags) if lags else None
     return summary
 
 
