@@ -33,7 +33,7 @@ K8S = ROOT / "deploy" / "k8s"
 TARGETS = ["base", "overlays/cpu-demo", "overlays/gpu", "overlays/smollm2-math", "overlays/gpu-multinode"]
 K8S_VERSION = "1.32"  # the kubectl here; kubernetes-validate's bundled schema for it
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # no bundled schema: checked structurally below
-SOURCES = ["rlpipe", "learner", "rollout_service", "weight_sync", "quant"]
+SOURCES = ["rlpipe", "launch", "learner", "rollout_service", "weight_sync", "quant"]
 ROLES = {"learner": ("StatefulSet", "rlpipe-learner"), "rollout": ("Deployment", "rlpipe-rollout")}
 FAKE_POD_IP = "10.1.2.3"
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"  # set by the StatefulSet controller (>= 1.28)
