@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from launch.role_setup import parse_cpus
 from rlpipe.config import ConfigError, RunConfig
-from weight_sync.nccl import cuda_devices, resolve_for_config
 
 
 def gpus_per_worker(cfg: RunConfig) -> int:
@@ -74,7 +73,7 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
         if missing := [i for i in ids if i >= n_devices]:
             raise ConfigError(f"{key}: GPUs {missing} do not exist here (devices 0-{n_devices - 1})")
     if n_devices == 0:
-        resolve_for_config(cfg.sync.transport, 0)  # nccl on a machine without CUDA: refused here
+        _resolve(cfg.sync.transport, 0)  # nccl on a machine without CUDA: refused here
         return GpuPlan()
     if learner and len(learner) != ranks:
         raise ConfigError(f"learner.gpus: {len(learner)} GPUs for learner.ranks {ranks}: one GPU per rank")
@@ -104,7 +103,7 @@ def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list
     workers off rank 0's GPU; CUDA IPC only those on it. A run has one transport, so
     ``auto`` is nccl when no worker shares rank 0's GPU, ipc when every one does, and gloo
     for a fleet of both; ``nccl`` or ``ipc`` that cannot reach a worker is refused."""
-    transport = resolve_for_config(requested, n_devices)
+    transport = _resolve(requested, n_devices)
     shared = [i for i, s in enumerate(slices) if sender_gpu in s]
     apart = [i for i, s in enumerate(slices) if sender_gpu not in s]
     if requested == "auto" and transport == "nccl" and shared:
@@ -119,6 +118,14 @@ def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list
     return transport
 
 
+def _resolve(requested: str, n_devices: int) -> str:
+    from weight_sync.nccl import resolve_for_config  # torch, imported once a plan is made
+
+    return resolve_for_config(requested, n_devices)
+
+
 def launch_plan(cfg: RunConfig) -> GpuPlan:
     """The plan for this machine, as ``rlpipe demo`` and ``rlpipe up`` launch."""
+    from weight_sync.nccl import cuda_devices
+
     return plan_gpus(cfg, cuda_devices(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))
