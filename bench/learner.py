@@ -152,49 +152,6 @@ def select(all_groups: list[Group], only: str) -> list[Group]:
     return out
 
 
-def ragged_groups(model_path: str, n_groups: int, n: int, min_len: int, max_len: int, seed: int = 0,
-                  noise: float = 0.05, prompt_len: int = 0) -> list:
-    """``n_groups`` groups of ``n`` responses of random lengths in ``min_len..max_len`` (EOS
-    included) to random sums (``prompt_len`` > 0: prompts of that many ids, as a real chat
-    prompt is long); mu is the model's own log-prob plus Gaussian noise; rewards 0/1."""
-    import numpy as np
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from learner.batch import collate
-    from learner.policy import load_policy, token_logprobs
-    from rlpipe.schema import GroupRecord, Sample
-
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar among the progress lines
-    rng = np.random.default_rng(seed)
-    records = []
-    for g in range(n_groups):
-        prompt = np.array([1, *rng.integers(5, 15, 2), 14, *rng.integers(5, 15, 2), 17], dtype=np.int32)
-        if prompt_len:
-            prompt = np.array([1, *rng.integers(5, 15, prompt_len - 1)], dtype=np.int32)
-        samples = []
-        for i in range(n):
-            length = int(rng.integers(min_len, max_len + 1))
-            tokens = np.array([*rng.integers(5, 15, length - 1), 2], dtype=np.int32)
-            samples.append(Sample(tokens, np.zeros(length, dtype=np.float32), "stop", float(i % 2)))
-        records.append(GroupRecord("bench", f"bench-{seed}-{g}", str(g), "bench", 0, 0, "bf16", "",
-                                   {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": max_len},
-                                   prompt, samples))
-    model = load_policy(model_path)
-    for start in range(0, n_groups, 16):
-        chunk = records[start:start + 16]
-        batch = collate(chunk, torch.zeros(len(chunk), n), 0)
-        with torch.no_grad():
-            logp, _ = token_logprobs(model, batch)
-        rows = iter(range(len(batch.rewards)))
-        for rec in chunk:
-            for s in rec.samples:
-                i = next(rows)
-                exact = logp[i][batch.mask[i].bool()].numpy()
-                s.logprobs = np.minimum(exact + rng.normal(0, noise, len(exact)), 0).astype(np.float32)
-    return records
-
-
 def last_error_line(text: str) -> str:
     """The line that names the error in a learner's (or torchrun's) output."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -448,13 +405,14 @@ def main(argv: list[str] | None = None) -> dict:
                 resolved = f"{g.name}/{row.name}"  # fails on its own
             specs.setdefault((row.ranks, g.metric, resolved), []).append((g, row))
 
+    from bench.synthetic import load_quietly, synthetic_groups
     from rlpipe.redis_server import EmbeddedRedis
     from rlpipe.toy import ensure_toy_model
     from tests.conftest import TOY_SPEC
 
     model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
-    records = ragged_groups(model_path, args.steps * args.groups, args.n, args.min_len, args.max_len, args.seed,
-                            prompt_len=args.prompt_len)
+    records = synthetic_groups(load_quietly(model_path), args.steps * args.groups, args.n, args.min_len, args.max_len,
+                               args.seed, prompt_len=args.prompt_len)
     lengths = [len(s.tokens) for r in records for s in r.samples]
     rng = random.Random(args.seed)
     cores = len(os.sched_getaffinity(0))

@@ -17,7 +17,7 @@ Medians and p90 over ``--repeats`` repetitions, the two sizes interleaved.
 
 The learner step is ``PPOStep.train_step`` (recompute pi_old, ``ppo_epochs`` updates,
 metrics; no collect, sync or checkpoint) of the toy model over ``--groups-per-step``
-groups of each size, built by ``bench/learner.py``'s ``ragged_groups`` (mu is the model's
+groups of each size, built by bench/synthetic.py's ``synthetic_groups`` (mu is the model's
 own log-prob plus noise). The toy is trained on 64 positions; longer rows cost the same
 compute, their values mean nothing.
 
@@ -44,7 +44,7 @@ from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
 from rlpipe.redis_server import EmbeddedRedis  # noqa: E402
 from rlpipe.results import Section, figure  # noqa: E402
 
-PROMPT_TOKENS = 8  # what ragged_groups' prompts have: <bos> a a + b b =
+PROMPT_TOKENS = 8  # what synthetic_groups' prompts have: <bos> a a + b b =
 SIZES = {"1k": 1024, "8k": 8192}  # tokens per group, prompt + response over the samples
 PHASES = ("lease", "encode", "push", "read", "decode", "ack")
 
@@ -71,10 +71,10 @@ class Timed:
 def make_records(model_path: str, total: int, n: int, count: int, seed: int) -> list:
     """``count`` groups of ``n`` samples, ``total`` tokens in all, shaped as a worker sends
     them: every sample spans one weight update (a ``versions`` array, the heaviest record)."""
-    from bench.learner import ragged_groups
+    from bench.synthetic import load_quietly, synthetic_groups
 
     length = total // n - PROMPT_TOKENS
-    records = ragged_groups(model_path, count, n, length, length, seed)
+    records = synthetic_groups(load_quietly(model_path), count, n, length, length, seed)
     for rec in records:
         rec.policy_version, rec.policy_version_end = 0, 1
         rec.sampling["max_tokens"] = length
