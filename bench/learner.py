@@ -347,7 +347,8 @@ def print_gpu(res: dict) -> None:
               f"{r['tflops']:.1f} | {mfu} | {mem} |")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None):
+    """The arguments, with the defaults of ``--real`` and ``--quick`` filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, help="times every configuration runs, interleaved (default 3; quick 1)")
     ap.add_argument("--steps", type=int, help="learner steps per run, the first not counted (default 4; quick 2)")
@@ -375,7 +376,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpu-steps", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU (default: by its name)")
     args = ap.parse_args(argv)
-    quick = args.quick
     if args.real:
         from rlpipe.builtin_models import ensure_builtin_model
         from rlpipe.paths import SMOLLM2
@@ -387,14 +387,18 @@ def main(argv: list[str] | None = None) -> dict:
     for key, normal, small in (("rounds", 3, 1), ("steps", 4, 2), ("groups", 8, 4), ("max_len", 48, 12),
                                ("microbatch_tokens", 512, 64)):
         if getattr(args, key) is None:
-            setattr(args, key, small if quick else normal)
-    if quick:
+            setattr(args, key, small if args.quick else normal)
+    if args.quick:
         args.gpu_rows, args.gpu_seq, args.gpu_steps = 2, 256, 2
     if not 1 <= args.min_len <= args.max_len:
         ap.error("--min-len must be between 1 and --max-len")
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is not counted)")
-    chosen = select(groups(args), args.only)
+    return args
+
+
+def configurations(chosen: list[Group]) -> dict[tuple, list[tuple[Group, Row]]]:
+    """The learner configurations to run, each with the (group, row) pairs that report it."""
     # A configuration shared by several groups (fp32 = token_tis = padded = single) runs once a round.
     specs: dict[tuple, list[tuple[Group, Row]]] = {}
     for g in chosen:
@@ -404,19 +408,15 @@ def main(argv: list[str] | None = None) -> dict:
             except ConfigError:
                 resolved = f"{g.name}/{row.name}"  # fails on its own
             specs.setdefault((row.ranks, g.metric, resolved), []).append((g, row))
+    return specs
 
-    from bench.synthetic import load_quietly, synthetic_groups
+
+def run_rounds(args, specs: dict, records: list, model_path: str) -> None:
+    """Every configuration once a round, in a fresh shuffled order each round (drift on a
+    shared machine hits them all), each run's result appended to the runs of its rows."""
     from rlpipe.redis_server import EmbeddedRedis
-    from rlpipe.toy import ensure_toy_model
-    from tests.conftest import TOY_SPEC
 
-    model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
-    records = synthetic_groups(load_quietly(model_path), args.steps * args.groups, args.n, args.min_len, args.max_len,
-                               args.seed, prompt_len=args.prompt_len)
-    lengths = [len(s.tokens) for r in records for s in r.samples]
     rng = random.Random(args.seed)
-    cores = len(os.sched_getaffinity(0))
-    t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-learner-") as tmp:
         if args.workdir:
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -438,15 +438,12 @@ def main(argv: list[str] | None = None) -> dict:
                           f"({res.get('seconds', 0):.0f}s)", file=sys.stderr, flush=True)
         finally:
             redis.stop()
-    results = [summarize(g) for g in chosen]
+
+
+def gpu_or_skipped(args) -> dict:
+    """The GPU part's results (printed), or why it was skipped."""
     import torch
 
-    header = (f"Learner throughput: {args.groups} groups x {args.n} responses of {args.min_len}..{args.max_len} "
-              f"tokens (mean {statistics.mean(lengths):.1f}) per step, {args.steps} steps per run (first not "
-              f"counted), median of {args.rounds} interleaved rounds; model {Path(model_path).name}; "
-              f"every process learner.threads 1 and OMP_NUM_THREADS=1 (a 2-rank row uses 2 cores); "
-              f"{cores} cores, torch {torch.__version__}, {time.time() - t_start:.0f}s")
-    print_tables(results, header)
     if args.no_gpu:
         gpu = {"skipped": "--no-gpu"}
     elif not torch.cuda.is_available():
@@ -456,6 +453,35 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         gpu = gpu_part(args)
         print_gpu(gpu)
+    return gpu
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    chosen = select(groups(args), args.only)
+    specs = configurations(chosen)
+
+    from bench.synthetic import load_quietly, synthetic_groups
+    from rlpipe.toy import ensure_toy_model
+    from tests.conftest import TOY_SPEC
+
+    model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
+    records = synthetic_groups(load_quietly(model_path), args.steps * args.groups, args.n, args.min_len, args.max_len,
+                               args.seed, prompt_len=args.prompt_len)
+    lengths = [len(s.tokens) for r in records for s in r.samples]
+    cores = len(os.sched_getaffinity(0))
+    t_start = time.time()
+    run_rounds(args, specs, records, model_path)
+    results = [summarize(g) for g in chosen]
+    import torch
+
+    header = (f"Learner throughput: {args.groups} groups x {args.n} responses of {args.min_len}..{args.max_len} "
+              f"tokens (mean {statistics.mean(lengths):.1f}) per step, {args.steps} steps per run (first not "
+              f"counted), median of {args.rounds} interleaved rounds; model {Path(model_path).name}; "
+              f"every process learner.threads 1 and OMP_NUM_THREADS=1 (a 2-rank row uses 2 cores); "
+              f"{cores} cores, torch {torch.__version__}, {time.time() - t_start:.0f}s")
+    print_tables(results, header)
+    gpu = gpu_or_skipped(args)
     report = {"args": vars(args), "cores": cores, "torch": torch.__version__, "model": model_path,
               "response_length_mean": statistics.mean(lengths), "groups": results, "gpu": gpu}
     out = Path(args.out)
