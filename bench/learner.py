@@ -152,49 +152,6 @@ def select(all_groups: list[Group], only: str) -> list[Group]:
     return out
 
 
-def ragged_groups(model_path: str, n_groups: int, n: int, min_len: int, max_len: int, seed: int = 0,
-                  noise: float = 0.05, prompt_len: int = 0) -> list:
-    """``n_groups`` groups of ``n`` responses of random lengths in ``min_len..max_len`` (EOS
-    included) to random sums (``prompt_len`` > 0: prompts of that many ids, as a real chat
-    prompt is long); mu is the model's own log-prob plus Gaussian noise; rewards 0/1."""
-    import numpy as np
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from learner.batch import collate
-    from learner.policy import load_policy, token_logprobs
-    from rlpipe.schema import GroupRecord, Sample
-
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar among the progress lines
-    rng = np.random.default_rng(seed)
-    records = []
-    for g in range(n_groups):
-        prompt = np.array([1, *rng.integers(5, 15, 2), 14, *rng.integers(5, 15, 2), 17], dtype=np.int32)
-        if prompt_len:
-            prompt = np.array([1, *rng.integers(5, 15, prompt_len - 1)], dtype=np.int32)
-        samples = []
-        for i in range(n):
-            length = int(rng.integers(min_len, max_len + 1))
-            tokens = np.array([*rng.integers(5, 15, length - 1), 2], dtype=np.int32)
-            samples.append(Sample(tokens, np.zeros(length, dtype=np.float32), "stop", float(i % 2)))
-        records.append(GroupRecord("bench", f"bench-{seed}-{g}", str(g), "bench", 0, 0, "bf16", "",
-                                   {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": max_len},
-                                   prompt, samples))
-    model = load_policy(model_path)
-    for start in range(0, n_groups, 16):
-        chunk = records[start:start + 16]
-        batch = collate(chunk, torch.zeros(len(chunk), n), 0)
-        with torch.no_grad():
-            logp, _ = token_logprobs(model, batch)
-        rows = iter(range(len(batch.rewards)))
-        for rec in chunk:
-            for s in rec.samples:
-                i = next(rows)
-                exact = logp[i][batch.mask[i].bool()].numpy()
-                s.logprobs = np.minimum(exact + rng.normal(0, noise, len(exact)), 0).astype(np.float32)
-    return records
-
-
 def last_error_line(text: str) -> str:
     """The line that names the error in a learner's (or torchrun's) output."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -390,7 +347,8 @@ def print_gpu(res: dict) -> None:
               f"{r['tflops']:.1f} | {mfu} | {mem} |")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None):
+    """The arguments, with the defaults of ``--real`` and ``--quick`` filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, help="times every configuration runs, interleaved (default 3; quick 1)")
     ap.add_argument("--steps", type=int, help="learner steps per run, the first not counted (default 4; quick 2)")
@@ -418,7 +376,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpu-steps", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU (default: by its name)")
     args = ap.parse_args(argv)
-    quick = args.quick
     if args.real:
         from launch.builtin_models import ensure_builtin_model
         from rlpipe.paths import SMOLLM2
@@ -430,14 +387,18 @@ def main(argv: list[str] | None = None) -> dict:
     for key, normal, small in (("rounds", 3, 1), ("steps", 4, 2), ("groups", 8, 4), ("max_len", 48, 12),
                                ("microbatch_tokens", 512, 64)):
         if getattr(args, key) is None:
-            setattr(args, key, small if quick else normal)
-    if quick:
+            setattr(args, key, small if args.quick else normal)
+    if args.quick:
         args.gpu_rows, args.gpu_seq, args.gpu_steps = 2, 256, 2
     if not 1 <= args.min_len <= args.max_len:
         ap.error("--min-len must be between 1 and --max-len")
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is not counted)")
-    chosen = select(groups(args), args.only)
+    return args
+
+
+def configurations(chosen: list[Group]) -> dict[tuple, list[tuple[Group, Row]]]:
+    """The learner configurations to run, each with the (group, row) pairs that report it."""
     # A configuration shared by several groups (fp32 = token_tis = padded = single) runs once a round.
     specs: dict[tuple, list[tuple[Group, Row]]] = {}
     for g in chosen:
@@ -447,18 +408,15 @@ def main(argv: list[str] | None = None) -> dict:
             except ConfigError:
                 resolved = f"{g.name}/{row.name}"  # fails on its own
             specs.setdefault((row.ranks, g.metric, resolved), []).append((g, row))
+    return specs
 
+
+def run_rounds(args, specs: dict, records: list, model_path: str) -> None:
+    """Every configuration once a round, in a fresh shuffled order each round (drift on a
+    shared machine hits them all), each run's result appended to the runs of its rows."""
     from launch.redis_server import EmbeddedRedis
-    from launch.toy import ensure_toy_model
-    from tests.conftest import TOY_SPEC
 
-    model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
-    records = ragged_groups(model_path, args.steps * args.groups, args.n, args.min_len, args.max_len, args.seed,
-                            prompt_len=args.prompt_len)
-    lengths = [len(s.tokens) for r in records for s in r.samples]
     rng = random.Random(args.seed)
-    cores = len(os.sched_getaffinity(0))
-    t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-learner-") as tmp:
         if args.workdir:
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -480,15 +438,12 @@ def main(argv: list[str] | None = None) -> dict:
                           f"({res.get('seconds', 0):.0f}s)", file=sys.stderr, flush=True)
         finally:
             redis.stop()
-    results = [summarize(g) for g in chosen]
+
+
+def gpu_or_skipped(args) -> dict:
+    """The GPU part's results (printed), or why it was skipped."""
     import torch
 
-    header = (f"Learner throughput: {args.groups} groups x {args.n} responses of {args.min_len}..{args.max_len} "
-              f"tokens (mean {statistics.mean(lengths):.1f}) per step, {args.steps} steps per run (first not "
-              f"counted), median of {args.rounds} interleaved rounds; model {Path(model_path).name}; "
-              f"every process learner.threads 1 and OMP_NUM_THREADS=1 (a 2-rank row uses 2 cores); "
-              f"{cores} cores, torch {torch.__version__}, {time.time() - t_start:.0f}s")
-    print_tables(results, header)
     if args.no_gpu:
         gpu = {"skipped": "--no-gpu"}
     elif not torch.cuda.is_available():
@@ -498,6 +453,35 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         gpu = gpu_part(args)
         print_gpu(gpu)
+    return gpu
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    chosen = select(groups(args), args.only)
+    specs = configurations(chosen)
+
+    from bench.synthetic import load_quietly, synthetic_groups
+    from launch.toy import ensure_toy_model
+    from tests.conftest import TOY_SPEC
+
+    model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
+    records = synthetic_groups(load_quietly(model_path), args.steps * args.groups, args.n, args.min_len, args.max_len,
+                               args.seed, prompt_len=args.prompt_len)
+    lengths = [len(s.tokens) for r in records for s in r.samples]
+    cores = len(os.sched_getaffinity(0))
+    t_start = time.time()
+    run_rounds(args, specs, records, model_path)
+    results = [summarize(g) for g in chosen]
+    import torch
+
+    header = (f"Learner throughput: {args.groups} groups x {args.n} responses of {args.min_len}..{args.max_len} "
+              f"tokens (mean {statistics.mean(lengths):.1f}) per step, {args.steps} steps per run (first not "
+              f"counted), median of {args.rounds} interleaved rounds; model {Path(model_path).name}; "
+              f"every process learner.threads 1 and OMP_NUM_THREADS=1 (a 2-rank row uses 2 cores); "
+              f"{cores} cores, torch {torch.__version__}, {time.time() - t_start:.0f}s")
+    print_tables(results, header)
+    gpu = gpu_or_skipped(args)
     report = {"args": vars(args), "cores": cores, "torch": torch.__version__, "model": model_path,
               "response_length_mean": statistics.mean(lengths), "groups": results, "gpu": gpu}
     out = Path(args.out)

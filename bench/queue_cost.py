@@ -17,7 +17,7 @@ Medians and p90 over ``--repeats`` repetitions, the two sizes interleaved.
 
 The learner step is ``PPOStep.train_step`` (recompute pi_old, ``ppo_epochs`` updates,
 metrics; no collect, sync or checkpoint) of the toy model over ``--groups-per-step``
-groups of each size, built by ``bench/learner.py``'s ``ragged_groups`` (mu is the model's
+groups of each size, built by bench/synthetic.py's ``synthetic_groups`` (mu is the model's
 own log-prob plus noise). The toy is trained on 64 positions; longer rows cost the same
 compute, their values mean nothing.
 
@@ -44,7 +44,7 @@ from launch.redis_server import EmbeddedRedis  # noqa: E402
 from launch.results import Section, figure  # noqa: E402
 from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
 
-PROMPT_TOKENS = 8  # what ragged_groups' prompts have: <bos> a a + b b =
+PROMPT_TOKENS = 8  # what synthetic_groups' prompts have: <bos> a a + b b =
 SIZES = {"1k": 1024, "8k": 8192}  # tokens per group, prompt + response over the samples
 PHASES = ("lease", "encode", "push", "read", "decode", "ack")
 
@@ -71,10 +71,10 @@ class Timed:
 def make_records(model_path: str, total: int, n: int, count: int, seed: int) -> list:
     """``count`` groups of ``n`` samples, ``total`` tokens in all, shaped as a worker sends
     them: every sample spans one weight update (a ``versions`` array, the heaviest record)."""
-    from bench.learner import ragged_groups
+    from bench.synthetic import load_quietly, synthetic_groups
 
     length = total // n - PROMPT_TOKENS
-    records = ragged_groups(model_path, count, n, length, length, seed)
+    records = synthetic_groups(load_quietly(model_path), count, n, length, length, seed)
     for rec in records:
         rec.policy_version, rec.policy_version_end = 0, 1
         rec.sampling["max_tokens"] = length
@@ -129,7 +129,7 @@ def p90(xs: list[float]) -> float:
     return float(np.percentile(xs, 90))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "queue.json"))
     ap.add_argument("--quick", action="store_true", help="few repetitions, 1 group per step, 1 learner step "
@@ -144,39 +144,41 @@ def main(argv: list[str] | None = None) -> dict:
     for key, normal, small in (("repeats", 200, 20), ("groups_per_step", 8, 1), ("learner_steps", 3, 1)):
         if getattr(args, key) is None:
             setattr(args, key, small if args.quick else normal)
-    warmup = max(2, args.repeats // 20)
+    return args
 
-    from launch.toy import ensure_toy_model
-    from tests.conftest import TOY_SPEC
 
-    t_start = time.perf_counter()
-    model_path = str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
-    records = {name: make_records(model_path, total, args.n, args.groups_per_step, args.seed)
-               for name, total in SIZES.items()}
-    print(f"[{time.perf_counter() - t_start:.0f}s] built {args.groups_per_step} groups of each size",
-          file=sys.stderr, flush=True)
+def time_queue(q: TrajectoryQueue, records: dict, repeats: int, warmup: int, enc: Timed, dec: Timed,
+               t_start: float) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each phase, per size, of ``repeats`` groups after ``warmup`` untimed ones."""
+    times: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in SIZES}
+    for rep in range(warmup + repeats):
+        for name in SIZES:  # interleaved: drift on a shared machine hits both sizes
+            rec = records[name][rep % len(records[name])]
+            t = one_group(q, rec, enc, dec)
+            if rep >= warmup:
+                for p in PHASES:
+                    times[name][p].append(t[p])
+        if (rep + 1) % 50 == 0:
+            print(f"[{time.perf_counter() - t_start:.0f}s] queue: {rep + 1}/{warmup + repeats} "
+                  "repetitions", file=sys.stderr, flush=True)
+    c = q.counters()
+    assert c["produced"] == c["trained"] == 2 * (warmup + repeats) and q.length() == 0, c
+    return times
+
+
+def measure(args, model_path: str, records: dict, warmup: int, t_start: float):
+    """Against a private redis-server: the queue's phases per group (:func:`time_queue`), then
+    the learner's steps over each size's groups; ``(times, step_s)``."""
     # Time encode and decode inside the real push and read: the queue module's own references.
     enc, dec = Timed(rq.encode_group), Timed(rq.decode_group)
     rq.encode_group, rq.decode_group = enc, dec
-    times: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in SIZES}
     step_s: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-queue-") as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis").start()
         try:
             q = TrajectoryQueue(connect(server.url), f"bench-queue-{time.monotonic_ns()}")
             q.ensure_consumer_group()
-            for rep in range(warmup + args.repeats):
-                for name in SIZES:  # interleaved: drift on a shared machine hits both sizes
-                    rec = records[name][rep % len(records[name])]
-                    t = one_group(q, rec, enc, dec)
-                    if rep >= warmup:
-                        for p in PHASES:
-                            times[name][p].append(t[p])
-                if (rep + 1) % 50 == 0:
-                    print(f"[{time.perf_counter() - t_start:.0f}s] queue: {rep + 1}/{warmup + args.repeats} "
-                          "repetitions", file=sys.stderr, flush=True)
-            c = q.counters()
-            assert c["produced"] == c["trained"] == 2 * (warmup + args.repeats) and q.length() == 0, c
+            times = time_queue(q, records, args.repeats, warmup, enc, dec, t_start)
             learner = make_learner(model_path, server.url, Path(tmp) / "learner", args.groups_per_step)
             for name in SIZES:
                 step_s[name] = learner_steps(learner, records[name], args.learner_steps, 0 if args.quick else 1)
@@ -185,15 +187,17 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             server.stop()
     rq.encode_group, rq.decode_group = enc.fn, dec.fn
+    return times, step_s
 
-    import torch
 
+def per_size(args, records: dict, times: dict, step_s: dict):
+    """The rows of the three measured tables (median, p90, per learner step) and each size's numbers."""
     g = args.groups_per_step
     rows_med, rows_p90, rows_step, data = [], [], [], {}
     for name, total in SIZES.items():
         rec = records[name][0]
         response = sum(len(s.tokens) for s in rec.samples)
-        nbytes = len(enc.fn(rec))
+        nbytes = len(rq.encode_group(rec))
         med = {p: statistics.median(v) * 1e3 for p, v in times[name].items()}
         hi = {p: p90(v) * 1e3 for p, v in times[name].items()}
         rd = med["read"] + med["decode"] + med["ack"]
@@ -210,8 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
         data[name] = {"tokens": total, "response_tokens": response, "bytes": nbytes, "median_ms": med,
                       "p90_ms": hi, "queue_ms": per_group, "learner_side_ms": rd, "learner_step_s": step_s[name],
                       "samples_s": {p: v for p, v in times[name].items()}}
+    return rows_med, rows_p90, rows_step, data
 
-    sec = Section("queue", "Queue: serialization and Redis per group")
+
+def measured_tables(sec: Section, args, warmup: int, rows_med: list, rows_p90: list, rows_step: list) -> None:
+    import torch
+
     sec.table("Per group (median)", ["group", "samples x (prompt+response)", "tokens", "bytes", "lease ms",
                                      "encode ms", "push ms", "read+decode+ack ms", "(decode ms)", "queue ms",
                                      "queue µs/token"], rows_med,
@@ -227,6 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
                    f"model, torch {torch.__version__} on CPU, learner.threads 1; learner-side "
                    "= read+decode+ack, the part on the learner's critical path (workers encode and push in "
                    "parallel with the step)")
+
+
+def scaled_table(sec: Section, data: dict) -> None:
+    """What the measured µs/token would cost a learner of a given throughput (arithmetic)."""
     ref = [1e4, 1e5, 1e6]
     scaled = []
     for name, total in SIZES.items():
@@ -236,6 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
               ["group", "part", "µs/token", *[f"T = {t:.0e}" for t in ref]], scaled,
               note="fraction = µs/token x T / 1e6: what the queue costs against a real learner's step, whatever "
                    "its model and hardware; above 1, one queue client (single-threaded) cannot keep up")
+
+
+def phases_plot(sec: Section, args, data: dict) -> None:
     fig, axes = figure()
     ax, bottom = axes[0][0], np.zeros(len(SIZES))
     for label, keys in (("lease", ["lease"]), ("encode", ["encode"]), ("push (Redis)", ["push"]),
@@ -248,6 +263,14 @@ def main(argv: list[str] | None = None) -> dict:
     ax.legend(fontsize=8)
     sec.plot(fig, "per_group", "Median ms per group by phase: worker side (lease, encode, push) and learner "
              "side (read, decode, ack), against a local redis-server")
+
+
+def section(args, warmup: int, rows_med: list, rows_p90: list, rows_step: list, data: dict) -> Section:
+    """The queue's part of the evidence report (rlpipe/results.py)."""
+    sec = Section("queue", "Queue: serialization and Redis per group")
+    measured_tables(sec, args, warmup, rows_med, rows_p90, rows_step)
+    scaled_table(sec, data)
+    phases_plot(sec, args, data)
     sec.note("Measured on CPU with a loopback redis-server (AOF everysec, as the embedded one runs), one group at "
              "a time; each sample carries a versions array and a small reward_info (a record of "
              "a group that spans a weight update: 12 bytes per response token). encode_group also decodes what it "
@@ -258,10 +281,28 @@ def main(argv: list[str] | None = None) -> dict:
              "model). Multiply it by a real learner's tokens/s for its fraction (last table); over a network, "
              "add the transfer of the bytes per group.")
     sec.data = {"args": vars(args), "per_group": data}
+    return sec
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    warmup = max(2, args.repeats // 20)
+
+    from launch.toy import ensure_toy_model
+    from tests.conftest import TOY_SPEC
+
+    t_start = time.perf_counter()
+    model_path = str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
+    records = {name: make_records(model_path, total, args.n, args.groups_per_step, args.seed)
+               for name, total in SIZES.items()}
+    print(f"[{time.perf_counter() - t_start:.0f}s] built {args.groups_per_step} groups of each size",
+          file=sys.stderr, flush=True)
+    times, step_s = measure(args, model_path, records, warmup, t_start)
+    sec = section(args, warmup, *per_size(args, records, times, step_s))
     path = sec.write(args.json)
 
     print(f"Queue cost per group ({args.n} samples), median of {args.repeats}; learner step over "
-          f"{g} groups, median of {args.learner_steps}; {time.perf_counter() - t_start:.0f}s")
+          f"{args.groups_per_step} groups, median of {args.learner_steps}; {time.perf_counter() - t_start:.0f}s")
     for t in sec.tables:
         print(f"\n{t['title']}\n| " + " | ".join(t["columns"]) + " |")
         for row in t["rows"]:

@@ -43,6 +43,40 @@ def load_weights(path: Path, model) -> None:
             t.copy_(value)
 
 
+def trainer_state(schedule, scaler, counters, ledger) -> dict:
+    """Rank 0: what a checkpoint holds of the trainer beside its weights and optimizer
+    (:meth:`Checkpointer.start` adds the optimizer's): the LR schedule, the loss scaler, the
+    RNG, the run's counters, and the ledger's books (the groups trained since the previous
+    checkpoint, which this one's durability acknowledges, and the prompt indices trained)."""
+    import torch
+
+    return {
+        "schedule": schedule.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": torch.get_rng_state(),
+        "counters": counters.state_dict(),
+        "unacked_group_ids": [e.record.group_id for e in ledger.unacked],
+        "prompt_indices": {"trained": ledger.trained_indices.to_bytes()},
+    }
+
+
+def lineage_meta(version: int, counters) -> dict:
+    """A checkpoint's meta.json: its version and the lineage of groups its weights trained on."""
+    return {"version": version, "trained_groups": counters.trained_groups,
+            "trained_digest": str(counters.trained_digest), "time": time.time()}
+
+
+def load_trainer_state(state: dict, schedule, scaler, counters) -> None:
+    """Every rank: the trainer's part of :func:`trainer_state` back in place (the ledger's
+    books are rank 0's, restored by the learner)."""
+    import torch
+
+    schedule.load_state_dict(state["schedule"])
+    scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng"])
+    counters.load_state_dict(state["counters"])
+
+
 def _done(value) -> Future:
     future = Future()
     future.set_result(value)

@@ -34,7 +34,7 @@ from learner import checkpoint
 from learner.batch import collate
 from learner.channels import Collectives, FleetSync
 from learner.checkpoint import RunCounters
-from learner.checkpointer import Checkpointer
+from learner.checkpointer import Checkpointer, lineage_meta, load_trainer_state, trainer_state
 from learner.dist import Ranks
 from learner.evals import Evals
 from learner.ledger import Ledger
@@ -268,16 +268,8 @@ class Learner:
         so a learner killed mid-write restarts from the previous checkpoint and trains the
         rest again."""
         self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
-        state = {
-            "schedule": self.schedule.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "counters": self.run_counters.state_dict(),
-            "unacked_group_ids": [e.record.group_id for e in self.ledger.unacked],
-            "prompt_indices": {"trained": self.ledger.trained_indices.to_bytes()},
-        }
-        meta = {"version": self.version, "trained_groups": self.run_counters.trained_groups,
-                "trained_digest": str(self.run_counters.trained_digest), "time": time.time()}
+        state = trainer_state(self.schedule, self.scaler, self.run_counters, self.ledger)
+        meta = lineage_meta(self.version, self.run_counters)
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.model, self.version)
         self.ledger.checkpoint_started()
@@ -321,10 +313,7 @@ class Learner:
 
     def _restore(self, path: Path, weights: bool = False) -> None:
         state = self.checkpoints.load(path, weights)
-        self.schedule.load_state_dict(state["schedule"])
-        self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        self.run_counters.load_state_dict(state["counters"])
+        load_trainer_state(state, self.schedule, self.scaler, self.run_counters)
         if self.ranks.is_main:
             self.ledger.trained_before_restart = set(state["unacked_group_ids"])
             self.ledger.trained_indices = IndexSet(state.get("prompt_indices", {}).get("trained", b""))

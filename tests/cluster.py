@@ -11,6 +11,7 @@ lost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -229,6 +231,22 @@ class Cluster:
 
     def audit(self) -> dict:
         return audit(self.client(), self.cfg, list(self.workers))
+
+
+@contextlib.contextmanager
+def audited(cluster: Cluster) -> Iterator[dict]:
+    """Run a test's block against ``cluster``; yields the dict that, once the block ends
+    without an error, holds the run's books: the roles stopped first (:meth:`Cluster.stop_roles`,
+    so nothing is in flight or leased), then :meth:`Cluster.audit`. Whatever happens, the
+    cluster is stopped at the end (its Redis too, and the password file's variable unset),
+    so a failed test leaves no process behind."""
+    books: dict = {}
+    try:
+        yield books
+        cluster.stop_roles()
+        books.update(cluster.audit())
+    finally:
+        cluster.stop()
 
 
 def learner_rank_pid(root: int, rank: int) -> int:

@@ -231,21 +231,11 @@ def worker(redis_server, toy_model_path, tmp_path_factory):
 
 
 def learner_logprobs(model, prompt_tokens, response_tokens, temperature: float = 1.0) -> torch.Tensor:
-    """The learner's log-probs of a response, via the production code path."""
-    import numpy as np
+    """The learner's log-probs of a response, via the production code path (bench/synthetic.py's,
+    which the synthetic groups' mu comes from)."""
+    from bench.synthetic import own_logprobs
 
-    from learner.batch import collate
-    from learner.policy import token_logprobs
-    from rlpipe.schema import GroupRecord, Sample
-
-    rec = GroupRecord("t", "g", "p", "w", 0, 0, "fp32", "", {"temperature": temperature},
-                      np.asarray(prompt_tokens, dtype=np.int32),
-                      [Sample(np.asarray(response_tokens, dtype=np.int32),
-                              np.zeros(len(response_tokens), dtype=np.float32), "stop", 0.0)])
-    batch = collate([rec], torch.zeros(1, 1), 0)
-    with torch.no_grad():
-        logp, _ = token_logprobs(model, batch)
-    return logp[0][batch.mask[0].bool()]
+    return own_logprobs(model, prompt_tokens, response_tokens, temperature)
 
 
 def max_diff(model, rec) -> float:

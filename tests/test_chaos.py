@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.cluster import Cluster, back_to_steady, segments, steady
+from tests.cluster import Cluster, audited, back_to_steady, segments, steady
 from tests.test_restarts import SETTINGS, SETTLE
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
@@ -64,17 +64,13 @@ def run_chaos(work, model_path: str, seed: int, steps: int = STEPS, password: st
     plan = schedule(seed, steps)
     cluster = Cluster(work, model_path, workers=2, password=password,
                       **{**SETTINGS, "steps": steps, "sync.timeout_s": 10.0})
-    try:
+    with audited(cluster) as books:
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
         cluster.inject(plan, log=log)
         cluster.wait_done()
         cluster.check_alive(learner_may_exit=True)
-        cluster.stop_roles()
-        books = cluster.audit()
-    finally:
-        cluster.stop()
     rows = cluster.metrics()
     parts = segments(rows)
     return ChaosRun(plan, cluster, books, rows, parts,

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from learner import checkpoint
 from learner.policy import load_policy
-from tests.cluster import Cluster, back_to_steady, segments, steady
+from tests.cluster import Cluster, audited, back_to_steady, segments, steady
 from tests.conftest import ROOT, free_run_id
 from tests.test_ddp import prepared_run
 from tests.test_learner import synthetic_groups
@@ -163,7 +163,7 @@ def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(
 
     settings = {**SETTINGS, "steps": 16, "learner.ranks": 2, "learner.parallel": "fsdp"}
     cluster = Cluster(tmp_path, toy_model_path, workers=2, **settings)
-    try:
+    with audited(cluster) as books:
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
@@ -173,10 +173,6 @@ def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(
         cluster.start_learner()
         cluster.wait_done()
         cluster.check_alive(learner_may_exit=True)
-        cluster.stop_roles()
-        books = cluster.audit()
-    finally:
-        cluster.stop()
     parts = segments(cluster.metrics())
     assert len(parts) == 2 and {r["learner_parallel"] for p in parts for r in p} == {"fsdp"}, parts
     before, after = steady([r for r in parts[0] if r["step"] > SETTLE]), steady(parts[1][SETTLE:])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.synthetic import synthetic_groups as build_synthetic_groups
 from learner.app import learner_status
 from learner.train import Learner
 from rlpipe.config import build_config
@@ -107,22 +108,13 @@ def test_a_step_widens_the_margin_of_rewarded_over_unrewarded_responses(learner)
 # -- every correction mode, precision and estimator runs a real step ------------------------------
 def synthetic_groups(model, n_groups: int, seed: int = 0, noise: float = 0.05, precisions=("bf16",),
                      version: int = 0) -> list:
-    """Groups of 4 random answers to random sums, their mu the learner's own log-probs plus
-    Gaussian noise (a mismatch of known size), rewards 0/1 with at least one of each."""
-    rng = np.random.default_rng(seed)
-    records = []
-    for g in range(n_groups):
-        prompt = np.array([1, *rng.integers(5, 15, 2), 14, *rng.integers(5, 15, 2), 17], dtype=np.int32)
-        samples = []
-        for i in range(4):
-            tokens = np.array([*rng.integers(5, 15, int(rng.integers(1, 4))), 2], dtype=np.int32)
-            exact = learner_logprobs(model, prompt, tokens).numpy()
-            mu = np.minimum(exact + rng.normal(0, noise, len(tokens)), 0).astype(np.float32)  # still a log-prob
-            samples.append(Sample(tokens, mu, "stop", float(i % 2)))
-        records.append(make_record(prompt_tokens=prompt, samples=samples, group_id=f"syn-{seed}-{g}",
-                                   policy_version=version, policy_version_end=version,
-                                   precision=precisions[g % len(precisions)]))
-    return records
+    """Groups of 4 random answers (2..4 tokens) to random sums, their mu the learner's own
+    log-probs plus Gaussian noise (a mismatch of known size), rewards 0/1 with at least one
+    of each (bench/synthetic.py builds them), as test records (make_record's other fields)."""
+    return [make_record(prompt_tokens=rec.prompt_tokens, samples=rec.samples, group_id=rec.group_id,
+                        policy_version=version, policy_version_end=version, precision=rec.precision)
+            for rec in build_synthetic_groups(model, n_groups, seed=seed, noise=noise, precisions=precisions,
+                                              version=version, name="syn")]
 
 
 def for_run(records: list, cfg) -> list:

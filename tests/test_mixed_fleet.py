@@ -19,7 +19,7 @@ import pytest
 
 from rlpipe import registry
 from rlpipe.faults import GROUP_DELAY_ENV
-from tests.cluster import Cluster
+from tests.cluster import Cluster, audited
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def test_a_slow_precision_beside_a_fast_one_is_reported_apart_and_adds_up(tmp_pa
         "queue.max_lag": 1, "learner.checkpoint_every": 4, "learner.on_done": "serve"})
     delay = tmp_path / "slow-verifier"
     delay.write_text(str(SLOW_GROUP_S))  # each fp16 group spends this much more before its push
-    try:
+    with audited(cluster) as books:
         cluster.start_worker("w0", wait=False)  # bf16, the config's precision
         cluster.start_worker("w1", wait=False, env={GROUP_DELAY_ENV: str(delay)}, args=("--precision", "fp16"))
         # both serve before the first step: a worker that started late would miss the first generation
@@ -49,10 +49,6 @@ def test_a_slow_precision_beside_a_fast_one_is_reported_apart_and_adds_up(tmp_pa
         state = lambda: registry.learner_state(cluster.client(), cluster.keys)  # noqa: E731
         wait_for(lambda: state().get("status") == "done", 120, interval=0.5, what="the last checkpoint")
         text = httpx.get(f"http://{state()['address']}/metrics", timeout=10).text  # served until stopped
-        cluster.stop_roles()
-        books = cluster.audit()
-    finally:
-        cluster.stop()
     rows = cluster.metrics()
     last = rows[-1]
     trained, dropped = last["trained_groups_by_precision_total"], last["dropped_stale_by_precision_total"]

@@ -20,7 +20,7 @@ import signal
 import pytest
 
 from rlpipe.queue import TrajectoryQueue
-from tests.cluster import Cluster, back_to_steady, segments, steady
+from tests.cluster import Cluster, audited, back_to_steady, segments, steady
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ SETTLE = 4  # "within a few steps": steps after a restart before it must be stea
 @pytest.mark.soak
 def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_model_path):
     cluster = Cluster(tmp_path, toy_model_path, workers=2, password="s3cret-file", **SETTINGS)
-    try:
+    with audited(cluster) as books:
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
@@ -45,10 +45,6 @@ def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_
             cluster.start_learner()
         cluster.wait_done()
         cluster.check_alive(learner_may_exit=True)  # the workers served throughout
-        cluster.stop_roles()
-        books = cluster.audit()
-    finally:
-        cluster.stop()
     parts = segments(cluster.metrics())
     assert len(parts) == 3, [len(p) for p in parts]
     before = steady([r for r in parts[0] if r["step"] > SETTLE])
@@ -82,7 +78,7 @@ def test_a_dead_or_paused_worker_loses_no_prompt_and_none_is_trained_twice(tmp_p
                       **{**SETTINGS, "steps": 18, "sync.timeout_s": 10.0, "task.environment": "retry",
                          "task.environment_timeout_s": 600.0,
                          "rollout.chat_template": str(ROOT / "configs" / "toy-chat.jinja")})
-    try:
+    with audited(cluster) as books:
         for w in ("w0", "w1"):
             cluster.start_worker(w, wait=False)
         cluster.start_learner()
@@ -100,10 +96,6 @@ def test_a_dead_or_paused_worker_loses_no_prompt_and_none_is_trained_twice(tmp_p
         cluster.kill_worker("w1")
         cluster.start_worker("w1")  # the same id: re-issues what its previous life leased
         cluster.wait_done()
-        cluster.stop_roles()
-        books = cluster.audit()
-    finally:
-        cluster.stop()
     print(books)
     c = books["counters"]
     assert c["reissued"] >= len(paused_with) + 2 and c["rejected_push"] >= 1
