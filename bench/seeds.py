@@ -345,7 +345,7 @@ FINDINGS: dict[str, Finding] = {
                "decaying there would have helped."],
         # a mechanical check: answers cut at 32 tokens rarely differ in reward, so dynamic sampling would wait long
         quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2,
-               "learner.dynamic_sampling": False},
+               "learner.dynamic_sampling": False, "workers": 1, "rollout.cpus": "0"},  # one engine to start
         check=evaluated_start_and_end),
     "real-rollout": Finding(
         title="Seeds 000 and 002 on the real model: bf16, fp16 and int8 rollout (int8 with and without token TIS)",
@@ -355,8 +355,10 @@ FINDINGS: dict[str, Finding] = {
               "int8+tis": {"rollout.precision": "int8", "learner.is_mode": "token_tis"},
               "bf16/master": {"rollout.precision": "bf16", "learner.is_mode": "none",
                               "learner.served_weights": False}},
+        # one worker on its own core, as when these arms were first run (the recipe's second worker shares
+        # the learner's core)
         defaults={**recipe("configs/smollm2-math.yaml"), "steps": 10, "queue.max_lag": 0, "eval.every": 10,
-                  "eval.size": 128},
+                  "eval.size": 128, "workers": 1, "rollout.cpus": "0"},
         curves=["mismatch_k3_kl", "mismatch_log_ppl_abs_diff", "reward_mean", "is_truncated_fraction",
                 "quant_kl_vs_bf16"],
         columns={"steps": len,

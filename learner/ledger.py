@@ -164,7 +164,10 @@ class Ledger:
         ratio = sampled / max(trained, 1)
         c = self.counters
         if self.cfg.learner.dynamic_sampling:
-            c.sample_ratio = 0.7 * c.sample_ratio + 0.3 * ratio
+            # The first step's ratio is the first measurement: it replaces the prior of 1 rather than
+            # being smoothed into it (a SmolLM2 run at 1 in 4 took 8 steps to let its fleet run ahead,
+            # and its learner waited 100 s for step 1's groups).
+            c.sample_ratio = ratio if c.step <= 1 else 0.7 * c.sample_ratio + 0.3 * ratio
         return {"groups_filtered_step": filtered, "groups_filtered_total": c.filtered_total,
                 "informative_fraction": trained / max(sampled, 1), "groups_sampled_per_trained": ratio,
                 "reward_sampled_mean": sum(rewards) / max(len(rewards), 1),

@@ -383,6 +383,10 @@ def test_dynamic_sampling_trains_only_groups_with_a_spread_and_settles_the_rest(
     # s7-s9: 1 and 0 each; filtered since the last metrics: e0 and e4 all 1, e2 and e6 all 0
     assert m["reward_sampled_mean"] == pytest.approx((3 + 4) / 14)
     assert m["groups_sampled_per_trained"] == pytest.approx(7 / 3)
+    assert m["sample_ratio_smoothed"] == pytest.approx(7 / 3)  # the first measurement, not smoothed into 1
+    learner.run_counters.step = 5
+    later = learner.ledger.sampling_metrics(second)  # nothing filtered since: 3 sampled for 3 trained
+    assert later["sample_ratio_smoothed"] == pytest.approx(0.7 * 7 / 3 + 0.3 * 1)
 
 
 @pytest.mark.parametrize("published, factor", [("3", 3), ("nan", 1), ("abc", 1), ("0.2", 1), ("1e9", 16)])
