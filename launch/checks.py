@@ -99,7 +99,7 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if why := served_problem(cfg.model.path):
         problems.append(why)
-    from weight_sync.nccl import role_transport
+    from weight_sync.transport_choice import role_transport
 
     try:
         transport = role_transport(cfg)

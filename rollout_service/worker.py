@@ -89,7 +89,7 @@ class Worker:
     def __init__(self, cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None):
         from rollout_service.engine import RolloutEngine
         from rollout_service.metrics import RolloutMetrics
-        from weight_sync.nccl import role_transport
+        from weight_sync.transport_choice import role_transport
 
         self.cfg, self.id, self.address, self.redis_client = cfg, worker_id, address, redis_client
         self.limits = cfg.rollout

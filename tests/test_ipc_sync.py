@@ -1,4 +1,4 @@
-"""``sync.transport: ipc`` (weight_sync/ipc.py, rollout_service/device_updates.py): every
+"""``sync.transport: ipc`` (weight_sync/ipc.py, weight_sync/device_updates.py): every
 decision rlpipe makes about it, on CPU. Which transport a run uses and what a launch
 refuses; the update info of each bucket (vLLM's own dataclass takes it, and it cuts the
 shared buffer into the bytes the gloo path delivers); the handle on the wire; the sender's
@@ -175,7 +175,7 @@ class CpuIpc(IpcBroadcast):
 
 
 class IpcMember(Member):
-    """A rollout worker's gloo side under ipc, as rollout_service/device_updates.py runs it,
+    """A rollout worker's gloo side under ipc, as weight_sync/device_updates.py runs it,
     with vLLM's ``update_weights`` stood in by ``load``: it parses the update info with
     vLLM's dataclass and cuts the mapped buffer as vLLM's consumer does. ``fail``: ``"raise"``
     (the engine fails to load) or ``"hang"`` (it takes past the learner's timeout)."""
@@ -302,7 +302,7 @@ def test_a_member_that_fails_a_bucket_or_never_acks_is_left_out_and_the_others_g
 
 
 class FakeLLM:
-    """vLLM's ``AsyncLLM`` as rollout_service/device_updates.py and ``RolloutEngine._apply``
+    """vLLM's ``AsyncLLM`` as rollout_service/transfer_engine.py and ``RolloutEngine._apply``
     drive it: the calls are recorded, and ``update_weights`` consumes the update info as
     vLLM's ipc engine would."""
 
@@ -336,16 +336,16 @@ class FakeLLM:
 
 
 def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bucket(redis_server, r, toy_model_path):
-    """The worker's own module (rollout_service/device_updates.py, through RolloutEngine's
-    join and update) against the learner's sender; only AsyncLLM is stood in."""
+    """The worker's own receiver (weight_sync/device_updates.py, bound to vLLM by
+    rollout_service/transfer_engine.py, through RolloutEngine's join and update) against the
+    learner's sender; only AsyncLLM is stood in."""
     from quant.profiles import profile_for
-    from rollout_service.device_updates import DeviceUpdates
     from rollout_service.engine import RolloutEngine
     from weight_sync.names import checkpoint_shapes
 
     engine = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout, transport="ipc")
     engine.llm = FakeLLM()
-    engine.device_updates = DeviceUpdates.of(engine)  # as RolloutEngine.start makes it
+    engine.device_updates = engine.receiver()  # as RolloutEngine.start makes it
     gen = torch.Generator().manual_seed(1)
     tensors = {n: torch.randn(shape, generator=gen) for n, shape in checkpoint_shapes(toy_model_path).items()}
     run_id = free_run_id("ipcengine")
@@ -369,3 +369,4 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
         stop.set()
         sender.drop()
         thread.join(10)
+

@@ -1,4 +1,4 @@
-"""``sync.transport: nccl`` (weight_sync/nccl.py, rollout_service/device_updates.py): every
+"""``sync.transport: nccl`` (weight_sync/nccl.py, weight_sync/device_updates.py): every
 decision rlpipe makes about it, on CPU. Which transport a run uses and where; the gloo
 handshake that places each engine's processes in the NCCL group; the tensors, order,
 dtypes and shapes a version travels as (the same bytes the gloo path delivers); the
@@ -26,7 +26,6 @@ from weight_sync.nccl import (
     NcclBroadcast,
     learner_handshake,
     rank_offsets,
-    resolve_transport,
     update_info,
     wire_tensors,
     worker_handshake,
@@ -34,6 +33,7 @@ from weight_sync.nccl import (
 from weight_sync.receiver import expect_header, join_group
 from weight_sync.sender import WeightSender
 from weight_sync.transport import GlooGroup, SyncError
+from weight_sync.transport_choice import resolve_transport
 
 
 def test_auto_is_nccl_where_cuda_is_and_nccl_is_refused_where_it_is_not():
@@ -197,7 +197,7 @@ class CpuBroadcast(NcclBroadcast):
 
 
 class Member:
-    """A rollout worker's gloo side under nccl, as rollout_service/device_updates.py runs it,
+    """A rollout worker's gloo side under nccl, as weight_sync/device_updates.py runs it,
     up to where vLLM's engine would take over: it joins, shakes hands, takes headers."""
 
     def __init__(self, worker_id: str, engine_ranks: int):
@@ -309,3 +309,4 @@ def test_an_nccl_engine_is_started_for_vllms_transfer_engine_and_its_parallel_si
     assert "weight_transfer_config" not in plain and plain["distributed_executor_backend"] == "uni"
     with pytest.raises(ConfigError, match="tensor_parallel_size: 2: under gloo"):
         RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), tp).engine_kwargs()
+
