@@ -370,3 +370,35 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
         sender.drop()
         thread.join(10)
 
+
+def test_weight_syncs_ipc_receiver_loads_each_bucket_from_its_handle_and_acks_it(redis_server, r, tmp_path):
+    """Both halves of ipc from weight_sync alone: the receiver the door gives an engine,
+    against the learner's sender; only vLLM's transfer engine (and the CUDA calls) stood in."""
+    from tests.test_nccl_sync import Receiving, RecordingTransfer, saved
+    from weight_sync.transport_choice import receiver_for
+
+    received = {}
+    engine = RecordingTransfer(load=lambda info: consume(info, received))
+    member = Receiving(receiver_for("ipc", lambda: engine, saved(weights(), tmp_path), "", 1))
+    run_id = free_run_id("ipcrecv")
+    stop = threading.Event()
+    thread = follow(redis_server.url, run_id, member, stop, worker_id="w0")
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1024, torch.bfloat16, device=CpuIpc(5))
+    tensors = weights()
+    try:
+        assert sender.sync(1, lambda: tensors.items(), {"w0": ""}).members == 1
+        deadline = time.monotonic() + 10
+        while member.version != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        buckets = sender.manifest.buckets
+        assert member.version == 1 and len(buckets) > 2
+        assert [c if isinstance(c, str) else c[0] for c in engine.calls] == \
+            ["init", "start", *["load"] * len(buckets), "finish"]
+        assert engine.calls[0] == ("init", INIT_INFO) and engine.calls[-1] == ("finish", 1)
+        assert [c[1]["names"] for c in engine.calls[2:-1]] == [[s.name for s in b.tensors] for b in buckets]
+        expected = over_gloo(sender.manifest, tensors)
+        assert sorted(received) == sorted(expected) and all(torch.equal(t, expected[n]) for n, t in received.items())
+    finally:
+        stop.set()
+        sender.drop()
+        thread.join(10)
