@@ -105,7 +105,7 @@ def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path |
     if out_dir is None and cfg.quant.int8.profile:
         return cfg.quant.int8.profile
     from quant.calibrate import cache_key, ensure_profile, int8_scheme, log_stderr
-    from quant.profile import model_fingerprint
+    from quant.quant_profile import model_fingerprint
     from rlpipe.paths import cache_root
 
     calib, probe = calibration_sequences(cfg, model_path)

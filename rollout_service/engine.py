@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from quant.profiles import PrecisionProfile
+from quant.precision_profile import PrecisionProfile
 from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
 from rollout_service.engine_args import engine_args_problems, engine_processes

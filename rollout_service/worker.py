@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from fastapi import HTTPException
 from prometheus_client import generate_latest
 
-from quant.profiles import profile_for
+from quant.precision_profile import profile_for
 from rlpipe.config import RunConfig
 from rollout_service.api_models import (
     Choice,

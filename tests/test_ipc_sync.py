@@ -73,7 +73,7 @@ def test_a_launch_refuses_ipc_without_cuda_and_a_tp_engine_under_ipc():
 
 
 def test_an_ipc_engine_is_started_for_vllms_ipc_transfer_engine(toy_model_path):
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
 
     kwargs = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout,
@@ -339,7 +339,7 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
     """The worker's own receiver (weight_sync/device_updates.py, bound to vLLM by
     rollout_service/transfer_engine.py, through RolloutEngine's join and update) against the
     learner's sender; only AsyncLLM is stood in."""
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
     from weight_sync.names import checkpoint_shapes
 

@@ -298,7 +298,7 @@ def test_a_launch_refuses_nccl_without_cuda_and_a_tp_engine_without_nccl():
 
 
 def test_an_nccl_engine_is_started_for_vllms_transfer_engine_and_its_parallel_sizes(toy_model_path):
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
 
     tp = cfg_with(**{"rollout.engine": {"tensor_parallel_size": 2}}).rollout
