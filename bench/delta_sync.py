@@ -83,7 +83,7 @@ def versions(run: Path):
     import yaml
     from safetensors.torch import load_file
 
-    from quant.profile import QuantProfile
+    from quant.quant_profile import QuantProfile
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     profile = QuantProfile.load(cfg["quant"]["int8"]["profile"])

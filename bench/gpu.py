@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from bench.peak_memory import peak_rise_kib  # noqa: E402
 from launch.results import Section  # noqa: E402
 from quant.int8 import FP8_MAX, INT8_MAX, fp8_tensors, quantized_linears, smooth_groups, smoothing_vector  # noqa: E402
-from quant.profile import QuantProfile  # noqa: E402
+from quant.quant_profile import QuantProfile  # noqa: E402
 
 # Hugging Face Qwen2 configs of the shapes measured (random weights; only shapes matter).
 SHAPES = {

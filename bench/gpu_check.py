@@ -33,7 +33,7 @@ import torch
 CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "learner.batch", "learner.loss", "learner.policy", "learner.served",
                  "rlpipe.schema", "weight_sync.ipc",
                  "weight_sync.delta", "weight_sync.manifest", "weight_sync.transport", "weight_sync.delta_codec", "quant.int8",
-                 "quant.profile", "launch.results", "bench.peak_memory")
+                 "quant.quant_profile", "launch.results", "bench.peak_memory")
 DRY = "CPU dry run: CUDA IPC export/map skipped (stand-in handle, bytes not read); numbers meaningless."
 
 

@@ -72,7 +72,7 @@ def engine_run(model: str, precision: str, profile: str, prompts: int, n: int, m
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rlpipe.config import Int8Quant, QuantConfig, RolloutConfig, TaskConfig
     from rollout_service.engine import RolloutEngine
     from rollout_service.tasks import make_task
@@ -136,7 +136,7 @@ def bench_quantize(args, workdir: Path, size: str) -> dict:
     from quant.calibrate import calibrate
     from quant.int8 import fp8_tensors
     from quant.monitor import monitor
-    from quant.profile import QuantProfile
+    from quant.quant_profile import QuantProfile
 
     torch.set_num_threads(1)
     model_path = model_dir(size, workdir)
@@ -188,7 +188,7 @@ def sync_rows(args, workdir: Path, size: str, redis_url: str) -> list[dict]:
     from weight_sync.sender import WeightSender
 
     torch.set_num_threads(1)
-    from quant.profile import QuantProfile
+    from quant.quant_profile import QuantProfile
 
     model_path = model_dir(size, workdir)
     prof = profile_dir(model_path, "static", workdir)

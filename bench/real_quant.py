@@ -112,7 +112,7 @@ def measure_layers(model_dir: str, profile_dir: Path, per_layer: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quant.monitor import bf16_logits, monitor, next_token_kl, probe_batch, simulate, weight_monitors
-    from quant.profile import QuantProfile
+    from quant.quant_profile import QuantProfile
 
     profile = QuantProfile.load(profile_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -161,7 +161,7 @@ def engine_answers(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rlpipe.config import Int8Quant, QuantConfig, RolloutConfig
     from rollout_service.engine import RolloutEngine
 

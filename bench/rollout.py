@@ -75,7 +75,7 @@ def run_offline(args, model: str) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
     from rollout_service.loop import group_seed
     from rollout_service.tasks import make_task
@@ -107,7 +107,7 @@ async def _run_rlpipe(args, model: str) -> list[dict]:
     from transformers import AutoTokenizer
 
     from launch.redis_server import EmbeddedRedis
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rlpipe.queue import TrajectoryQueue, connect
     from rollout_service.engine import RolloutEngine
     from rollout_service.loop import RolloutLoop

@@ -81,9 +81,9 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.sampling.max_tokens > cfg.rollout.max_new_tokens:
         problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
     if cfg.task.type == "arith" and cfg.task.arith_style == "worked":
-        from rlpipe.arith import ArithmeticTask
+        from rlpipe.arith import ArithmeticProblems
 
-        need = ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, size=cfg.task.size, style="worked",
+        need = ArithmeticProblems(digits=cfg.task.digits, ops=cfg.task.ops, size=cfg.task.size, style="worked",
                               seed=cfg.task.seed).max_target_chars() + 1  # + <eos>
         if cfg.sampling.max_tokens < need:
             # Else a correct worked answer is cut before its last number and scores 0: no signal to learn from.
@@ -99,7 +99,7 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if why := served_problem(cfg.model.path):
         problems.append(why)
-    from weight_sync.nccl import role_transport
+    from weight_sync.transport_choice import role_transport
 
     try:
         transport = role_transport(cfg)

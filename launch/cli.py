@@ -203,7 +203,7 @@ def _role(label: str, start) -> int:
 
     setup_logging(label)
     exit_with_parent()
-    from quant.profile import ProfileError
+    from quant.quant_profile import ProfileError
     from rlpipe.queue import RedisUnavailable
 
     try:

@@ -47,7 +47,7 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
 
         return str(ensure_builtin_model(path, log=log))
     from launch.toy import ensure_toy_model, toy_spec
-    from rlpipe.arith import ArithmeticTask
+    from rlpipe.arith import ArithmeticProblems
     from rlpipe.paths import TOY_PREFIX
 
     arch = path[len(TOY_PREFIX):] if path else None  # toy-<arch> (check_model_path) or null
@@ -55,7 +55,7 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
         arch or "qwen2",
         hidden_size=cfg.model.toy_hidden_size,
         num_layers=cfg.model.toy_layers,
-        task=ArithmeticTask(digits=cfg.task.digits, ops=cfg.task.ops, style=cfg.task.arith_style),
+        task=ArithmeticProblems(digits=cfg.task.digits, ops=cfg.task.ops, style=cfg.task.arith_style),
         seed=cfg.seed,
         target_sampled_accuracy=cfg.model.toy_target_sampled_accuracy,
         tool_calls=cfg.model.toy_tool_calls,
@@ -105,7 +105,7 @@ def resolve_quant_profile(cfg: RunConfig, model_path: str, out_dir: str | Path |
     if out_dir is None and cfg.quant.int8.profile:
         return cfg.quant.int8.profile
     from quant.calibrate import cache_key, ensure_profile, int8_scheme, log_stderr
-    from quant.profile import model_fingerprint
+    from quant.quant_profile import model_fingerprint
     from rlpipe.paths import cache_root
 
     calib, probe = calibration_sequences(cfg, model_path)

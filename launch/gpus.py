@@ -119,13 +119,13 @@ def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list
 
 
 def _resolve(requested: str, n_devices: int) -> str:
-    from weight_sync.nccl import resolve_for_config  # torch, imported once a plan is made
+    from weight_sync.transport_choice import resolve_for_config  # torch, imported once a plan is made
 
     return resolve_for_config(requested, n_devices)
 
 
 def launch_plan(cfg: RunConfig) -> GpuPlan:
     """The plan for this machine, as ``rlpipe demo`` and ``rlpipe up`` launch."""
-    from weight_sync.nccl import cuda_devices
+    from weight_sync.transport_choice import cuda_devices
 
     return plan_gpus(cfg, cuda_devices(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rlpipe.arith import ArithmeticTask
+from rlpipe.arith import ArithmeticProblems
 from rlpipe.paths import TOY_ARCHS, cache_root
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -49,7 +49,7 @@ class ToyModelSpec:
     tie_word_embeddings: bool = True
     arch: str = "qwen2"  # or "llama": LlamaForCausalLM
     num_kv_heads: int = 0  # grouped-query attention; 0 = num_heads (plain multi-head)
-    task: ArithmeticTask = field(default_factory=ArithmeticTask)
+    task: ArithmeticProblems = field(default_factory=ArithmeticProblems)
     seed: int = 0
     sft_batch: int = 64
     sft_lr: float = 1e-3
@@ -81,7 +81,7 @@ class ToyModelSpec:
 
 # Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
 ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0, "tool_calls": 0.0}
-ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticTask's fields
+ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticProblems's fields
 def ensure_toy_model(spec: ToyModelSpec | None = None, root: Path | None = None, log=print) -> Path:
     """Return the directory of the toy model for ``spec``, building it once if needed.
 
@@ -171,7 +171,7 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def sft_example(tokenizer, task: ArithmeticTask, index: int) -> tuple[list[int], list[int]]:
+def sft_example(tokenizer, task: ArithmeticProblems, index: int) -> tuple[list[int], list[int]]:
     """``(prompt ids, response ids)`` of one warm-start example: the target, then ``<eos>``."""
     prompt, _ = task.problem(index)
     return encode(tokenizer, prompt), encode(tokenizer, task.target(index))[1:] + [EOS_ID]  # drop the target's <bos>
@@ -187,7 +187,7 @@ def tool_reply(tokenizer, content: str) -> list[int]:
     return pieces(tokenizer, f"%{content}=")
 
 
-def tool_example(tokenizer, task: ArithmeticTask, index: int) -> tuple[list[int], list[int]]:
+def tool_example(tokenizer, task: ArithmeticProblems, index: int) -> tuple[list[int], list[int]]:
     """``(ids, labels)`` of one warm-start episode that calls the calculator: the prompt,
     the model's call (the problem without its ``=``) and ``<eos>``, the tool's reply as the
     toy's chat template renders it (``%value=``, context: label -100), then the value and
@@ -285,7 +285,7 @@ def sample_ids(model, encoded: list[list[int]], gen, temperature: float = 1.0, m
     return out
 
 
-def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temperature: float = 1.0) -> float:
+def evaluate_sampled(model, tokenizer, task: ArithmeticProblems, n: int, gen, temperature: float = 1.0) -> float:
     problems = [task.problem(i) for i in range(n)]
     # Room for the longest target (8 as before for plain answers), so a correct worked answer is never cut short.
     max_tokens = max(8, max(len(task.target(i)) for i in range(n)) + 1)
@@ -293,7 +293,7 @@ def evaluate_sampled(model, tokenizer, task: ArithmeticTask, n: int, gen, temper
     return sum(task.reward(a, r) for (_, a), r in zip(problems, responses)) / n
 
 
-def evaluate_with_tool(model, tokenizer, task: ArithmeticTask, n: int, gen, temperature: float = 1.0):
+def evaluate_with_tool(model, tokenizer, task: ArithmeticProblems, n: int, gen, temperature: float = 1.0):
     """``(accuracy, call rate)`` of episodes of the ``calculator`` environment on the first
     ``n`` problems, judged by the environment itself: a first turn that calls it gets its
     reply (:func:`tool_reply`) and a second turn; otherwise the first turn is the answer."""

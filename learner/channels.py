@@ -22,12 +22,11 @@ from quant.transfer import Stream, Wire, rollout_weights
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
 from weight_sync.convergence import Converged, Convergence
-from weight_sync.ipc import IpcBroadcast
 from weight_sync.names import served_names, served_parameters
-from weight_sync.nccl import NcclBroadcast, role_transport
 from weight_sync.rendezvous import GenerationFloor
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError
+from weight_sync.transport_choice import broadcast_for, role_transport
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +50,7 @@ class SyncChannel:
         self.wire: Wire = rollout_weights(precision, cfg.quant, cfg.model.path)
         self.sharded, self.stream = sharded, None
         bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
-        transport = role_transport(cfg)
-        device = (NcclBroadcast(bucket_bytes, cfg.sync.timeout_s) if transport == "nccl" else
-                  IpcBroadcast(cfg.sync.timeout_s) if transport == "ipc" else None)
+        device = broadcast_for(role_transport(cfg), bucket_bytes, cfg.sync.timeout_s)  # None under gloo
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
                                    channel=self.channel, fence=fence, device=device, floor=floor,

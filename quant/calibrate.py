@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from quant.int8 import quant_config, quantized_linears, smooth_groups, smoothed_weights, smoothing_vector
-from quant.profile import FORMAT, QuantProfile, model_fingerprint, token_fingerprint, write_checkpoint
+from quant.quant_profile import FORMAT, QuantProfile, model_fingerprint, token_fingerprint, write_checkpoint
 from weight_sync.names import served_parameters
 
 log = logging.getLogger(__name__)

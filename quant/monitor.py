@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from quant.int8 import INT8_MAX, dequantize, quantized_linears, smooth_groups
-from quant.profile import QuantProfile
+from quant.quant_profile import QuantProfile
 
 
 def probe_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

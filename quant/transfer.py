@@ -32,7 +32,7 @@ import torch
 
 from quant.int8 import fp8_tensors, quantized_specs, source_parameter
 from quant.monitor import monitor, sampled_monitor
-from quant.profile import QuantProfile, fp8_identity, load_for_run, model_fingerprint
+from quant.quant_profile import QuantProfile, fp8_identity, load_for_run, model_fingerprint
 from rlpipe.precisions import spec
 from weight_sync.names import served_parameters
 
@@ -90,7 +90,7 @@ class Fp8Weights(Wire):
     quantized, cast_to = True, None
 
     def __init__(self, base_model: str):
-        """``base_model``: the base model's fingerprint (quant/profile.py ``model_fingerprint``)."""
+        """``base_model``: the base model's fingerprint (quant/quant_profile.py ``model_fingerprint``)."""
         self.compat, self.quant_profile = fp8_identity(base_model)
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:

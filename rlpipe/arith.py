@@ -2,7 +2,9 @@
 
 A task definition only (standard library), so the rollout workers' task code and the
 config's checks use it without the toy model builder (launch/toy.py), which warm-starts
-its model on this task.
+its model on these problems. :class:`ArithmeticProblems` holds the problems and the
+reward; the rollout workers' task over them (prompts, scoring) is
+``rollout_service.tasks.ArithTask``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ ARITH_STYLES = ("answer", "worked")
 
 
 @dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticProblems:
     """A fixed, seeded list of ``size`` problems ``a<op>b=`` with operands below 10**digits.
 
     Problem ``i`` is a pure function of ``(seed, i % size)``: every worker that is handed

@@ -2,7 +2,7 @@
 
 A precision is one row of :data:`SPECS`. Everything else is derived from it: the config's
 ``Precision`` type, the wire schema's ``PRECISIONS``, the engine profile
-(quant/profiles.py ``profile_for``) and the learner's wire (quant/transfer.py
+(quant/precision_profile.py ``profile_for``) and the learner's wire (quant/transfer.py
 ``rollout_weights``), both through :class:`rlpipe.config.QuantConfig`'s ``wire`` for a
 precision with a quantization scheme. Adding a precision is adding a row here (and its wire
 class, if it is quantized on the learner): no other list of precisions exists to forget.

@@ -11,8 +11,9 @@ weight updates in flight.
 - An update runs one way: the weight follower (weight_sync/follower.py) calls this
   engine, which runs the slow steps in its worker process through ``collective_rpc``
   (the binding, rollout_service/worker_ext.py, and its ``WeightStager``,
-  weight_sync/stager.py) and pauses only to load; under nccl or ipc it drives
-  rollout_service/device_updates.py instead.
+  weight_sync/stager.py) and pauses only to load; under nccl or ipc it drives the receiver
+  weight_sync/transport_choice.py gives it (weight_sync/device_updates.py, bound to vLLM
+  by rollout_service/transfer_engine.py) instead.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from quant.profiles import PrecisionProfile
+from quant.precision_profile import PrecisionProfile
 from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
 from rollout_service.engine_args import engine_args_problems, engine_processes
+from rollout_service.transfer_engine import VllmTransferEngine
 from rollout_service.worker_ext import EXTENSION_CLS
+from weight_sync.device_updates import DeviceUpdates
 from weight_sync.follower import SyncOutcome
 from weight_sync.manifest import Manifest
-from weight_sync.nccl import DEVICE_TRANSPORTS
+from weight_sync.transport_choice import receiver_for, transfer_backend
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +89,10 @@ class RolloutEngine:
     def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0,
                  transport: str = "gloo"):
         """``transport``: the run's resolved ``sync.transport``; under nccl or ipc updates go
-        through vLLM's own weight-transfer engine (rollout_service/device_updates.py)."""
+        through vLLM's own weight-transfer engine (weight_sync/device_updates.py)."""
         self.model_path = model_path
         self.transport = transport
-        self.device_updates = None  # the updates over vLLM's nccl or ipc engine, once started with one
+        self.device_updates: DeviceUpdates | None = None  # nccl's or ipc's receiver, once started with one
         self.profile = profile
         self.cfg = cfg
         self.seed = seed
@@ -124,7 +127,8 @@ class RolloutEngine:
             # one process: the engine's own ("uni"), which keeps rlpipe's gloo follower in it;
             # tensor/pipeline parallel ranks are processes of their own (nccl transport only)
             distributed_executor_backend="uni" if engine_processes(self.cfg.engine) == 1 else "mp",
-            **({"weight_transfer_config": {"backend": self.transport}} if self.transport in DEVICE_TRANSPORTS else {}),
+            **({"weight_transfer_config": {"backend": backend}} if (backend := transfer_backend(self.transport))
+               else {}),
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
             **self.cfg.engine,
@@ -139,13 +143,17 @@ class RolloutEngine:
         for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
-        if self.transport in DEVICE_TRANSPORTS:
-            from rollout_service.device_updates import DeviceUpdates
-
-            self.device_updates = DeviceUpdates.of(self)
+        self.device_updates = self.receiver()
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
+
+    def receiver(self) -> DeviceUpdates | None:
+        """The run's transport's receiver in this process (weight_sync/transport_choice.py):
+        under nccl and ipc, the one that drives this engine's ``AsyncLLM`` through vLLM's
+        transfer engine; None under gloo, whose receiver is the worker process's stager."""
+        return receiver_for(self.transport, lambda: VllmTransferEngine(self.llm), self.model_dir, self.profile.compat,
+                            engine_processes(self.cfg.engine))
 
     @property
     def inflight(self) -> int:
@@ -234,7 +242,7 @@ class RolloutEngine:
 
     async def _device_update(self, version: int, manifest: Manifest) -> SyncOutcome:
         """Under nccl or ipc: take the version's header while generating, then receive and
-        load it with generation paused (rollout_service/device_updates.py)."""
+        load it with generation paused (weight_sync/device_updates.py)."""
         if error := await self.device_updates.expect(version, manifest):
             return SyncOutcome.failed(error)
         async with self._update_lock:

@@ -33,7 +33,7 @@ from typing import Protocol
 import httpx
 import numpy as np
 
-from rlpipe.arith import ArithmeticTask
+from rlpipe.arith import ArithmeticProblems
 from rlpipe.config import ConfigError, TaskConfig
 from rlpipe.datasets import (
     INSTRUCTIONS,
@@ -162,11 +162,12 @@ class Task(Protocol):
 
 
 class ArithTask:
-    """The toy task: small-number arithmetic in the toy's fixed order (the demo relies on it), scored by
-    ``ArithmeticTask.reward`` for ``task.arith_style``."""
+    """The toy task (``task.type: arith``) as a rollout task: rlpipe/arith.py's ``ArithmeticProblems`` in the
+    toy's fixed order (the demo relies on it), scored by ``ArithmeticProblems.reward`` for ``task.arith_style``."""
 
     def __init__(self, cfg: TaskConfig):
-        self.task = ArithmeticTask(digits=cfg.digits, ops=cfg.ops, seed=cfg.seed, size=cfg.size, style=cfg.arith_style)
+        self.task = ArithmeticProblems(digits=cfg.digits, ops=cfg.ops, seed=cfg.seed, size=cfg.size,
+                                       style=cfg.arith_style)
         self.size = cfg.size
 
     def prompt(self, index: int) -> Prompt:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from fastapi import HTTPException
 from prometheus_client import generate_latest
 
-from quant.profiles import profile_for
+from quant.precision_profile import profile_for
 from rlpipe.config import RunConfig
 from rollout_service.api_models import (
     Choice,
@@ -89,7 +89,7 @@ class Worker:
     def __init__(self, cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None):
         from rollout_service.engine import RolloutEngine
         from rollout_service.metrics import RolloutMetrics
-        from weight_sync.nccl import role_transport
+        from weight_sync.transport_choice import role_transport
 
         self.cfg, self.id, self.address, self.redis_client = cfg, worker_id, address, redis_client
         self.limits = cfg.rollout

@@ -26,14 +26,14 @@ import torch
 
 from launch.redis_server import EmbeddedRedis
 from launch.toy import ToyModelSpec, ensure_toy_model
-from rlpipe.arith import ArithmeticTask
+from rlpipe.arith import ArithmeticProblems
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.registry import set_learner_state, worker_incarnations
 
 ROOT = Path(__file__).resolve().parent.parent
 # The demo's own toy model (default config, seed 0): built once, reused by the tests and the demo.
-TOY_SPEC = ToyModelSpec(task=ArithmeticTask())
+TOY_SPEC = ToyModelSpec(task=ArithmeticProblems())
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import sys
 def main(checkpoint: str, requests_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from quant.profiles import PrecisionProfile
+    from quant.precision_profile import PrecisionProfile
     from rlpipe.config import RolloutConfig
     from rollout_service.engine import RolloutEngine
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from learner.channels import Collectives  # noqa: E402
 from learner.dist import Ranks, exit_rank  # noqa: E402
-from quant.profile import QuantProfile  # noqa: E402
+from quant.quant_profile import QuantProfile  # noqa: E402
 from rlpipe.queue import Keys, connect  # noqa: E402
 from tests.test_weight_sync import checksum  # noqa: E402
 from weight_sync.sender import WeightSender  # noqa: E402
@@ -73,7 +73,7 @@ def made_up_profile(model, model_dir: Path) -> QuantProfile:
     """An int8 profile for a random model: smoothing vectors and static input scales drawn at
     random, each linear's calibrated range from its smoothed weights, a few probe sequences."""
     from quant.int8 import quantized_linears, smooth_groups, smoothed_weights
-    from quant.profile import model_fingerprint
+    from quant.quant_profile import model_fingerprint
 
     params = {n: p.detach() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(1)

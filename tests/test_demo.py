@@ -154,7 +154,7 @@ def test_a_mixed_int8_bf16_fleet_runs_and_reports_each_precision(tmp_path):
     worker runs int8 (from the profile's checkpoint, updated with the learner's int8
     tensors), the other bf16, each on its own sync channel."""
     from launch.cli import main as rlpipe_main
-    from quant.profile import QuantProfile
+    from quant.quant_profile import QuantProfile
 
     code = rlpipe_main(["demo", "--precision", "int8,bf16", "--steps", "5", "--run-id", "mixed", "--runs-dir",
                         str(tmp_path), "--set", "learner.groups_per_step=16", "--set", "quant.int8.calibration_samples=48",

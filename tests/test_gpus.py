@@ -94,7 +94,7 @@ def test_engine_arguments_are_checked_against_vllms_own():
 
 
 def test_engine_arguments_reach_the_engine_beside_rlpipes(toy_model_path):
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
 
     cfg = cfg_with(**{"rollout.engine": {"max_num_seqs": 7, "enable_prefix_caching": False}})

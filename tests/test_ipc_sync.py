@@ -1,4 +1,4 @@
-"""``sync.transport: ipc`` (weight_sync/ipc.py, rollout_service/device_updates.py): every
+"""``sync.transport: ipc`` (weight_sync/ipc.py, weight_sync/device_updates.py): every
 decision rlpipe makes about it, on CPU. Which transport a run uses and what a launch
 refuses; the update info of each bucket (vLLM's own dataclass takes it, and it cuts the
 shared buffer into the bytes the gloo path delivers); the handle on the wire; the sender's
@@ -73,7 +73,7 @@ def test_a_launch_refuses_ipc_without_cuda_and_a_tp_engine_under_ipc():
 
 
 def test_an_ipc_engine_is_started_for_vllms_ipc_transfer_engine(toy_model_path):
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
 
     kwargs = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout,
@@ -175,7 +175,7 @@ class CpuIpc(IpcBroadcast):
 
 
 class IpcMember(Member):
-    """A rollout worker's gloo side under ipc, as rollout_service/device_updates.py runs it,
+    """A rollout worker's gloo side under ipc, as weight_sync/device_updates.py runs it,
     with vLLM's ``update_weights`` stood in by ``load``: it parses the update info with
     vLLM's dataclass and cuts the mapped buffer as vLLM's consumer does. ``fail``: ``"raise"``
     (the engine fails to load) or ``"hang"`` (it takes past the learner's timeout)."""
@@ -302,7 +302,7 @@ def test_a_member_that_fails_a_bucket_or_never_acks_is_left_out_and_the_others_g
 
 
 class FakeLLM:
-    """vLLM's ``AsyncLLM`` as rollout_service/device_updates.py and ``RolloutEngine._apply``
+    """vLLM's ``AsyncLLM`` as rollout_service/transfer_engine.py and ``RolloutEngine._apply``
     drive it: the calls are recorded, and ``update_weights`` consumes the update info as
     vLLM's ipc engine would."""
 
@@ -336,16 +336,16 @@ class FakeLLM:
 
 
 def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bucket(redis_server, r, toy_model_path):
-    """The worker's own module (rollout_service/device_updates.py, through RolloutEngine's
-    join and update) against the learner's sender; only AsyncLLM is stood in."""
-    from quant.profiles import profile_for
-    from rollout_service.device_updates import DeviceUpdates
+    """The worker's own receiver (weight_sync/device_updates.py, bound to vLLM by
+    rollout_service/transfer_engine.py, through RolloutEngine's join and update) against the
+    learner's sender; only AsyncLLM is stood in."""
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
     from weight_sync.names import checkpoint_shapes
 
     engine = RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), cfg_with().rollout, transport="ipc")
     engine.llm = FakeLLM()
-    engine.device_updates = DeviceUpdates.of(engine)  # as RolloutEngine.start makes it
+    engine.device_updates = engine.receiver()  # as RolloutEngine.start makes it
     gen = torch.Generator().manual_seed(1)
     tensors = {n: torch.randn(shape, generator=gen) for n, shape in checkpoint_shapes(toy_model_path).items()}
     run_id = free_run_id("ipcengine")
@@ -365,6 +365,39 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
         expected = over_gloo(sender.manifest, tensors)
         assert sorted(engine.llm.received) == sorted(expected)
         assert all(torch.equal(t, expected[n]) for n, t in engine.llm.received.items())
+    finally:
+        stop.set()
+        sender.drop()
+        thread.join(10)
+
+
+def test_weight_syncs_ipc_receiver_loads_each_bucket_from_its_handle_and_acks_it(redis_server, r, tmp_path):
+    """Both halves of ipc from weight_sync alone: the receiver the door gives an engine,
+    against the learner's sender; only vLLM's transfer engine (and the CUDA calls) stood in."""
+    from tests.test_nccl_sync import Receiving, RecordingTransfer, saved
+    from weight_sync.transport_choice import receiver_for
+
+    received = {}
+    engine = RecordingTransfer(load=lambda info: consume(info, received))
+    member = Receiving(receiver_for("ipc", lambda: engine, saved(weights(), tmp_path), "", 1))
+    run_id = free_run_id("ipcrecv")
+    stop = threading.Event()
+    thread = follow(redis_server.url, run_id, member, stop, worker_id="w0")
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1024, torch.bfloat16, device=CpuIpc(5))
+    tensors = weights()
+    try:
+        assert sender.sync(1, lambda: tensors.items(), {"w0": ""}).members == 1
+        deadline = time.monotonic() + 10
+        while member.version != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        buckets = sender.manifest.buckets
+        assert member.version == 1 and len(buckets) > 2
+        assert [c if isinstance(c, str) else c[0] for c in engine.calls] == \
+            ["init", "start", *["load"] * len(buckets), "finish"]
+        assert engine.calls[0] == ("init", INIT_INFO) and engine.calls[-1] == ("finish", 1)
+        assert [c[1]["names"] for c in engine.calls[2:-1]] == [[s.name for s in b.tensors] for b in buckets]
+        expected = over_gloo(sender.manifest, tensors)
+        assert sorted(received) == sorted(expected) and all(torch.equal(t, expected[n]) for n, t in received.items())
     finally:
         stop.set()
         sender.drop()

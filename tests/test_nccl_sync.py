@@ -1,4 +1,4 @@
-"""``sync.transport: nccl`` (weight_sync/nccl.py, rollout_service/device_updates.py): every
+"""``sync.transport: nccl`` (weight_sync/nccl.py, weight_sync/device_updates.py): every
 decision rlpipe makes about it, on CPU. Which transport a run uses and where; the gloo
 handshake that places each engine's processes in the NCCL group; the tensors, order,
 dtypes and shapes a version travels as (the same bytes the gloo path delivers); the
@@ -26,7 +26,6 @@ from weight_sync.nccl import (
     NcclBroadcast,
     learner_handshake,
     rank_offsets,
-    resolve_transport,
     update_info,
     wire_tensors,
     worker_handshake,
@@ -34,6 +33,7 @@ from weight_sync.nccl import (
 from weight_sync.receiver import expect_header, join_group
 from weight_sync.sender import WeightSender
 from weight_sync.transport import GlooGroup, SyncError
+from weight_sync.transport_choice import resolve_transport
 
 
 def test_auto_is_nccl_where_cuda_is_and_nccl_is_refused_where_it_is_not():
@@ -197,7 +197,7 @@ class CpuBroadcast(NcclBroadcast):
 
 
 class Member:
-    """A rollout worker's gloo side under nccl, as rollout_service/device_updates.py runs it,
+    """A rollout worker's gloo side under nccl, as weight_sync/device_updates.py runs it,
     up to where vLLM's engine would take over: it joins, shakes hands, takes headers."""
 
     def __init__(self, worker_id: str, engine_ranks: int):
@@ -298,7 +298,7 @@ def test_a_launch_refuses_nccl_without_cuda_and_a_tp_engine_without_nccl():
 
 
 def test_an_nccl_engine_is_started_for_vllms_transfer_engine_and_its_parallel_sizes(toy_model_path):
-    from quant.profiles import profile_for
+    from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
 
     tp = cfg_with(**{"rollout.engine": {"tensor_parallel_size": 2}}).rollout
@@ -309,3 +309,104 @@ def test_an_nccl_engine_is_started_for_vllms_transfer_engine_and_its_parallel_si
     assert "weight_transfer_config" not in plain and plain["distributed_executor_backend"] == "uni"
     with pytest.raises(ConfigError, match="tensor_parallel_size: 2: under gloo"):
         RolloutEngine(toy_model_path, profile_for("bf16", cuda=False), tp).engine_kwargs()
+
+
+class RecordingTransfer:
+    """A rollout engine's transfer engine (weight_sync/device_updates.py ``TransferEngine``)
+    that records each call as vLLM's would be made; ``load``: what a load does besides."""
+
+    def __init__(self, load=None):
+        self.calls, self._load = [], load
+
+    async def init(self, info):
+        self.calls.append(("init", info))
+
+    async def start(self):
+        self.calls.append("start")
+
+    async def load(self, info):
+        if self._load is not None:
+            self._load(info)
+        self.calls.append(("load", info))
+
+    async def finish(self, version):
+        self.calls.append(("finish", version))
+
+    async def shutdown(self):
+        self.calls.append("shutdown")
+
+
+class Receiving:
+    """weight_sync's receiver of a device transport followed as the rollout engine drives it
+    (join; per version the header while generating, then the transfer), with no vLLM and
+    nothing of rollout_service."""
+
+    def __init__(self, device):
+        self.device, self.version = device, -1
+
+    async def join(self, host, port, slot, generation, manifest, timeout_s):
+        return await self.device.join(host, port, slot, generation, manifest, timeout_s)
+
+    async def update(self, version, manifest):
+        from weight_sync.follower import SyncOutcome
+
+        if error := await self.device.expect(version, manifest):
+            return SyncOutcome.failed(error)
+        await self.device.transfer(version, manifest)
+        self.version = version
+        return SyncOutcome(True)
+
+
+def saved(tensors, model_dir) -> str:
+    """``tensors`` as a checkpoint in ``model_dir`` (what a receiver checks manifests against)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    return str(model_dir)
+
+
+def test_the_transport_door_gives_each_side_its_half_and_nothing_under_gloo(tmp_path):
+    from weight_sync.device_updates import DeviceUpdates
+    from weight_sync.ipc import IpcBroadcast
+    from weight_sync.transport_choice import broadcast_for, receiver_for, transfer_backend
+
+    assert type(broadcast_for("nccl", 2048, 5)) is NcclBroadcast and broadcast_for("nccl", 2048, 5).buffer_bytes == 2048
+    assert type(broadcast_for("ipc", 2048, 5)) is IpcBroadcast and broadcast_for("gloo", 2048, 5) is None
+    assert [transfer_backend(t) for t in ("gloo", "nccl", "ipc")] == [None, "nccl", "ipc"]
+    model_dir, made = saved(weights(), tmp_path), []
+    assert receiver_for("gloo", lambda: made.append(1), model_dir, "", 1) is None and made == []
+    device = receiver_for("ipc", RecordingTransfer, model_dir, "int8-w8a8", 1)
+    assert isinstance(device, DeviceUpdates) and device.transport == "ipc" and device.quant_compat == "int8-w8a8"
+    assert device.shapes == {n: tuple(t.shape) for n, t in weights().items()}
+
+
+def test_weight_syncs_nccl_receiver_joins_shakes_hands_and_loads_each_version_as_the_manifest_says(
+        redis_server, r, tmp_path):
+    """Both halves of nccl from weight_sync alone: the receiver the door gives an engine of
+    two processes, against the learner's sender; only vLLM's transfer engine is stood in."""
+    from weight_sync.transport_choice import receiver_for
+
+    engine = RecordingTransfer()
+    member = Receiving(receiver_for("nccl", lambda: engine, saved(weights(), tmp_path), "", 2))
+    run_id = free_run_id("ncclrecv")
+    stop = threading.Event()
+    thread = follow(redis_server.url, run_id, member, stop, worker_id="w0")
+    plane = CpuBroadcast(1 << 20, 10)
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1 << 20, torch.bfloat16, device=plane)
+    tensors = weights()
+    try:
+        for version in (1, 2):
+            assert sender.sync(version, lambda: tensors.items(), {"w0": ""}).members == 1
+            deadline = time.monotonic() + 10
+            while member.version != version and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert member.version == 2 and plane.inits == [3]  # 1 learner + the engine's 2 processes
+        (_, info), *updates = engine.calls
+        assert info["rank_offset"] == 1 and info["world_size"] == 3 and info["packed"]
+        assert base64.b64decode(info["nccl_unique_id_b64"]) and info["packed_buffer_size_bytes"] == 1 << 20
+        described = ("load", update_info(sender.manifest))
+        assert updates == ["start", described, ("finish", 1), "start", described, ("finish", 2)]
+    finally:
+        stop.set()
+        sender.drop()
+        thread.join(10)

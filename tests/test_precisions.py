@@ -9,8 +9,8 @@ import typing
 import pytest
 import torch
 
-from quant.profile import fp8_identity, model_fingerprint
-from quant.profiles import profile_for
+from quant.precision_profile import profile_for
+from quant.quant_profile import fp8_identity, model_fingerprint
 from quant.transfer import CastWeights, Fp8Weights, Int8Weights, Wire, rollout_weights
 from rlpipe import schema
 from rlpipe.config import IS_MODES, IsMode, Precision, build_config

@@ -22,8 +22,8 @@ from quant.int8 import (
     smoothed_weights,
 )
 from quant.monitor import monitor, probe_batch
-from quant.profile import ProfileError, QuantProfile, model_fingerprint
-from quant.profiles import profile_for
+from quant.precision_profile import profile_for
+from quant.quant_profile import ProfileError, QuantProfile, model_fingerprint
 from quant.transfer import Int8Weights
 from rlpipe.config import ConfigError, Int8Quant, QuantConfig, build_config
 
@@ -258,7 +258,7 @@ def test_a_launcher_calibrates_apart_to_the_same_profile(toy_model_path, tmp_pat
     """``rlpipe demo``/``up`` calibrate in a child process, so the launcher, which lives as
     long as the run, does not keep the model's memory; the profile is the one calibrated
     in-process."""
-    from quant.profile import QuantProfile
+    from quant.quant_profile import QuantProfile
 
     cfg = build_config({}, environ={}, **{"model.path": toy_model_path, "quant.int8.calibration_samples": 32,
                                           "quant.int8.probe_samples": 8})

@@ -21,7 +21,7 @@ import torch
 
 from launch.demo import resolve_quant_profile
 from quant.int8 import quant_config
-from quant.profile import write_checkpoint
+from quant.quant_profile import write_checkpoint
 from rlpipe.config import build_config
 from rlpipe.queue import connect
 from rlpipe.registry import live_workers, worker_incarnations

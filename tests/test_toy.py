@@ -8,14 +8,14 @@ import os
 import pytest
 
 from launch.toy import EOS_ID, ToyModelSpec, build_tokenizer, ensure_toy_model
-from rlpipe.arith import ArithmeticTask
+from rlpipe.arith import ArithmeticProblems
 
 
 def test_problems_are_a_pure_function_of_seed_and_index():
-    task = ArithmeticTask(digits=2, ops="+-", seed=3, size=100)
+    task = ArithmeticProblems(digits=2, ops="+-", seed=3, size=100)
     assert [task.problem(i) for i in range(20)] == [task.problem(i) for i in range(20)]
     assert task.problem(7) == task.problem(107)  # epochs wrap
-    assert [task.problem(i) for i in range(20)] != [ArithmeticTask(seed=4).problem(i) for i in range(20)]
+    assert [task.problem(i) for i in range(20)] != [ArithmeticProblems(seed=4).problem(i) for i in range(20)]
     for i in range(200):
         prompt, answer = task.problem(i)
         a, op, b = prompt[:-1].partition("+") if "+" in prompt else prompt[:-1].partition("-")
@@ -70,7 +70,8 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)  # 2 kv heads of 8
     assert AutoTokenizer.from_pretrained(path).get_vocab() == build_tokenizer(tmp_path / "tok").get_vocab()
     # The default toy keeps the key (and cache entry) it had before there was an arch.
-    assert ToyModelSpec(task=ArithmeticTask()).key() == toy_spec("qwen2", task=ArithmeticTask()).key() == "494a98eff854"
+    assert ToyModelSpec(task=ArithmeticProblems()).key() == toy_spec("qwen2", task=ArithmeticProblems()).key() \
+        == "494a98eff854"
     assert toy_spec("llama").key() != ToyModelSpec().key()
     with pytest.raises(ConfigError, match="toy-llama"):
         resolve_model(build_config({}, environ={}, **{"model.path": "toy-gpt"}))
@@ -91,11 +92,11 @@ def test_llama_toy_has_its_own_lm_head_and_grouped_query_attention(tmp_path):
     ("4 -85", 0.0), ("-85", 0.0),  # a sign: -85 is not 85
 ])
 def test_worked_reward_reads_the_last_number(response, reward):
-    assert ArithmeticTask(style="worked").reward("85", response) == reward
+    assert ArithmeticProblems(style="worked").reward("85", response) == reward
 
 
 def test_worked_reward_with_subtraction_and_negative_numbers():
-    task = ArithmeticTask(style="worked", ops="-")
+    task = ArithmeticProblems(style="worked", ops="-")
     assert task.reward("0", "13-9=4 3-3=0") == 1.0 and task.reward("0", "3 -0") == 1.0
     assert task.reward("9", "17-8=9 3-3=0 -9") == 0.0  # answers are never negative here; -9 is wrong
 
@@ -106,14 +107,14 @@ def test_worked_targets_show_the_columns_and_end_in_the_answer():
     assert worked_steps(47, "+", 38) == ["7+8=15", "4+3+1=8"]
     assert worked_steps(47, "-", 38) == ["17-8=9", "3-3=0"]
     assert worked_steps(47, "*", 38) == ["47*8=376", "47*30=1410"]
-    task = ArithmeticTask(style="worked", ops="+-*", size=300)
+    task = ArithmeticProblems(style="worked", ops="+-*", size=300)
     for i in range(task.size):
         prompt, answer = task.problem(i)
         assert last_number(task.target(i)) == answer and task.reward(answer, task.target(i)) == 1.0
-    assert ArithmeticTask(style="worked").max_target_chars() == 19  # "9+8=17 5+8+1=14 147"
-    assert ArithmeticTask().target(3) == ArithmeticTask().problem(3)[1]  # answer style: the bare answer
+    assert ArithmeticProblems(style="worked").max_target_chars() == 19  # "9+8=17 5+8+1=14 147"
+    assert ArithmeticProblems().target(3) == ArithmeticProblems().problem(3)[1]  # answer style: the bare answer
     with pytest.raises(ValueError, match="arith style"):
-        ArithmeticTask(style="essay")
+        ArithmeticProblems(style="essay")
 
 
 def test_worked_warm_start_examples_round_trip_through_the_tokenizer(tmp_path):
@@ -121,7 +122,7 @@ def test_worked_warm_start_examples_round_trip_through_the_tokenizer(tmp_path):
     from launch.toy import UNK_ID, sft_example
 
     tok = build_tokenizer(tmp_path)
-    task = ArithmeticTask(style="worked", ops="+-*", size=200)
+    task = ArithmeticProblems(style="worked", ops="+-*", size=200)
     for i in range(task.size):
         prompt_ids, response_ids = sft_example(tok, task, i)
         assert UNK_ID not in prompt_ids + response_ids and response_ids[-1] == EOS_ID
@@ -139,7 +140,7 @@ def test_a_tool_warm_start_example_is_the_episode_the_calculator_session_holds(t
 
     tok = build_tokenizer(tmp_path)
     template = (ROOT / "configs" / "toy-chat.jinja").read_text()
-    task = ArithmeticTask(ops="*")
+    task = ArithmeticProblems(ops="*")
     for i in range(50):
         prompt, answer = task.problem(i)
         ids, labels = tool_example(tok, task, i)
@@ -158,7 +159,7 @@ def test_worked_style_is_its_own_toy_and_the_answer_toy_keeps_its_key():
     from rlpipe.config import build_config
 
     assert ToyModelSpec().key() == "494a98eff854"  # the key before arith_style existed: caches stay valid
-    assert toy_spec(task=ArithmeticTask(style="worked")).key() != ToyModelSpec().key()
+    assert toy_spec(task=ArithmeticProblems(style="worked")).key() != ToyModelSpec().key()
     assert build_config({}, environ={}).task.arith_style == "answer"
 
 

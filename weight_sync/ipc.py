@@ -7,7 +7,7 @@ engine needs no rendezvous, only to know that updates come packed (:data:`INIT_I
 Then, per version, rank 0 packs one manifest bucket at a time into a GPU buffer (the
 gloo path's layout, which is vLLM's packed one: each tensor's bytes after the last) and
 sends each member, over gloo, a CUDA IPC handle of that buffer; the member's engine
-(vLLM's ``ipc`` engine, driven by rollout_service/device_updates.py) maps it, loads the
+(vLLM's ``ipc`` engine, driven by weight_sync/device_updates.py) maps it, loads the
 bucket from it and acks, and only once every member acked (or failed) is the buffer
 packed again. A member that fails or does not ack within ``sync.timeout_s`` is left out;
 the others go on.

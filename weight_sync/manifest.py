@@ -54,7 +54,7 @@ class Bucket:
 class Manifest:
     buckets: tuple[Bucket, ...]
     quant_profile: str = ""  # hash of the quantization profile the tensors were made with ("" = none)
-    quant_compat: str = ""  # what an engine must have been started for to load them (quant/profile.py)
+    quant_compat: str = ""  # what an engine must have been started for to load them (quant/quant_profile.py)
     transport: str = "gloo"  # how versions travel: gloo (in the buckets), nccl or ipc (weight_sync/nccl.py, ipc.py)
     delta: bool = False  # versions after the first of a generation may travel as deltas (weight_sync/delta.py)
     chunk_bytes: int = 0  # gloo sends a whole version in chunks of this many bytes (0: a bucket a send)

@@ -13,13 +13,14 @@ travels as one packed NCCL broadcast from the learner's GPU to every engine rank
 of which loads whole tensors and narrows them to its shard (vLLM's weight loaders).
 
 The worker side is vLLM's own ``nccl`` weight-transfer engine, driven through
-``AsyncLLM``'s lifecycle (rollout_service/device_updates.py); the learner side is vLLM's
+``AsyncLLM``'s lifecycle (weight_sync/device_updates.py); the learner side is vLLM's
 ``uid_init_process_group`` and ``packed_nccl_broadcast_producer``
 (:class:`NcclBroadcast`). What rlpipe decides (the handshake, the ranks, which tensors
-travel in which order under which dtype and shape, which transport a run uses) is tested
-on CPU (tests/test_nccl_sync.py). The NCCL calls themselves need CUDA and have never run
-in this project: they are vLLM's code, which its authors test. ``sync.transport: ipc``
-(weight_sync/ipc.py) shares this module's transport choice and update-info helpers.
+travel in which order under which dtype and shape) is tested on CPU
+(tests/test_nccl_sync.py). The NCCL calls themselves need CUDA and have never run in this
+project: they are vLLM's code, which its authors test. ``sync.transport: ipc``
+(weight_sync/ipc.py) shares this module's update-info helpers; which transport a run uses
+and each one's two halves are weight_sync/transport_choice.py's.
 """
 
 from __future__ import annotations
@@ -31,52 +32,14 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from rlpipe.config import ConfigError, RunConfig
 from weight_sync.manifest import Manifest
 from weight_sync.transport import GlooGroup, SyncError
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
-DEVICE_TRANSPORTS = ("nccl", "ipc")  # vLLM's weight-transfer engines (rollout_service/device_updates.py), CUDA only
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 NUM_BUFFERS = 2  # packed broadcast buffers in flight (vLLM's default), on both ends
 _ASK, _ANSWER = 1001, 1002  # gloo tags of the handshake, apart from a version's (0 and up)
-
-
-def resolve_transport(requested: str, cuda_devices: int) -> str:
-    """The transport a process uses for ``sync.transport``: ``auto`` is NCCL where CUDA is
-    present and gloo (staged in host memory) where it is not (a launch that knows where
-    every role runs refines it: launch.gpus.plan_transport). Raises ValueError, naming
-    the key, for a transport this machine cannot run."""
-    if requested not in TRANSPORTS:
-        raise ValueError(f"sync.transport: {requested!r} is not one of {', '.join(TRANSPORTS)}")
-    if requested == "auto":
-        return "nccl" if cuda_devices else "gloo"
-    if requested in DEVICE_TRANSPORTS and not cuda_devices:
-        what = ("moves weights between CUDA devices" if requested == "nccl" else
-                "shares the learner's CUDA memory with an engine on its GPU")
-        raise ValueError(f"sync.transport: {requested} {what} and this machine has none (use auto or gloo)")
-    return requested
-
-
-def resolve_for_config(requested: str, n_devices: int) -> str:
-    """:func:`resolve_transport`, refusing with the ConfigError a launch reports."""
-    try:
-        return resolve_transport(requested, n_devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def cuda_devices() -> int:
-    """How many CUDA devices this process sees (0 on a machine without any)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def role_transport(cfg: RunConfig) -> str:
-    """The transport this role uses: ``sync.transport`` resolved on this machine (a role that
-    ``rlpipe demo`` or ``up`` started gets their resolution in its environment)."""
-    return resolve_for_config(cfg.sync.transport, cuda_devices())
 
 
 def rank_offsets(engine_ranks: list[int]) -> tuple[list[int], int]:

@@ -15,7 +15,7 @@
 
 Each precision's dtype, scheme and online quantization are its row in rlpipe/precisions.py;
 the run's ``quant`` section says who quantizes. ``compat`` is what the engine was started
-for and what a sync manifest must match (quant/profile.py).
+for and what a sync manifest must match (quant/quant_profile.py).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def profile_for(precision: str, cuda: bool | None = None, quant=None, model_path
 
 def _fp8_profile(model_path: str) -> PrecisionProfile:
     """Learner-side fp8: the base model's FP8 checkpoint, for the compat the wire carries."""
-    from quant.profile import fp8_identity, model_fingerprint
+    from quant.quant_profile import fp8_identity, model_fingerprint
 
     compat, profile_hash = fp8_identity(model_fingerprint(model_path))
     return PrecisionProfile("fp8", spec("fp8").dtype, checkpoint=str(fp8_checkpoint(model_path)),
@@ -91,7 +91,7 @@ def _fp8_profile(model_path: str) -> PrecisionProfile:
 
 def _int8_profile(int8, model_path: str) -> PrecisionProfile:
     """int8: the profile's checkpoint (``quant.int8``: the run's int8 section)."""
-    from quant.profile import load_for_run
+    from quant.quant_profile import load_for_run
 
     profile = load_for_run(int8, model_path)
     return PrecisionProfile("int8", spec("int8").dtype, checkpoint=str(Path(int8.profile) / "checkpoint"),
@@ -101,7 +101,7 @@ def _int8_profile(int8, model_path: str) -> PrecisionProfile:
 def fp8_checkpoint(model_path: str) -> Path:
     """The compressed-tensors FP8 checkpoint of a base model (per-channel weights, dynamic
     per-token activations), written once next to the other cached artifacts."""
-    from quant.profile import model_fingerprint, write_checkpoint
+    from quant.quant_profile import model_fingerprint, write_checkpoint
     from rlpipe.paths import cache_root
 
     out = cache_root() / "quant" / f"fp8-{model_fingerprint(model_path)}" / "checkpoint"

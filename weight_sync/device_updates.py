@@ -1,15 +1,20 @@
-"""A rollout engine's weight updates over vLLM's own weight-transfer engines: ``nccl``
-(``sync.transport: nccl``; the protocol is in weight_sync/nccl.py) and ``ipc`` (an engine
-on learner rank 0's GPU; weight_sync/ipc.py). One lifecycle for both; only the engine's
-init info and how a version's bytes arrive differ (:meth:`DeviceUpdates._init_info`,
-:meth:`DeviceUpdates._receive`).
+"""A rollout engine's side of the transports over vLLM's own weight-transfer engines:
+``nccl`` (``sync.transport: nccl``; the protocol is in weight_sync/nccl.py) and ``ipc`` (an
+engine on learner rank 0's GPU; weight_sync/ipc.py), as weight_sync/stager.py is gloo's.
+One lifecycle for both; only the engine's init info and how a version's bytes arrive
+differ (:meth:`DeviceUpdates._init_info`, :meth:`DeviceUpdates._receive`).
 
-The gloo side runs here, in the rollout server's process, not in the engine's worker as
-under gloo: it only checks in, shakes hands (nccl) and takes each version's header (and,
-under ipc, each bucket's handle), and an engine over several processes (tensor or
-pipeline parallel, nccl only) must join once, as one member. vLLM's ``AsyncLLM`` then
-fans the init and every update out to each of its processes, which under nccl get their
-own rank (offset + their rank in the engine) and load whole tensors narrowed to their shard.
+The gloo side runs in the rollout server's process, not in the engine's worker as under
+gloo: it only checks in, shakes hands (nccl) and takes each version's header (and, under
+ipc, each bucket's handle), and an engine over several processes (tensor or pipeline
+parallel, nccl only) must join once, as one member. vLLM's ``AsyncLLM`` then fans the
+init and every update out to each of its processes, which under nccl get their own rank
+(offset + their rank in the engine) and load whole tensors narrowed to their shard.
+
+This module decides everything and imports no vLLM: the engine's weight-transfer engine
+is a :class:`TransferEngine`, whose one binding to vLLM's ``AsyncLLM`` is
+rollout_service/transfer_engine.py (``VllmTransferEngine``); the tests stand it in.
+:func:`weight_sync.transport_choice.receiver_for` makes one for a run's transport.
 
 The rollout engine (rollout_service/engine.py) drives it one way, as it drives the staged
 path under gloo: it joins with the manifest the follower parsed, takes each version's
@@ -20,21 +25,21 @@ that fails part-way leaves a mix of old and new layers: that is the engine's
 ``WeightsCorrupted``, and the worker exits rather than serve it (rollout_service/worker.py).
 Catching up from a checkpoint stays on the engine's staged path (weight_sync/stager.py).
 
-GPU only: this module needs CUDA and has never run in this project. What it decides is
-tested on CPU (tests/test_nccl_sync.py, tests/test_ipc_sync.py); the calls are vLLM's,
-which its authors test.
+GPU only in production: vLLM's transfer engines need CUDA and have never run in this
+project. What this module decides is tested on CPU with the transfer engine stood in
+(tests/test_nccl_sync.py, tests/test_ipc_sync.py); the calls are vLLM's, which its
+authors test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
-from rollout_service.engine_args import engine_processes
 from weight_sync.follower import SyncOutcome
 from weight_sync.ipc import INIT_INFO, receive_version
 from weight_sync.manifest import Manifest, incompatibility, refusal
-from weight_sync.names import checkpoint_shapes
 from weight_sync.nccl import update_info, worker_handshake
 from weight_sync.receiver import expect_header, join_group
 from weight_sync.transport import LeftOut, SyncError
@@ -42,10 +47,30 @@ from weight_sync.transport import LeftOut, SyncError
 log = logging.getLogger(__name__)
 
 
+class TransferEngine(Protocol):
+    """An engine's weight-transfer engine (vLLM's ``AsyncLLM`` lifecycle of it): what
+    :class:`DeviceUpdates` calls, and nothing else."""
+
+    async def init(self, info: dict) -> None:
+        """Init the transfer engine with the transport's init info."""
+
+    async def start(self) -> None:
+        """A version begins (generation is paused)."""
+
+    async def load(self, info: dict) -> None:
+        """Receive and load the tensors one update info describes."""
+
+    async def finish(self, version: int) -> None:
+        """The version is whole."""
+
+    async def shutdown(self) -> None:
+        """Shut the transfer engine down (the generation is left)."""
+
+
 class DeviceUpdates:
-    def __init__(self, llm, transport: str, shapes: dict[str, tuple[int, ...]], quant_compat: str,
-                 engine_ranks: int):
-        self.llm = llm  # the engine's AsyncLLM: its transfer engine's lifecycle
+    def __init__(self, engine: TransferEngine, transport: str, shapes: dict[str, tuple[int, ...]],
+                 quant_compat: str, engine_ranks: int):
+        self.engine = engine  # the engine's transfer engine: its lifecycle
         self.transport = transport  # nccl or ipc: vLLM's weight_transfer_config backend
         self.shapes, self.quant_compat = shapes, quant_compat  # what a manifest must fit
         self.engine_ranks = engine_ranks  # the engine's processes, each a rank of the NCCL group
@@ -53,15 +78,9 @@ class DeviceUpdates:
         self.manifest: Manifest | None = None
         self.initialized = False
 
-    @classmethod
-    def of(cls, engine) -> "DeviceUpdates":
-        """For a started ``RolloutEngine`` (its AsyncLLM, transport, model and precision)."""
-        return cls(engine.llm, engine.transport, checkpoint_shapes(engine.model_dir), engine.profile.compat,
-                   engine_processes(engine.cfg.engine))
-
     async def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest,
                    timeout_s: float) -> SyncOutcome:
-        """Check in (or refuse), take the init info, and init vLLM's transfer engine."""
+        """Check in (or refuse), take the init info, and init the transfer engine."""
         await self.leave()
         refuse = incompatibility(manifest, self.shapes, self.quant_compat, self.transport)
         try:
@@ -73,11 +92,8 @@ class DeviceUpdates:
         except SyncError as e:
             await self.leave()
             return SyncOutcome.failed(str(e))
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
         try:
-            await asyncio.wait_for(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
-                                   timeout_s)
+            await asyncio.wait_for(self.engine.init(info), timeout_s)
         except Exception as e:  # the learner's init failed or timed out: it re-forms without us
             await self.leave()
             return SyncOutcome.failed(f"{self.transport} init: {e!r}")
@@ -85,8 +101,8 @@ class DeviceUpdates:
         return SyncOutcome(True)
 
     async def _init_info(self) -> dict:
-        """vLLM's init info: nccl's place in the learner's NCCL group, from the handshake;
-        ipc's needs no rendezvous."""
+        """The transfer engine's init info: nccl's place in the learner's NCCL group, from
+        the handshake; ipc's needs no rendezvous."""
         if self.transport == "ipc":
             return dict(INIT_INFO)
         return await asyncio.to_thread(worker_handshake, self.group, self.engine_ranks)
@@ -106,28 +122,23 @@ class DeviceUpdates:
     async def transfer(self, version: int, manifest: Manifest) -> dict:
         """Receive and load ``version`` (the engine has paused generation): an exception
         here may leave a mix of old and new layers."""
-        await self.llm.start_weight_update()
+        await self.engine.start()
         await self._receive(manifest)
-        await self.llm.finish_weight_update(weight_version=str(version))
+        await self.engine.finish(version)
         return {"ok": True}
 
     async def _receive(self, manifest: Manifest) -> None:
         """The version's bytes into the engine: nccl's in one packed broadcast described by
         the manifest; ipc's a bucket at a time, each handle taken and acked over gloo."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        async def load(info: dict) -> None:
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-
         if self.transport == "ipc":
-            await receive_version(self.group, manifest, load)
+            await receive_version(self.group, manifest, self.engine.load)
         else:
-            await load(update_info(manifest))
+            await self.engine.load(update_info(manifest))
 
     async def leave(self) -> None:
         if self.initialized:
             try:
-                await self.llm.shutdown_weight_transfer_engine()
+                await self.engine.shutdown()
             except Exception as e:
                 log.warning("leaving the %s transfer: %r", self.transport, e)
             self.initialized = False

@@ -165,7 +165,7 @@ def compat_key(scheme: str, activations: str, base_model: str) -> str:
 
 def fp8_identity(base_model: str) -> tuple[str, str]:
     """Learner-side fp8's ``(compat, quant_profile hash)`` for the base model's fingerprint.
-    The engine is started for the one (quant/profiles.py) and every manifest of the wire
+    The engine is started for the one (quant/precision_profile.py) and every manifest of the wire
     carries the other (quant/transfer.py ``Fp8Weights``): computed here only, since a worker
     refuses every update whose pair differs from its engine's."""
     compat = compat_key("fp8-w8a8", "dynamic", base_model)
