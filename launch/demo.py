@@ -226,6 +226,8 @@ def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bo
                 bar.set_description("training")
                 bar.update(step - last_step)
                 last_step = step
+            elif step == 0 and state.get("status") == "evaluating":
+                bar.set_description("evaluating the base model")
             elif step == 0:
                 up = len(registry.live_workers(r, keys))
                 bar.set_description(f"starting ({up}/{cfg.workers} workers up)")
@@ -272,7 +274,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         counters, pending, unacknowledged = queue.counters(), queue.length(), queue.pending()
         r.close()
     except redis.RedisError as e:
-        counters, pending, unacknowledged = dict.fromkeys(("produced", "trained", "dropped_stale", "dead")), None, None
+        counters, pending, unacknowledged = dict.fromkeys(("produced", "trained", "filtered", "dropped_stale", "dead")), None, None
         print(f"rlpipe: the queue's books are left out of the summary: Redis is unreachable ({e})", file=sys.stderr)
     k = min(3, max(1, len(rows) // 4)) if rows else 0
     summary = {

@@ -177,10 +177,11 @@ class Learner:
                 self._restore_newer(str(newer))
             self.queue.check.version = self.version  # what is taken over is admitted against the restored version
             self.ledger.take_over_pending()
-            self._set_status("running")
             self.metrics.set(learner_step=self.step, learner_version=self.version)
             if self.evals.due(self.step):  # step 0 (or a restart's step): the base model
+                self._set_status("evaluating")  # while eval.base_at_rest waits for it
                 self.evals.start(self.version, self.step)
+            self._set_status("running")
         while self.step < self.cfg.steps:
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None

@@ -230,3 +230,19 @@ def test_stopping_the_demo_leaves_no_process_behind(tmp_path, how):
         with EmbeddedRedis(run_dir / "redis") as redis_again:  # the run's Redis, from its append-only file
             books = audit(connect(redis_again.url), load_config(run_dir / "config.yaml", environ={}), ["w0"])
         assert books["lost"] == 0 and books["trained_twice"] == 0 and books["trained_groups"] > 0, books
+
+
+def test_the_summary_of_a_run_whose_redis_is_gone_leaves_the_books_out_and_keeps_the_rest(tmp_path, capsys):
+    """_summarize's fallback when Redis cannot be reached (an external one, down): the queue's
+    counts are None, and the rest is still summarized (it raised KeyError on ``filtered``)."""
+    import socket
+
+    from launch.demo import _summarize
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = build_config({}, environ={}, run_id="gone", run_dir=str(tmp_path), redis_url=f"redis://127.0.0.1:{port}/0")
+    summary = _summarize(cfg, tmp_path, t_start=0.0, learner_done=False)
+    assert summary["groups_filtered"] is None and summary["groups_produced"] is None and summary["steps"] == 0
+    assert "Redis is unreachable" in capsys.readouterr().err
