@@ -67,10 +67,21 @@ def plot_run(rows: list[dict], out: str | Path, title: str = "", evals: list[dic
     ax_lr = ax_c.twinx()
     ax_lr.plot(steps, [r["learner_lr"] for r in rows], color="k", linestyle="--", label="LR (right)")
     ax_lr.set_ylabel("learning rate")
-    lines = ax_c.get_legend_handles_labels(), ax_lr.get_legend_handles_labels()
-    ax_c.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8)
+    _twin_legend(ax_c, ax_lr)
     if title:
         fig.suptitle(title)
+    return _save(fig, out)
+
+
+def _twin_legend(ax, twin, **kw) -> None:
+    """One legend for an axis and its twin (a right-hand scale), on the first."""
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, **kw)
+
+
+def _save(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -108,11 +119,7 @@ def plot_fleet(rows: list[dict], out: str | Path, title: str = "") -> Path:
               markersize=3, label="workers idle (right)")
     ax_f.set_ylim(0, 1)
     ax_f.set_ylabel("fraction of time, over the rule's window")
-    lines = ax.get_legend_handles_labels(), ax_f.get_legend_handles_labels()
-    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8, loc="upper left")
+    _twin_legend(ax, ax_f, loc="upper left")
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
