@@ -328,7 +328,8 @@ def _eval_summary(evals: list[dict]) -> dict:
         first, last = min(evals, key=lambda e: e["version"]), max(evals, key=lambda e: e["version"])
         for name, e in (("start", first), ("end", last)):
             summary[f"eval_pass@1_{name}"] = (f"{e['pass_at_1']:.3f} [{e['pass_at_1_low']:.3f}, "
-                                              f"{e['pass_at_1_high']:.3f}] at version {e['version']}")
+                                              f"{e['pass_at_1_high']:.3f}] at version {e['version']}"
+                                              + (" (kept from an earlier run: eval.reuse_base)" if e.get("reused") else ""))
             if "pass_at_1_lenient" in e:
                 summary[f"eval_pass@1_lenient_{name}"] = (f"{e['pass_at_1_lenient']:.3f} "
                                                           f"[{e['pass_at_1_lenient_low']:.3f}, "

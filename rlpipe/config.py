@@ -605,6 +605,9 @@ class EvalConfig(Section):
                               "(else a shared question is refused at launch)")
     concurrency: int = Field(8, ge=1, description="rows in flight at once on the worker's engine, beside "
                              "its rollout groups")
+    reuse_base: bool = Field(False, description="the base model's evaluation (version 0) is kept under a key of "
+                             "its weights, precision, prompts and settings and reused by a later run with the same "
+                             "key, instead of evaluated again (rollout_service/eval_cache.py)")
     base_at_rest: bool = Field(False, description="the learner waits for step 0's evaluation before its first "
                                "update, so the base model is evaluated alone, not across the first versions "
                                "(what a paired test against the base model needs)")

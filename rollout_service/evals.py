@@ -35,6 +35,7 @@ from rlpipe.config import RunConfig
 from rlpipe.datasets import load_rows
 from rlpipe.queue import Keys
 from rlpipe.side_streams import dead_letter
+from rollout_service import eval_cache
 from rollout_service.engine import RolloutEngine
 from rollout_service.tasks import PromptEncoder, Task, any_number_matches, eval_task_config, make_task
 
@@ -177,14 +178,46 @@ class EvalRunner:
 
     # -- the evaluation ----------------------------------------------------------------------
     async def evaluate(self, requested_version: int, step: int) -> dict:
-        ec, s = self.cfg.eval, self.cfg.sampling
         # The learner asks once it sent the version; the engine loads it a moment later.
         deadline = time.monotonic() + VERSION_WAIT_S
         while self.engine.version < requested_version and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         t0, v0 = time.monotonic(), self.engine.version
+        key = await asyncio.to_thread(self._base_key) if self._reusable(requested_version) else None
+        fields = eval_cache.load(key) if key else None
+        reused = fields is not None
+        if reused:
+            log.info("eval: the base model's result on %s reused (eval.reuse_base, key %s)", self.cfg.eval.dataset, key)
+        else:
+            fields = await self._score_rows()
+            if key and self.engine.version == v0:  # no update landed meanwhile: the base model's own
+                await asyncio.to_thread(eval_cache.store, key, fields)
+        return {"dataset": self.cfg.eval.dataset, "requested_version": requested_version, "step": step,
+                "version": v0, "version_end": self.engine.version, **fields, "reused": reused,
+                "seconds": time.monotonic() - t0, "worker": self.worker_id}
+
+    def _reusable(self, requested_version: int) -> bool:
+        """Version 0 on an engine that still serves the base model (its own files, or the learner's
+        copy of them at version 0): the one evaluation whose answers another run already has."""
+        return (self.cfg.eval.reuse_base and requested_version == 0 and self.engine.version == 0
+                and self.engine.weights_source in ("base", "learner"))
+
+    def _base_key(self) -> str:
+        ec, s = self.cfg.eval, self.cfg.sampling
+        rows = [self.task.prompt(i) for i in range(min(ec.size, self.task.size))]
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} if ec.samples else {}
+        settings = {"max_tokens": s.max_tokens, "samples": ec.samples, "max_model_len": self.cfg.rollout.max_model_len,
+                    "seed": EVAL_SEED, **sampling}
+        return eval_cache.base_key(self.engine.model_dir, self.engine.profile,
+                                   [(self.encode(p.text), p.answer) for p in rows], settings)
+
+    async def _score_rows(self) -> dict:
+        """Every row's greedy answer (and ``eval.samples`` sampled ones), scored: the result's
+        proportions, intervals and the rows right."""
+        ec, s = self.cfg.eval, self.cfg.sampling
         gate = asyncio.Semaphore(ec.concurrency)
         max_len = self.cfg.rollout.max_model_len
+        t0 = time.monotonic()
 
         async def row(i: int) -> tuple[float, list[float], int, bool] | None:
             async with gate:
@@ -211,9 +244,7 @@ class EvalRunner:
         low, high = wilson_interval(sum(greedy), len(greedy))
         low_l, high_l = wilson_interval(sum(lenient), len(lenient))
         return {
-            "dataset": ec.dataset, "requested_version": requested_version, "step": step,
-            "version": v0, "version_end": self.engine.version, "rows": len(rows),
-            "skipped_rows": min(ec.size, self.task.size) - len(rows),
+            "rows": len(rows), "skipped_rows": min(ec.size, self.task.size) - len(rows),
             "pass_at_1": sum(greedy) / len(greedy) if greedy else 0.0, "pass_at_1_low": low, "pass_at_1_high": high,
             # lenient: any number of the answer equals the reference (strict: the last one)
             "pass_at_1_lenient": sum(lenient) / len(lenient) if lenient else 0.0,
@@ -222,5 +253,5 @@ class EvalRunner:
             "rows_evaluated": [i for *_, i, _ in rows], "rows_right": [i for g, _, i, _ in rows if g > 0],
             "rows_right_lenient": [i for *_, i, ok in rows if ok],
             "k": ec.samples, "mean_at_k": sum(sampled) / len(sampled) if sampled else None,
-            "seconds": time.monotonic() - t0, "worker": self.worker_id,
+            "seconds": time.monotonic() - t0,
         }

@@ -287,3 +287,37 @@ def test_a_request_that_fails_or_kills_its_worker_each_time_is_dead_lettered_aft
     assert dead_letters(r, keys.eval_requests)[entry_id.decode()].startswith(
         f"delivered {cfg.queue.max_deliveries} times without a result: its worker died with it each time?")
     assert r.xpending(keys.eval_requests, GROUP)["pending"] == 0
+
+
+def test_the_base_models_result_is_kept_under_a_key_of_everything_its_answers_depend_on(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from rollout_service import eval_cache
+
+    monkeypatch.setenv("RLPIPE_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    fp32 = SimpleNamespace(precision="fp32", dtype="float32", quantization=None, quant_hash="")
+    prompts, settings = [([1, 2, 3], "4"), ([5, 6], "7")], {"max_tokens": 128, "samples": 0}
+    key = eval_cache.base_key(str(model), fp32, prompts, settings)
+    assert key == eval_cache.base_key(str(model), fp32, [list(p) for p in prompts], dict(settings))
+    others = [eval_cache.base_key(str(model), SimpleNamespace(**{**vars(fp32), "precision": "bf16", "dtype": "bfloat16"}),
+                                  prompts, settings),
+              eval_cache.base_key(str(model), fp32, [([1, 2, 4], "4"), ([5, 6], "7")], settings),
+              eval_cache.base_key(str(model), fp32, [([1, 2, 3], "5"), ([5, 6], "7")], settings),
+              eval_cache.base_key(str(model), fp32, prompts, {**settings, "max_tokens": 64})]
+    (model / "model.safetensors").write_bytes(b"weightz")  # other weights of the same size
+    others.append(eval_cache.base_key(str(model), fp32, prompts, settings))
+    assert len({key, *others}) == 6
+
+    assert eval_cache.load(key) is None  # nothing kept yet
+    fields = {f: 0.25 if f.startswith("pass") else [] if f.startswith("rows_") else 1 for f in eval_cache.REUSED_FIELDS}
+    eval_cache.store(key, {**fields, "worker": "w0", "version": 0})
+    assert eval_cache.load(key) == fields  # only the row's own fields, not who evaluated it when
+    path = tmp_path / "cache" / "evals" / f"{key}.json"
+    path.write_text('{"pass_at_1": 0.5}')  # not a whole result: evaluated again, not trusted
+    assert eval_cache.load(key) is None
+    path.write_text("not json")
+    assert eval_cache.load(key) is None
