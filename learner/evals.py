@@ -157,12 +157,13 @@ class Evals:
             return None
 
     def finish(self, version: int, step: int) -> dict | None:
-        """Ask for the final version's evaluation (if not yet) and wait for its result."""
+        """Ask for ``version``'s evaluation (if not yet) and wait for its result: the final version's at
+        the end of a run, and the base model's at its start with ``eval.base_at_rest`` (:meth:`start`)."""
         if not self.every:
             return None
         self.request(version, step)
         deadline = time.monotonic() + self.cfg.eval.final_wait_s
-        log.info("waiting up to %.0f s for the final evaluation (version %d)", self.cfg.eval.final_wait_s, version)
+        log.info("waiting up to %.0f s for the evaluation of version %d", self.cfg.eval.final_wait_s, version)
         while True:
             done = [res for res in self.results if res["requested_version"] == version]
             if done:
