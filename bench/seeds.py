@@ -314,7 +314,7 @@ FINDINGS: dict[str, Finding] = {
         notes=["The recipe is configs/smollm2-math.yaml, run as it is (`rlpipe demo --config "
                "configs/smollm2-math.yaml`): the built-in SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized to "
                "bf16, so weaker than the original) trained with GRPO on MAWPS SingleOp (562 one-operation word "
-               "problems) and evaluated greedily on MAWPS SingleEq without the 36 questions the two share. The "
+               "problems) and evaluated greedily on MAWPS SingleEq without the 53 questions the two share. The "
                "reward is 1 when the last number of the answer equals the reference.",
                "The held-out accuracy is evaluated by the rollout worker between its groups at step 0, every "
                "`eval.every` steps and at the end; its 95% interval is Wilson's over the rows evaluated. The "

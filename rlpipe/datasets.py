@@ -202,15 +202,54 @@ def question_key(text: str) -> str:
     return "".join(text.split()).lower()
 
 
+_WORD, _FIGURE = re.compile(r"[a-z]+"), re.compile(r"\d+(?:\.\d+)?")
+
+
+def _numbers(text: str) -> tuple[float, ...]:
+    return tuple(sorted(float(x) for x in _FIGURE.findall(text.replace(",", ""))))
+
+
+def _answer_key(answer: str) -> str | None:
+    """An answer compared as a number where it is one (``5.0`` = ``5``); None (never equal) when there is none."""
+    if not answer.strip():
+        return None
+    try:
+        return repr(float(answer.replace(",", "")))
+    except ValueError:
+        return answer.strip()
+
+
+def shared_questions(train: list[Row], evaluation: list[Row], words: float = 0.5) -> list[tuple[Row, Row]]:
+    """The (train, eval) pairs that are one question: equal by :func:`question_key`, or reworded: the same
+    multiset of figures, the same (non-empty) answer and at least ``words`` of their words in common (Jaccard).
+    MAWPS repeats questions across its sets as "how many tables will she need" and "... will Marlee need":
+    SingleOp shares 36 questions with SingleEq by key and 17 more reworded. The same template with other
+    numbers, or the same figure with another question asked (MATH), is a different problem and stays."""
+    exact = {question_key(r.question): r for r in train}
+    by_numbers: dict[tuple, list[tuple[Row, set]]] = {}
+    for r in train:
+        if (figures := _numbers(r.question)) and (answer := _answer_key(r.answer)) is not None:
+            by_numbers.setdefault((figures, answer), []).append((r, set(_WORD.findall(r.question.lower()))))
+    shared = []
+    for e in evaluation:
+        if (t := exact.get(question_key(e.question))) is None:
+            mine = set(_WORD.findall(e.question.lower()))
+            t = next((r for r, theirs in by_numbers.get((_numbers(e.question), _answer_key(e.answer)), ())
+                      if len(mine & theirs) >= words * len(mine | theirs)), None)
+        if t is not None:
+            shared.append((t, e))
+    return shared
+
+
 def check_disjoint(train: str | list[Row], evaluation: str | list[Row], names: tuple[str, str] = ("train", "eval"),
                    ) -> None:
     """Raise ValueError when a question of ``train`` is also one of ``evaluation`` (each a dataset name or path, or
-    the rows from :func:`load_rows` for a file with other field names). Held-out scores mean nothing otherwise."""
+    the rows from :func:`load_rows` for a file with other field names), reworded or not (:func:`shared_questions`).
+    Held-out scores mean nothing otherwise."""
     label = [f"{n} dataset {d!r}" if isinstance(d, str) else f"{n} dataset" for n, d in zip(names, (train, evaluation))]
     train_rows = load_rows(train, need_answer=False) if isinstance(train, str) else train
     eval_rows = load_rows(evaluation, need_answer=False) if isinstance(evaluation, str) else evaluation
-    seen = {question_key(r.question): r for r in train_rows}
-    shared = [(seen[question_key(r.question)], r) for r in eval_rows if question_key(r.question) in seen]
+    shared = shared_questions(train_rows, eval_rows)
     if shared:
         a, b = shared[0]
         raise ValueError(f"{label[0]} and {label[1]} share {len(shared)} question(s), e.g. row {a.id} and row "

@@ -43,7 +43,7 @@ from rlpipe.datasets import (
     last_boxed,
     load_dataset,  # noqa: F401 (it lived here; callers import it from here)
     load_rows,
-    question_key,
+    shared_questions,
 )
 from rlpipe.schema import MAX_INFO_ENTRIES, info_problem, info_size_problem, reward_problem
 
@@ -220,8 +220,8 @@ class DatasetTask:
     def drop_questions_of(self, other: list[Row]) -> int:
         """Drop the rows whose question is also one of ``other``'s (``eval.drop_shared``: a held-out set
         that shares questions with the training set); returns how many were dropped."""
-        seen = {question_key(r.question) for r in other}
-        keep = [i for i, row in enumerate(self.raw) if question_key(row.question) not in seen]
+        shared = {id(e) for _, e in shared_questions(other, self.raw)}
+        keep = [i for i, row in enumerate(self.raw) if id(row) not in shared]
         dropped = len(self.raw) - len(keep)
         self.raw, self.rows = [self.raw[i] for i in keep], [self.rows[i] for i in keep]
         self.size = len(self.rows)

@@ -344,7 +344,9 @@ def test_a_python_reward_that_cannot_be_imported_names_the_path(reward_cfg, fn, 
 
 def test_gsm8k_train_and_test_are_disjoint():
     check_disjoint("gsm8k", "gsm8k:test")
-    check_disjoint("math", "math500")
+    # MATH's train split holds 3 of MATH-500's problems reworded ("what is the value of x+y+z" / "then find x+y+z")
+    with pytest.raises(ValueError, match=r"train dataset 'math' and eval dataset 'math500' share 3 question"):
+        check_disjoint("math", "math500")
 
 
 def test_overlapping_datasets_are_refused(tmp_path):
@@ -359,3 +361,24 @@ def test_overlapping_datasets_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"train dataset and eval dataset 'gsm8k:test' share 1 question\(s\), e\.g\. "
                                          r"row 0 and row 5"):
         check_disjoint(load_rows(str(path), prompt_field="q", need_answer=False), "gsm8k:test")
+
+
+def test_a_reworded_question_with_the_same_numbers_is_shared_and_a_template_with_other_numbers_is_not():
+    from rlpipe.datasets import Row, shared_questions
+
+    def rows(*texts, answers=("4", "326", "4")):
+        return [Row(str(i), t, a, {}) for i, (t, a) in enumerate(zip(texts, answers))]
+
+    train = rows("Marlee has 12 guests coming to her party. Each table will hold 3 guests. How many tables will she need?",
+                 "Megan had 49 markers. Robert gave her 39 more markers. How many markers does Megan have altogether?",
+                 answers=("4.0", "88"))
+    held_out = rows("Marlee has 12 guests coming to her party. Each table will hold 3 guests. How many tables will "
+                    "Marlee need?",  # reworded: the same question
+                    "Megan had 217 markers. Robert gave her 109 more markers. How many markers does Megan have "
+                    "altogether?",  # the same template, other numbers: another problem
+                    "Each table will hold 3 guests and 12 are coming. Megan wonders how big the hall is.")  # other words
+    assert [(t.id, e.id) for t, e in shared_questions(train, held_out)] == [("0", "0")]
+    with pytest.raises(ValueError, match=r"share 1 question"):
+        check_disjoint(train, held_out)
+    # MAWPS: SingleOp and SingleEq share 36 questions as written and 17 more reworded
+    assert len(shared_questions(load_rows("mawps:singleop"), load_rows("mawps:singleeq"))) == 53
