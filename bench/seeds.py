@@ -179,6 +179,9 @@ class Finding:
     notes: list[str] = field(default_factory=list)
     quick_arms: list[str] = field(default_factory=list)  # the arms --quick runs (default: the first)
     quick: dict = field(default_factory=dict)  # --quick's settings for this finding, beside QUICK
+    # --quick trains nothing and reads this finding's quick run instead (its first quick arm, seed 0): the quick
+    # bench checks that the section renders, and a second SmolLM2 run of the same shape costs CI 3 of its 10 minutes
+    quick_from: str | None = None
     # what every run of the finding must show, whatever its numbers (problems, [] if none): a run
     # that breaks it fails the part, and so CI's quick report
     check: Callable[[list[dict], dict], list[str]] | None = None
@@ -414,8 +417,7 @@ FINDINGS: dict[str, Finding] = {
                "fp16 and int8 engines against the learner on real answers, which is seed 000's rollout question. "
                "The bf16/master run (seed 001) was trained before `learner.served_weights` existed."],
         quick_arms=["bf16"],  # the quick real-int8 part calibrates and serves int8 on SmolLM2 already
-        quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2,
-               "learner.dynamic_sampling": False}),
+        quick_from="real"),
 }
 
 QUICK = {"steps": 3, "learner.groups_per_step": 8, "workers": 1}  # --quick: 1 seed, the quick arms, these settings
@@ -468,6 +470,19 @@ def run_finding(name: str, f: Finding, arms: list[str], seeds: list[int], settin
               f"{final('reward_mean')(rows):.3f}, k3 KL {mean_of('mismatch_k3_kl')(rows):.2e}", file=sys.stderr,
               flush=True)
     return load_runs(name, f, out, arms, seeds)
+
+
+def quick_runs_of(source: str, arm: str, out: Path) -> tuple[dict, dict]:
+    """``source``'s quick run (its first quick arm, seed 0) shown under ``arm``, and its settings: what a finding
+    with ``quick_from`` reports under --quick instead of training (the bench part runs after ``source``'s)."""
+    f = FINDINGS[source]
+    theirs = (f.quick_arms or list(f.arms))[0]
+    runs = load_runs(source, f, out, [theirs], [0])[theirs]
+    if not runs:
+        raise SystemExit(f"[seeds] --quick reads {source}'s quick run, and {out / source / 'runs'} has none: "
+                         f"run `bench/seeds.py --finding {source} --quick` first")
+    kept = json.loads((out / source / "settings.json").read_text())["settings"]
+    return {arm: runs}, {**kept, "--quick": f"{source}'s quick run, arm {theirs}: nothing trained"}
 
 
 def load_runs(name: str, f: Finding, out: Path, arms: list[str] | None = None,
@@ -601,7 +616,10 @@ def main(argv: list[str] | None = None) -> dict[str, Section]:
             runs = load_runs(name, f, out, arms, seeds)
         else:
             run_seeds = seeds or ([0] if args.quick else [0, 1])
-            runs = run_finding(name, f, arms, run_seeds, settings, out)
+            if args.quick and f.quick_from:
+                runs, settings = quick_runs_of(f.quick_from, arms[0], out)
+            else:
+                runs = run_finding(name, f, arms, run_seeds, settings, out)
             failed = [run_id(a, s) for a in arms for s in run_seeds if s not in runs.get(a, {})]
         runs = {a: by_seed for a, by_seed in runs.items() if by_seed}
         if f.check and not args.from_runs:

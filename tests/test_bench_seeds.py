@@ -113,3 +113,20 @@ def test_the_real_recipes_check_fails_a_run_whose_final_evaluation_is_missing_or
     bad = run([(0, 0), (2, 2)])
     bad.evals[1]["pass_at_1"] = 0.9  # outside its own interval
     assert check(bad, settings)
+
+
+def test_quick_real_rollout_reads_the_real_parts_quick_run_and_trains_nothing(tmp_path):
+    """CI's quick bench runs one SmolLM2 run (the `real` part's) and `real-rollout` renders from it."""
+    cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), "--finding", "real-rollout", "--quick",
+           "--out", str(tmp_path / "out"), "--json-dir", str(tmp_path / "results")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "reads real's quick run" in proc.stderr  # nothing to read: says what to run
+    runs = tmp_path / "out" / "real" / "runs"
+    write_run(runs, "grpo-s0", [row(s, 1e-3, fresh=1e-3) for s in (1, 2)])
+    (runs.parent / "settings.json").write_text(json.dumps({"command": "seeds.py --finding real --quick",
+                                                           "settings": {"steps": 2, "eval.size": 8}}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "real-rollout").exists()  # no run trained
+    (table,) = json.loads((tmp_path / "results" / "real-rollout.json").read_text())["tables"]
+    assert [r[:2] for r in table["rows"]] == [["bf16", 0]] and "nothing trained" in table["note"]
