@@ -4,6 +4,11 @@ checkpointing and served bf16 weights each on and off; one command, sized for at
 
     python bench/gpu.py --device-check --out DIR     # writes DIR/gpu.json and DIR/gpu.md
 
+This module holds the check's own parts (:func:`measure_more`) and tables (:func:`add_tables`);
+bench/gpu.py's ``device_check`` runs them after its own measurements and writes the section.
+It imports nothing from bench/gpu.py: what both use (the learner step, ``attempt_part``) is in
+bench/gpu_parts.py, so the import arrow runs one way, from bench/gpu.py to here.
+
 ``--quick`` (or no CUDA) is its CPU dry run: the same functions at toy sizes, imports
 included. Without CUDA the IPC part cannot export or map CUDA IPC handles: the receiver
 process, the gloo group, the handle's JSON encoding and the per-bucket acks all run, but the
@@ -24,22 +29,18 @@ from __future__ import annotations
 import asyncio
 import datetime
 import statistics
-import sys
 import time
 
 import torch
 
+from bench.gpu_parts import SHAPES, attempt_part, learner_step, qwen2, random_batch, sync
+
 # Every rlpipe module the device check imports (the dry run imports exactly these).
-CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "learner.batch", "learner.loss", "learner.policy", "learner.served",
-                 "rlpipe.schema", "weight_sync.ipc",
-                 "weight_sync.delta", "weight_sync.manifest", "weight_sync.transport", "weight_sync.delta_codec", "quant.int8",
-                 "quant.quant_profile", "launch.results", "bench.peak_memory")
+CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "bench.gpu_parts", "learner.batch", "learner.loss", "learner.policy",
+                 "learner.served", "rlpipe.schema", "weight_sync.ipc", "weight_sync.delta", "weight_sync.manifest",
+                 "weight_sync.transport", "weight_sync.delta_codec", "quant.int8", "quant.quant_profile",
+                 "launch.results", "bench.peak_memory")
 DRY = "CPU dry run: CUDA IPC export/map skipped (stand-in handle, bytes not read); numbers meaningless."
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 # -- the IPC transport ---------------------------------------------------------------------------
@@ -202,11 +203,10 @@ def delta_times(numel: int, device: str, repeats: int) -> list[dict]:
 
 # -- the learner step with activation checkpointing ----------------------------------------------
 def lever_step(shape: dict, args, device: str, peak, checkpointing: bool, served: bool) -> dict:
-    """bench/gpu.py's learner step on a fresh random Qwen2 of ``shape`` with the learner's
+    """bench/gpu_parts.py's learner step on a fresh random Qwen2 of ``shape`` with the learner's
     levers: each decoder layer recomputed in the backward pass
     (learner.policy.enable_activation_checkpointing), and/or the forward and backward at the
     served bf16 weights (learner.served.ServedWeights)."""
-    from bench.gpu import learner_step, qwen2, random_batch
     from learner.policy import enable_activation_checkpointing
 
     model = qwen2(shape)
@@ -216,7 +216,7 @@ def lever_step(shape: dict, args, device: str, peak, checkpointing: bool, served
     return {**r, "checkpointed_layers": wrapped, "served_weights": served}
 
 
-# -- the check: bench/gpu.py's measurements and these, into one section ---------------------------
+# -- the check's parts and tables (bench/gpu.py's device_check adds them to its own) -------------
 def sizes(quick: bool) -> dict:
     """The device check's sizes (H100: well inside 8 minutes with bench/gpu.py's own parts),
     and the dry run's toy ones."""
@@ -229,8 +229,6 @@ def sizes(quick: bool) -> dict:
 def measure_more(args, out: dict) -> dict:
     """The device check's parts that bench/gpu.py's ``measure`` lacks, each attempted on its
     own on a GPU (a failure is recorded and the rest run) and fatal in the dry run."""
-    from bench.gpu import SHAPES, attempt_part
-
     device = "cpu" if out["smoke"] else "cuda"
     sz = sizes(out["smoke"])
 
@@ -274,21 +272,3 @@ def add_tables(sec, res: dict) -> None:
                        "nudged by 1% (bf16 channels never send deltas, learner/channels.py: the row shows why); "
                        "apply_ checks the base's and the result's CRC-32")
 
-
-def device_check(args) -> dict:
-    """``--device-check --out DIR``: everything, into DIR/gpu.json and DIR/gpu.md."""
-    from pathlib import Path
-
-    from bench.gpu import measure, section
-    from launch.results import render_section
-
-    t0 = time.perf_counter()
-    res = measure_more(args, measure(args))
-    sec = section(res, args)
-    add_tables(sec, res)
-    sec.data = {"args": vars(args), **res, "seconds": time.perf_counter() - t0}
-    out = Path(args.out)
-    path = sec.write(out / "gpu.json")
-    (out / "gpu.md").write_text(render_section(sec.to_dict()))
-    print(f"wrote {path} and {out / 'gpu.md'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return res

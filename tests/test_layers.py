@@ -5,6 +5,9 @@
 - floor 2, the roles: ``learner`` and ``rollout_service``, which never import each other;
 - floor 3, the roof: ``launch`` (the CLI and everything that starts a run) and ``bench``.
 
+Inside ``bench`` no two files import each other, directly or round a longer circle
+(bench/gpu.py and bench/gpu_check.py share their common pieces through bench/gpu_parts.py).
+
 Every import statement counts, those inside functions too (a hidden upward import is still
 one), read with ``ast`` from the sources, so nothing is imported here. A failure names each
 offending ``file:line``.
@@ -22,25 +25,42 @@ FLOORS = {"rlpipe": 0, "quant": 1, "weight_sync": 1, "learner": 2, "rollout_serv
 APART = ({"learner", "rollout_service"},)  # packages on one floor that must not import each other at all
 
 
+def import_statements(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) for every absolute import statement in ``path``, those inside
+    functions too: ``import a.b`` gives (line, "a.b", []), ``from a import b`` gives (line,
+    "a", ["b"]) (``b`` may be a module of ``a``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:  # relative: its own package
+            found.append((node.lineno, node.module or "", [alias.name for alias in node.names]))
+    return found
+
+
 def imports(root: Path = ROOT) -> list[tuple[str, str, str]]:
     """(importing package, imported package, ``file:line module``) for every import between two
     different product packages under ``root``."""
     found = []
     for package in FLOORS:
         for path in sorted((root / package).rglob("*.py")):
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    modules = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and not node.level:  # relative: its own package
-                    modules = [node.module or ""]
-                else:
-                    continue
-                for module in modules:
-                    target = module.split(".")[0]
-                    if target in FLOORS and target != package:
-                        found.append((package, target, f"{path.relative_to(root)}:{node.lineno} {module}"))
+            for line, module, _ in import_statements(path):
+                target = module.split(".")[0]
+                if target in FLOORS and target != package:
+                    found.append((package, target, f"{path.relative_to(root)}:{line} {module}"))
     return found
+
+
+def file_imports(root: Path = ROOT, package: str = "bench") -> list[tuple[str, str, str]]:
+    """(importing module, imported module, ``file:line module``) for every import between two
+    different files of ``package`` under ``root`` (``from bench import gpu`` imports bench.gpu)."""
+    own = {f"{package}.{path.stem}": path for path in sorted((root / package).glob("*.py"))}
+    found = []
+    for src, path in own.items():
+        for line, module, names in import_statements(path):
+            for target in {module, *(f"{module}.{name}" for name in names)} & own.keys() - {src}:
+                found.append((src, target, f"{path.relative_to(root)}:{line} {module}"))
+    return sorted(found)
 
 
 def upward(root: Path = ROOT) -> list[str]:
@@ -49,10 +69,20 @@ def upward(root: Path = ROOT) -> list[str]:
 
 
 def circles(root: Path = ROOT) -> list[str]:
-    """Every import on an arrow that closes a circle between packages (an arrow a -> b where
-    b also reaches a)."""
+    """Every import on an arrow that closes a circle between packages."""
+    return closing(imports(root))
+
+
+def bench_circles(root: Path = ROOT) -> list[str]:
+    """Every import on an arrow that closes a circle between two files of ``bench``."""
+    return closing(file_imports(root, "bench"))
+
+
+def closing(arrows: list[tuple[str, str, str]]) -> list[str]:
+    """Every import on an arrow that closes a circle (an arrow a -> b where b also reaches a),
+    from (source, target, where) triples."""
     edges = defaultdict(list)
-    for src, dst, where in imports(root):
+    for src, dst, where in arrows:
         edges[(src, dst)].append(where)
     graph = defaultdict(set)
     for src, dst in edges:
@@ -94,6 +124,13 @@ def test_no_import_circle_between_packages():
     assert not bad, "imports that close a circle between packages:\n" + "\n".join(bad)
 
 
+def test_no_import_circle_between_bench_files():
+    bad = bench_circles()
+    assert not bad, "imports that close a circle between files of bench/:\n" + "\n".join(bad)
+    arrows = {(src, dst) for src, dst, _ in file_imports()}
+    assert ("bench.gpu", "bench.gpu_check") in arrows and ("bench.gpu_check", "bench.gpu") not in arrows
+
+
 def test_the_roles_do_not_import_each_other():
     bad = between_apart()
     assert not bad, "imports between learner and rollout_service:\n" + "\n".join(bad)
@@ -109,3 +146,17 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     assert upward(tmp_path) == ["rlpipe/core.py:5 learner.train (floor 0 rlpipe -> floor 2 learner)"]
     assert circles(tmp_path) == ["quant/a.py:1 weight_sync (quant -> weight_sync, and weight_sync reaches quant)",
                                  "weight_sync/b.py:1 quant.transfer (weight_sync -> quant, and quant reaches weight_sync)"]
+
+
+def test_the_bench_check_sees_a_circle_between_files(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "a.py").write_text("import os\n\n\ndef f():\n    from bench.b import x\n")
+    (tmp_path / "bench" / "b.py").write_text("from bench import a\nfrom bench.c import y\n")
+    (tmp_path / "bench" / "c.py").write_text("import bench.a as a\n")
+    assert bench_circles(tmp_path) == ["bench/a.py:5 bench.b (bench.a -> bench.b, and bench.b reaches bench.a)",
+                                       "bench/b.py:1 bench (bench.b -> bench.a, and bench.a reaches bench.b)",
+                                       "bench/b.py:2 bench.c (bench.b -> bench.c, and bench.c reaches bench.b)",
+                                       "bench/c.py:1 bench.a (bench.c -> bench.a, and bench.a reaches bench.c)"]
+    (tmp_path / "bench" / "b.py").write_text("import bench.c\n")
+    (tmp_path / "bench" / "c.py").write_text("import os\n")
+    assert bench_circles(tmp_path) == []
