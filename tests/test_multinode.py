@@ -11,12 +11,15 @@ run here.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from safetensors.torch import load_file
@@ -59,6 +62,28 @@ def weights(run_dir) -> dict:
 
 def difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_node_other_than_0_serves_healthz_while_node_0s_store_answers():
+    """learner/node_health.py, as main.py starts it on node 1's first rank: 200 while node 0's
+    rendezvous store (a stand-in listener here) accepts connections, 503 once it is gone."""
+    from learner.node_health import serve_node_health
+
+    store = socket.create_server(("127.0.0.1", 0))
+    address = serve_node_health("127.0.0.1", 0, f"127.0.0.1:{store.getsockname()[1]}", node_rank=1)
+    assert get(f"http://{address}/healthz") == (200, {"status": "ok", "node_rank": 1})
+    assert get(f"http://{address}/metrics")[0] == 404  # rank 0's state lives on node 0 only
+    store.close()
+    code, body = get(f"http://{address}/healthz")
+    assert code == 503 and body["node_rank"] == 1 and "does not answer" in body["status"]
 
 
 @pytest.mark.slow
