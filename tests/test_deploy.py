@@ -653,6 +653,25 @@ def test_multinode_learner_probes(tmp_path):
         assert probe.get("timeoutSeconds", 1) > TIMEOUT_S, f"{k}: shorter than node_health's check of node 0"
 
 
+def test_multinode_checkpoints_are_read_and_written_by_node_0_alone(tmp_path):
+    """One pod template gives every learner pod the checkpoint claim (the base's, which the
+    workers read too), but with the overlay's run.yaml only global rank 0 (pod 0) reads and
+    writes checkpoints: the full format, which the learner restores on rank 0 alone and sends
+    to the other ranks (learner/checkpointer.py checkpoint_roles, Checkpointer.load). A
+    sharded format would have every node write its shards into that directory."""
+    from learner.checkpointer import checkpoint_roles
+
+    docs = render(MULTINODE)
+    lc = run_config(docs, tmp_path).learner
+    fsdp = lc.parallel in ("auto", "fsdp")
+    assert checkpoint_roles(lc, fsdp, lc.nodes * lc.ranks) == (False, True)
+    assert checkpoint_roles(lc.model_copy(update={"nodes": 1}), fsdp, lc.ranks)[1] is False, "one node: every rank reads"
+    assert checkpoint_roles(lc.model_copy(update={"checkpoint_format": "sharded"}), fsdp,
+                            lc.nodes * lc.ranks) == (True, False)
+    spec = workload(docs, "learner")["spec"]
+    assert "volumeClaimTemplates" not in spec, "the checkpoints are one claim, shared with the workers"
+
+
 AUTOSCALED = ["overlays/gpu", "overlays/gpu-multinode"]  # they include components/autoscale
 
 
