@@ -25,22 +25,42 @@ from typing import Callable
 from learner import checkpoint
 
 
-def load_weights(path: Path, model) -> None:
+def load_weights(path: Path | None, model, from_main: bool = False) -> None:
     """Checkpoint ``path``'s weights copied into ``model`` in place: its parameters stay the
-    objects the optimizer, the DDP wrapper and FSDP's shards hold (every rank runs this and
-    keeps its own shard)."""
+    objects the optimizer, the DDP wrapper and FSDP's shards hold (each rank keeps its own
+    shard). Every rank reads ``path``; or with ``from_main`` rank 0 alone (``path`` None on
+    the others), which sends each tensor: scattered as shards under FSDP
+    (``distribute_tensor`` from rank 0), broadcast whole otherwise."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from learner.policy import load_policy
 
-    saved = load_policy(str(path)).state_dict()
+    saved = load_policy(str(path)).state_dict() if path is not None else None
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
-            value = saved[name].to(t.device, t.dtype)
+            if saved is not None:
+                value = saved[name].to(t.device, t.dtype)
+            else:  # filled by rank 0's (t.shape: the whole tensor's, also of a DTensor)
+                value = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             if isinstance(t, DTensor):
-                value = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
+                value = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=0 if from_main else None)
+            elif from_main:
+                dist.broadcast(value, src=0)
             t.copy_(value)
+
+
+def checkpoint_roles(lc, fsdp: bool, world: int) -> tuple[bool, bool]:
+    """Who writes and who reads the learner's checkpoints: ``(sharded, main_reads)``.
+    Sharded (``learner.checkpoint_format``; auto: under FSDP on one node), every rank writes
+    its optimizer shard into rank 0's directory and reads it back, which across nodes takes
+    one shared filesystem, so there it must be asked for. Otherwise rank 0 alone writes, and
+    across nodes alone reads too (``main_reads``, :meth:`Checkpointer.load`): only node 0
+    needs the checkpoint directory."""
+    fmt = lc.checkpoint_format
+    sharded = fmt == "sharded" or (fmt == "auto" and fsdp and lc.nodes == 1)
+    return sharded, lc.nodes > 1 and world > 1 and not sharded
 
 
 def trainer_state(schedule, scaler, counters, ledger) -> dict:
@@ -84,9 +104,11 @@ def _done(value) -> Future:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, model, opt, ranks, sharded: bool, async_write: bool, base_model: str, keep: int):
+    def __init__(self, root: Path, model, opt, ranks, sharded: bool, async_write: bool, base_model: str, keep: int,
+                 main_reads: bool = False):
         self.root, self.model, self.opt, self.ranks = root, model, opt, ranks
         self.sharded, self.base_model, self.keep = sharded, base_model, keep
+        self.main_reads = main_reads  # only rank 0 reads checkpoints (:meth:`load`)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if async_write else None
         self._writing: tuple[Future, dict] | None = None  # rank 0: the write in progress, and what it holds
         self._shards_writing: Future | None = None  # ranks other than 0: their shards of the last checkpoint
@@ -96,12 +118,22 @@ class Checkpointer:
     def load(self, path: Path, weights: bool = False) -> dict:
         """Checkpoint ``path``'s trainer state, its optimizer state loaded (either format, any
         number of ranks) and, with ``weights``, its weights too (the model was built from
-        another checkpoint: :meth:`newer`)."""
+        another checkpoint, :meth:`newer`, or from the base model).
+
+        With ``main_reads`` (several nodes, full format: only rank 0 writes) only rank 0 reads
+        ``path``, and the other ranks get its weights, trainer state and optimizer state over
+        torch.distributed (:func:`load_weights`, ``Ranks.share``): only node 0 needs the
+        checkpoint volume. (A checkpoint in the sharded format, from a run on one node, still
+        has every rank read its own optimizer shards.)"""
+        reads = self.ranks.is_main or not self.main_reads
         if weights:
-            load_weights(path, self.model)
-        state = checkpoint.load_state(path)
+            load_weights(path if reads else None, self.model, from_main=self.main_reads)
+        state = checkpoint.load_state(path) if reads else None
+        if self.main_reads:
+            state = self.ranks.share(state)
         checkpoint.load_optimizer(path, state, self.model, self.opt)
-        self.loaded = (path.name, checkpoint.read_meta(path))
+        if reads:
+            self.loaded = (path.name, checkpoint.read_meta(path))
         return state
 
     def newer(self) -> Path | None:

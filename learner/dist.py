@@ -56,6 +56,24 @@ class Command:
     args: tuple = ()
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in what :meth:`Ranks.share` sends: its place in the broadcasts, and its shape."""
+
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _walk(obj, f):
+    """``obj`` with ``f`` applied to each item of its dicts, lists and tuples (others as they are)."""
+    if isinstance(obj, dict):
+        return {k: f(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(f(v) for v in obj)
+    return obj
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor (DTensor) gathered whole on every rank (a collective); others as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -179,6 +197,34 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def share(self, obj):
+        """Rank 0's ``obj`` (tensors in dicts, lists and tuples) on every rank, for what rank 0
+        alone read from disk (a checkpoint's trainer and optimizer state across nodes,
+        learner/checkpointer.py): its structure pickled by :meth:`broadcast`, each tensor by
+        ``dist.broadcast`` on this rank's device (NCCL's on GPUs, never pickled whole), one at
+        a time, received into host memory as rank 0 holds it."""
+        if self.world == 1:
+            return obj
+        tensors: list[torch.Tensor] = []
+
+        def strip(o):
+            if isinstance(o, torch.Tensor):
+                tensors.append(o)
+                return _Slot(len(tensors) - 1, tuple(o.shape), o.dtype)
+            return _walk(o, strip)
+
+        def fill(o):
+            if not isinstance(o, _Slot):
+                return _walk(o, fill)
+            if self.is_main:
+                dist.broadcast(tensors[o.index].to(self.device).contiguous(), src=0)
+                return tensors[o.index]
+            t = torch.empty(o.shape, dtype=o.dtype, device=self.device)
+            dist.broadcast(t, src=0)
+            return t.cpu()
+
+        return fill(self.broadcast(strip(obj) if self.is_main else None))
 
     def mine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[self.rank :: self.world]

@@ -35,6 +35,11 @@ def main(cfg: RunConfig) -> int:
         address = serve_in_thread(learner, cfg.learner.host, cfg.learner.port)
         registry.set_learner_state(learner.r, learner.keys, address=address)
         log.info("learner serving /status at http://%s", address)
+    elif cfg.learner.nodes > 1 and learner.ranks.local_rank == 0:  # every other node's probe (learner/node_health.py)
+        from learner.node_health import serve_node_health
+
+        address = serve_node_health(cfg.learner.host, cfg.learner.port, cfg.learner.rendezvous, cfg.learner.node_rank)
+        log.info("node %d serving /healthz at http://%s", cfg.learner.node_rank, address)
     try:
         learner.run()
         if cfg.learner.on_done == "serve" and learner.status == "done" and learner.ranks.is_main:

@@ -34,7 +34,7 @@ from learner import checkpoint
 from learner.batch import collate
 from learner.channels import Collectives, FleetSync
 from learner.checkpoint import RunCounters
-from learner.checkpointer import Checkpointer, lineage_meta, load_trainer_state, trainer_state
+from learner.checkpointer import Checkpointer, checkpoint_roles, lineage_meta, load_trainer_state, trainer_state
 from learner.dist import Ranks
 from learner.evals import Evals
 from learner.ledger import Ledger
@@ -108,20 +108,19 @@ class Learner:
             self.r = connect(cfg.redis_url, cfg.redis_wait_s)
             self.queue = TrajectoryQueue(self.r, cfg.run_id)
             self.keys = self.queue.keys
+        # With main_reads (across nodes, full format) every rank starts from the base model and
+        # rank 0 sends the others what it read of the checkpoint (Checkpointer.load).
+        sharded, main_reads = checkpoint_roles(lc, self.ranks.sharded, self.ranks.world)
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
-        self.model = load_policy(str(resume or cfg.model.path)).to(self.device)
+        self.model = load_policy(str(cfg.model.path if main_reads else resume or cfg.model.path)).to(self.device)
         if lc.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if lc.compile:
             compile_layers(self.model)
         self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
-        # Auto: sharded under FSDP on one node. Across nodes every rank writes into rank 0's
-        # directory, so their checkpoint_dir must be one shared filesystem: say so with sharded.
-        fmt = lc.checkpoint_format
-        sharded = fmt == "sharded" or (fmt == "auto" and self.ranks.sharded and lc.nodes == 1)
         self.checkpoints = Checkpointer(self.ckpt_root, self.model, self.opt, self.ranks, sharded, lc.async_checkpoint,
-                                        cfg.model.path, lc.checkpoint_keep)
+                                        cfg.model.path, lc.checkpoint_keep, main_reads)
         # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
         # gather a bucket of parameters for the weight sync, or snapshot for a checkpoint
         # (whole, or their own optimizer shards, which they write: learner.checkpoint_format).
@@ -160,7 +159,7 @@ class Learner:
         self.started_at = time.time()
         self._last_membership_check = 0.0
         if resume:
-            self._restore(resume)
+            self._restore(resume, weights=main_reads)
         # The LR of the next step comes from the schedule's state, not from the optimizer's
         # saved param groups, so a changed learner.lr takes effect on resume.
         apply_lr(self.opt, self.schedule.next_lr())

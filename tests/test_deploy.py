@@ -8,8 +8,8 @@ the routes the FastAPI apps really serve and the ports of the ConfigMap's run.ya
 names against the config schema and the names the code reads, container args against the
 CLI's parser, Secret references against what the README or the demo overlay creates, the
 grace period against the worker's drain, and the Redis probes' shell against LOADING. The
-multi-node learner (overlays/gpu-multinode) is checked against torchrun_command and its probe
-script run against stand-in servers.
+multi-node learner (overlays/gpu-multinode) is checked against torchrun_command, every node's
+/healthz (learner/node_health.py) and where its checkpoints are read and written.
 """
 
 from __future__ import annotations
@@ -209,16 +209,12 @@ def test_ports_and_probes_match_the_apps(target, routes, tmp_path):
         assert list(named.values()) == [port[role]], f"{name}: container ports {named} != run.yaml {port[role]}"
         probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
         assert len(probes) == 3, f"{name}: missing probes"
-        if role == "learner" and cfg.learner.nodes > 1:  # per-node exec probes: test_multinode_learner_probes
-            assert all(set(p) & {"exec", "httpGet"} == {"exec"} for p in probes.values())
-            probes = {}
         for kind_, probe in probes.items():
             get = probe["httpGet"]
             assert get["path"] in routes[role], f"{name} {kind_}: {get['path']} is not a route of the {role} app"
             assert named.get(get["port"], get["port"]) == port[role]
-        if probes:
-            assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
-            assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
+        assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
         if role == "rollout":
             assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
         notes = obj["spec"]["template"]["metadata"]["annotations"]
@@ -641,66 +637,39 @@ def test_multinode_network_policy_admits_learner_to_learner(tmp_path):
 
 
 def test_multinode_learner_probes(tmp_path):
-    """The probe script, run as the kubelet would (the pod's env, the run.yaml it mounts) against
-    stand-ins: node 0 answers on /healthz; another node only needs node 0's rendezvous store."""
-    import http.server
-    import socket
-    import sys
-    import threading
+    """One httpGet /healthz for every node (one pod template): node 0's learner app serves it
+    (test_ports_and_probes_match_the_apps), the other nodes' learner/node_health.py too, on
+    the same port, and its check of node 0's store fits in the probes' timeout."""
+    from learner.node_health import PATH, TIMEOUT_S
 
     docs = render(MULTINODE)
-    sts = workload(docs, "learner")
-    c = container(sts, "learner")
-    commands = {k: c[k]["exec"]["command"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert len({tuple(v) for v in commands.values()}) == 1, "one probe script for all three"
-    for k in commands:
-        assert c[k]["timeoutSeconds"] >= 5, f"{k}: a Python start needs more than the default 1 s"
-    command = commands["livenessProbe"]
-    assert command[0] == "python"
-    (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m.get("subPath") == "run.yaml"]
-    assert mount in command[-1]
-    config = tmp_path / "run.yaml"
-    config.write_text(run_config_text(docs))
-    command = [sys.executable, *command[1:-1], command[-1].replace(mount, str(config))]
+    c = container(workload(docs, "learner"), "learner")
+    http_port = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert run_config(docs, tmp_path).learner.port in http_port.values()
+    for k in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = c[k]
+        assert "exec" not in probe, f"{k}: the exec probe is replaced by every node's /healthz"
+        assert probe["httpGet"]["path"] == PATH and probe["httpGet"]["port"] in http_port
+        assert probe.get("timeoutSeconds", 1) > TIMEOUT_S, f"{k}: shorter than node_health's check of node 0"
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
-    http_port, store_port = free_port(), free_port()
-    status = {"code": 200}
+def test_multinode_checkpoints_are_read_and_written_by_node_0_alone(tmp_path):
+    """One pod template gives every learner pod the checkpoint claim (the base's, which the
+    workers read too), but with the overlay's run.yaml only global rank 0 (pod 0) reads and
+    writes checkpoints: the full format, which the learner restores on rank 0 alone and sends
+    to the other ranks (learner/checkpointer.py checkpoint_roles, Checkpointer.load). A
+    sharded format would have every node write its shards into that directory."""
+    from learner.checkpointer import checkpoint_roles
 
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status["code"] if self.path == "/healthz" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    def probe(index: int) -> bool:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
-        env.update(env_of(c, f"rlpipe-learner-{index}", index))
-        # the stand-ins' addresses instead of the pod's port and pod 0's DNS name
-        env.update(RLPIPE_LEARNER__PORT=str(http_port), RLPIPE_LEARNER__RENDEZVOUS=f"127.0.0.1:{store_port}",
-                   PYTHONPATH=str(ROOT))
-        return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, timeout=30).returncode == 0
-
-    assert not probe(0) and not probe(1), "nothing listening: both fail"
-    server = http.server.HTTPServer(("127.0.0.1", http_port), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert probe(0), "node 0 with a healthy /healthz"
-        assert not probe(1), "node 1 needs node 0's rendezvous store, not the HTTP port"
-        status["code"] = 503
-        assert not probe(0), "node 0 whose /healthz fails"
-    finally:
-        server.shutdown()
-        server.server_close()
-    with socket.create_server(("127.0.0.1", store_port)):  # node 0's torchrun store
-        assert probe(1), "node 1 while node 0's store answers"
-        assert not probe(0), "node 0 without its HTTP server"
+    docs = render(MULTINODE)
+    lc = run_config(docs, tmp_path).learner
+    fsdp = lc.parallel in ("auto", "fsdp")
+    assert checkpoint_roles(lc, fsdp, lc.nodes * lc.ranks) == (False, True)
+    assert checkpoint_roles(lc.model_copy(update={"nodes": 1}), fsdp, lc.ranks)[1] is False, "one node: every rank reads"
+    assert checkpoint_roles(lc.model_copy(update={"checkpoint_format": "sharded"}), fsdp,
+                            lc.nodes * lc.ranks) == (True, False)
+    spec = workload(docs, "learner")["spec"]
+    assert "volumeClaimTemplates" not in spec, "the checkpoints are one claim, shared with the workers"
 
 
 AUTOSCALED = ["overlays/gpu", "overlays/gpu-multinode"]  # they include components/autoscale
