@@ -180,7 +180,8 @@ class Finding:
     quick_arms: list[str] = field(default_factory=list)  # the arms --quick runs (default: the first)
     quick: dict = field(default_factory=dict)  # --quick's settings for this finding, beside QUICK
     # --quick trains nothing and reads this finding's quick run instead (its first quick arm, seed 0): the quick
-    # bench checks that the section renders, and a second SmolLM2 run of the same shape costs CI 3 of its 10 minutes
+    # bench checks that the section renders, and each demo run it trains costs CI 1-3 of its 10 minutes (the
+    # suite's demo tests train every precision and schedule)
     quick_from: str | None = None
     # what every run of the finding must show, whatever its numbers (problems, [] if none): a run
     # that breaks it fails the part, and so CI's quick report
@@ -226,7 +227,7 @@ FINDINGS: dict[str, Finding] = {
                "The k1 KL is an unbiased but noisy estimate that goes negative on single steps when the true KL is "
                "tiny; k3 is never negative and is what the KL panel plots. `|log ppl diff|` is "
                "|log ppl(rollout) - log ppl(train)| per step, seed 001's indicator."],
-        quick_arms=["fp16"]),
+        quick_arms=["fp16"], quick_from="int8"),
     "int8": Finding(
         title="Seed 002 on the toy task: int8 rollout with and without token TIS",
         arms={"bf16": {"rollout.precision": "bf16", "learner.is_mode": "none"},
@@ -293,7 +294,7 @@ FINDINGS: dict[str, Finding] = {
                "only after the collapse and either way: up to 45 (constant, cap 48), up to 31 (length_surge, cap "
                "32), down to 1.5 (length_surge, cap 48). The length surge never fired the trigger before the "
                "collapse: on this toy, length is not an early warning, the grad norm and the mismatch are."],
-        quick_arms=["length_surge"], quick={"steps": 2, "learner.groups_per_step": 4}),
+        quick_arms=["length_surge"], quick_from="int8"),
     "real": Finding(
         title="GRPO on a real model: SmolLM2-135M-Instruct on MAWPS, held-out accuracy",
         arms={"grpo": {}},

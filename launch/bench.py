@@ -60,16 +60,16 @@ PARTS = (
          ("learner",)),
     Part("async", "async vs sync on dedicated cores, and mismatch attribution", "bench/async_lag.py",
          ("--steps", "30", "--set", "learner.groups_per_step=32"), ("--quick",), ("async", "attribution"), "--json-dir"),
-    Part("precision", "seed 000: bf16 vs fp16, rollout and training", "bench/seeds.py",
-         ("--finding", "precision", "--arms", "bf16,fp16"), ("--finding", "precision", "--quick"),
-         ("precision",), "--json-dir"),
-    Part("surge", "seed 001: constant LR vs the length-surge decay", "bench/seeds.py",
-         ("--finding", "surge", "--steps", "20"), ("--finding", "surge", "--quick"), ("surge",), "--json-dir"),
     Part("int8", "seed 002: int8 rollout with and without TIS, against bf16", "bench/seeds.py",
          ("--finding", "int8", "--steps", "40"), ("--finding", "int8", "--quick"), ("int8",), "--json-dir"),
     # --quick measures the int8 part's quick run (it checkpoints every step) instead of training one
     Part("delta_sync", "delta weight sync: bytes per sync over a real int8 run, delta vs full int8 vs bf16",
          "bench/delta_sync.py", ("--real-steps", "6"), ("--quick", "--reuse", "runs/seeds/int8/runs/int8-tis-s0"), ("delta_sync",)),
+    Part("precision", "seed 000: bf16 vs fp16, rollout and training", "bench/seeds.py",
+         ("--finding", "precision", "--arms", "bf16,fp16"), ("--finding", "precision", "--quick"),
+         ("precision",), "--json-dir"),
+    Part("surge", "seed 001: constant LR vs the length-surge decay", "bench/seeds.py",
+         ("--finding", "surge", "--steps", "20"), ("--finding", "surge", "--quick"), ("surge",), "--json-dir"),
     Part("real", "GRPO on SmolLM2-135M-Instruct, held-out accuracy", "bench/seeds.py",
          ("--finding", "real"), ("--finding", "real", "--quick"), ("real",), "--json-dir"),
     Part("real-int8", "int8 calibration on SmolLM2: the monitors per layer, the engines' mismatch on real answers",
@@ -84,7 +84,10 @@ PARTS = (
          ("--device-check", "--out", "{json_dir}"),
          ("--quick", "--device-check", "--out", "{json_dir}"), ("gpu",)),
 )
-ORDER = [s for p in PARTS for s in p.sections]
+# The report's order, the seeds' own (000 precision, 001 surge, 002 int8); the parts run int8's first, because
+# --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
+ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
+         "delta_sync", "real", "real-int8", "real-rollout", "soak", "gpu"]
 # Why a section may be missing, beyond "not run yet": the GPU one needs a GPU machine (docs/gpu.md).
 NOT_RUN = {"gpu": "the GPU run is still owed: no GPU machine has been lent yet; on one, run `python bench/gpu.py "
                   "--device-check --out DIR` as docs/gpu.md says, and copy DIR/gpu.json to docs/results/"}
