@@ -65,11 +65,12 @@ def grpo_step(model, record) -> int:
 
 
 # The families whose loading differs from the toys' Llama-style layers: Qwen3's q/k norms, Gemma's
-# tied head, Phi-3's fused projections and GPT-NeoX's renamed head on vLLM's Transformers backend.
+# tied head, Phi-3's fused projections, GPT-NeoX's renamed head on vLLM's Transformers backend and
+# Qwen3-MoE's fused experts (sent as per-expert views, on vLLM's CPU fused-MoE path).
 # Llama, Qwen2 and Mistral load as the qwen2 and llama toys do, which the demo tests run end to end
 # (Qwen2 and a Llama with GQA and its own head); RLPIPE_ALL_FAMILIES=1 runs them here too.
 ENGINE_FAMILIES = list(FAMILIES) if os.environ.get("RLPIPE_ALL_FAMILIES") == "1" else \
-    ["qwen3", "gemma", "phi3", "gpt_neox"]
+    ["qwen3", "gemma", "phi3", "gpt_neox", "qwen3_moe"]
 
 
 @pytest.mark.slow
