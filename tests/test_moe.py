@@ -32,8 +32,8 @@ def test_fused_experts_are_sent_as_the_checkpoints_per_expert_tensors_bit_for_bi
     params = dict(model.named_parameters())
     for name, pc in served_pieces(model).items():
         if pc.view is not None:
-            p = params[pc.param]
-            assert pc.param.endswith(FUSED) and sent[name].untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+            storage = params[pc.param].untyped_storage().data_ptr()
+            assert pc.param.endswith(FUSED) and sent[name].untyped_storage().data_ptr() == storage
     assert served_mismatch(path) is None
 
 
@@ -83,3 +83,21 @@ def test_a_model_whose_checkpoint_merges_tensors_is_refused_at_launch_naming_why
     with pytest.raises(ConfigError, match=rf"model.path: .*Qwen3MoeForCausalLM: "
                                           r"model.layers.0.input_layernorm.weight is made from several tensors"):
         validate_run(cfg)
+
+
+def test_the_moe_toy_is_a_qwen3_moe_whose_weights_fit_the_workers_engine(tmp_path):
+    """``model.path: toy-moe``: a Qwen3MoeForCausalLM with 4 experts a layer, 2 per token,
+    warm-started like the other toys, cached under its own key, and servable."""
+    import json
+
+    from launch.toy import ensure_toy_model, toy_spec
+
+    small = dict(hidden_size=32, intermediate_size=32, target_sampled_accuracy=0.5, sft_max_steps=5, eval_every=5,
+                 eval_prompts=16, seed=5)
+    path = ensure_toy_model(toy_spec("moe", **small), root=tmp_path, log=lambda m: None)
+    config = json.loads((path / "config.json").read_text())
+    assert path.name.startswith("toy-moe-") and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in checkpoint_shapes(path)
+    assert served_mismatch(path) is None
+    assert toy_spec("moe").key() != toy_spec("llama").key()
