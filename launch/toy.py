@@ -9,6 +9,8 @@ start's examples call the built-in calculator instead of answering (``37*48=`` -
 that the toy uses the tool sometimes and RL can teach it when. ``arch="llama"`` (``model.path: toy-llama``)
 builds a Llama of the same size instead, with what the Qwen2 toy lacks: an untied LM head
 and grouped-query attention (4 query heads sharing 2 KV heads), same tokenizer and recipe.
+``arch="moe"`` (``model.path: toy-moe``) is a Qwen3-MoE with the Llama toy's attention and 4
+experts a layer, 2 per token: a mixture of experts through the whole loop in minutes.
 
 Everything is made locally from a seed and cached under ``~/.cache/rlpipe`` (or
 ``$RLPIPE_CACHE``): no hub is ever contacted. vLLM and transformers load the result from
@@ -47,8 +49,10 @@ class ToyModelSpec:
     num_heads: int = 2
     intermediate_size: int = 512
     tie_word_embeddings: bool = True
-    arch: str = "qwen2"  # or "llama": LlamaForCausalLM
+    arch: str = "qwen2"  # or "llama": LlamaForCausalLM, "moe": Qwen3MoeForCausalLM
     num_kv_heads: int = 0  # grouped-query attention; 0 = num_heads (plain multi-head)
+    num_experts: int = 0  # "moe": experts a layer, each of intermediate_size
+    experts_per_token: int = 0
     task: ArithmeticProblems = field(default_factory=ArithmeticProblems)
     seed: int = 0
     sft_batch: int = 64
@@ -80,7 +84,7 @@ class ToyModelSpec:
 
 
 # Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
-ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0, "tool_calls": 0.0}
+ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0, "tool_calls": 0.0, "num_experts": 0, "experts_per_token": 0}
 ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticProblems's fields
 def ensure_toy_model(spec: ToyModelSpec | None = None, root: Path | None = None, log=print) -> Path:
     """Return the directory of the toy model for ``spec``, building it once if needed.
@@ -134,37 +138,46 @@ def build_tokenizer(out_dir: Path):
 def build_toy_model(out_dir: Path, spec: ToyModelSpec, log=print) -> None:
     """Build tokenizer + model into ``out_dir`` and warm-start the model on correct examples."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)
     torch.manual_seed(spec.seed)
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[spec.arch]
-    config = config_cls(
-        vocab_size=len(SPECIAL_TOKENS) + len(CHARS),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads or spec.num_heads,
-        max_position_embeddings=64,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        rope_theta=10000.0,
-    )
-    model = model_cls(config).float()
+    config = toy_config(spec)
+    model = getattr(transformers, TOY_MODEL_CLASSES[spec.arch])(config).float()
     t0 = time.time()
     steps, acc = warm_start(model, tokenizer, spec, log=log)
     log(f"[toy] warm start: {steps} steps, sampled accuracy {acc:.2f}, {time.time() - t0:.0f}s")
     model.save_pretrained(out_dir, safe_serialization=True)
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
+    generation = transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    generation.save_pretrained(out_dir)
     info = {"spec": asdict(spec), "key": spec.key(), "sft_steps": steps, "sampled_accuracy": acc}
     if spec.tool_calls:
         info["tool_call_rate"] = evaluate_with_tool(model, tokenizer, spec.task, spec.eval_prompts,
                                                     torch.Generator().manual_seed(spec.seed))[1]
     (out_dir / "rlpipe_toy.json").write_text(json.dumps(info, indent=2))
+
+
+TOY_MODEL_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "moe": "Qwen3MoeForCausalLM"}
+
+
+def toy_config(spec: ToyModelSpec):
+    """The transformers config of ``spec``'s architecture. The MoE toy's every layer is
+    sparse, its experts ``intermediate_size`` wide, with the routing weights renormalized
+    over the chosen experts (``norm_topk_prob``), as Qwen3-MoE's released models do."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+
+    fields = dict(vocab_size=len(SPECIAL_TOKENS) + len(CHARS), hidden_size=spec.hidden_size,
+                  intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads or spec.num_heads,
+                  max_position_embeddings=64, tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=BOS_ID,
+                  eos_token_id=EOS_ID, pad_token_id=PAD_ID, rope_theta=10000.0)
+    if spec.arch != "moe":
+        return {"qwen2": Qwen2Config, "llama": LlamaConfig}[spec.arch](**fields)
+    return Qwen3MoeConfig(**fields, head_dim=spec.hidden_size // spec.num_heads,
+                          moe_intermediate_size=spec.intermediate_size, num_experts=spec.num_experts,
+                          num_experts_per_tok=spec.experts_per_token, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[])
 
 
 def encode(tokenizer, text: str) -> list[int]:

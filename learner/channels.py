@@ -22,7 +22,7 @@ from quant.transfer import Stream, Wire, rollout_weights
 from rlpipe import registry
 from rlpipe.checkpoints import checkpoint_root
 from weight_sync.convergence import Converged, Convergence
-from weight_sync.names import served_names, served_parameters
+from weight_sync.names import Piece, served_parameters, served_pieces, served_tensors
 from weight_sync.rendezvous import GenerationFloor
 from weight_sync.sender import SyncStats, WeightSender
 from weight_sync.transport import SyncError
@@ -92,11 +92,11 @@ class SyncChannel:
         return stats, quant_metrics
 
 
-def rollout_from_weights(wire: Wire, served: dict[str, str],
+def rollout_from_weights(wire: Wire, served: dict[str, Piece],
                          weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A quantized wire's tensors made from whole ``weights`` keyed by parameter name
-    (``served``: parameter name -> the name it is sent under)."""
-    params = {served[n]: weights[n] for n in served}
+    (``served``: the name each tensor is sent under -> where it is, weight_sync/names.py)."""
+    params = served_tensors(served, weights)
     return wire.part(params, list(params))
 
 
@@ -219,7 +219,7 @@ class FleetSync:
         out = {}
         for p, ch in self.channels.items():
             if ch.wire.quantized and ch.prepared(version) is not None:
-                out[p] = (ch.wire.quant_profile, partial(rollout_from_weights, ch.wire, served_names(model))
+                out[p] = (ch.wire.quant_profile, partial(rollout_from_weights, ch.wire, served_pieces(model))
                           if ch.sharded else ch.prepared(version))
         return out
 

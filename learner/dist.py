@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from learner.policy import DTYPES, decoder_layers
-from weight_sync.names import served_parameters
+from weight_sync.names import served_pieces
 
 # Ranks other than 0 wait in a broadcast while rank 0 waits for rollouts: a long wait is normal.
 IDLE_TIMEOUT = timedelta(hours=6)
@@ -169,9 +169,12 @@ class Ranks:
 
     def full_tensors(self, model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
         """The named parameters of ``model`` (by their served names), whole (every rank must ask for
-        the same names)."""
-        params = served_parameters(model)
-        return {n: full(params[n].detach()) for n in names}
+        the same names). A fused parameter (an MoE layer's experts) is gathered once for all
+        of its slices among ``names``, then sliced."""
+        pieces, params = served_pieces(model), dict(model.named_parameters())
+        whole = {pieces[n].param: None for n in names}
+        whole = {p: full(params[p].detach()) for p in whole}
+        return {n: pieces[n].of(whole[pieces[n].param]) for n in names}
 
     @torch.no_grad()
     def probe(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:

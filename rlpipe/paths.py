@@ -16,6 +16,10 @@ TOY_ARCHS = {
     "qwen2": {},
     # What the Qwen2 toy lacks: its own LM head (not tied to the embeddings) and GQA.
     "llama": {"arch": "llama", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False},
+    # A mixture of experts in Qwen3-MoE's layout: 4 experts a layer, 2 per token, each half the
+    # dense toys' FFN width (the same active FFN), untied head and GQA as the Llama toy.
+    "moe": {"arch": "moe", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False,
+            "intermediate_size": 256, "num_experts": 4, "experts_per_token": 2},
 }
 
 # Real models rlpipe prepares once from an installed package (launch/builtin_models.py).

@@ -165,6 +165,27 @@ def rewind_cpu_generators(model_runner) -> bool:
     return True
 
 
+def repack_cpu_experts(model: torch.nn.Module) -> bool:
+    """Bug 5: on CPU an MoE layer's experts run from weights prepacked into the CPU kernel's
+    grouped-GEMM layout, packed once, when the kernel is set up at the first load
+    (``UnquantizedFusedMoEMethod._setup_kernel``: a weight update only copies the new
+    tensors in). ``reload_weights`` thus leaves the new experts' weights unpacked where the
+    kernel reads packed ones: measured 0.1 off in log-prob on a tiny Qwen3-MoE. Re-running
+    the kernel's own ``process_weights_after_loading`` packs the new weights as a fresh
+    engine does (tests/test_architectures.py ``qwen3_moe`` checks the log-probs).
+
+    Returns True when an MoE layer's experts were repacked."""
+    repacked = False
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and layer.w13_weight.device.type == "cpu" and \
+                hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(layer)
+            repacked = True
+    return repacked
+
+
 def after_reload(model: torch.nn.Module) -> dict[str, bool]:
     """Apply every post-reload workaround; returns which ones acted."""
-    return {"tied_lm_head": refresh_tied_lm_head(model)}
+    return {"tied_lm_head": refresh_tied_lm_head(model), "moe_experts": repack_cpu_experts(model)}

@@ -18,6 +18,10 @@ FAMILIES = {  # transformers' config class, and what a tiny config of the family
     # no grouped-query attention; layers at gpt_neox.layers, and its head is lm_head in memory
     # but embed_out in the checkpoint vLLM loads
     "gpt_neox": ("GPTNeoXConfig", {"num_key_value_heads": None}),
+    # a mixture of experts: each layer's experts fused in memory ([experts, ...] tensors),
+    # one tensor per expert and projection in the checkpoint vLLM loads
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "norm_topk_prob": True}),
 }
 LAYERS = 2
 

@@ -17,7 +17,7 @@ from rlpipe.config import ConfigError, build_config
 from rlpipe.queue import connect
 from tests.conftest import WorkerHarness, max_diff, start_worker, stop_worker
 from tests.families import FAMILIES, save_tiny_model, tiny_model
-from weight_sync.names import checkpoint_shapes, served_mismatch, served_names
+from weight_sync.names import checkpoint_shapes, served_mismatch, served_pieces
 
 
 def test_served_names_are_the_checkpoints_for_every_family(tmp_path):
@@ -26,10 +26,10 @@ def test_served_names_are_the_checkpoints_for_every_family(tmp_path):
     for family in FAMILIES:
         path = save_tiny_model(family, tmp_path / family)
         model = tiny_model(family)
-        names = served_names(model)
-        assert set(names.values()) <= set(checkpoint_shapes(path)), family
+        pieces = served_pieces(model)
+        assert set(pieces) <= set(checkpoint_shapes(path)), family
         assert served_mismatch(path) is None, family
-        renamed.update({k: v for k, v in names.items() if k != v})
+        renamed.update({pc.param: n for n, pc in pieces.items() if pc.param != n and pc.view is None})
     assert renamed == {"lm_head.weight": "embed_out.weight"}  # GPT-NeoX's, the one transformers 5 renames
 
 
@@ -65,11 +65,12 @@ def grpo_step(model, record) -> int:
 
 
 # The families whose loading differs from the toys' Llama-style layers: Qwen3's q/k norms, Gemma's
-# tied head, Phi-3's fused projections and GPT-NeoX's renamed head on vLLM's Transformers backend.
+# tied head, Phi-3's fused projections, GPT-NeoX's renamed head on vLLM's Transformers backend and
+# Qwen3-MoE's fused experts (sent as per-expert views, on vLLM's CPU fused-MoE path).
 # Llama, Qwen2 and Mistral load as the qwen2 and llama toys do, which the demo tests run end to end
 # (Qwen2 and a Llama with GQA and its own head); RLPIPE_ALL_FAMILIES=1 runs them here too.
 ENGINE_FAMILIES = list(FAMILIES) if os.environ.get("RLPIPE_ALL_FAMILIES") == "1" else \
-    ["qwen3", "gemma", "phi3", "gpt_neox"]
+    ["qwen3", "gemma", "phi3", "gpt_neox", "qwen3_moe"]
 
 
 @pytest.mark.slow

@@ -296,7 +296,7 @@ def test_a_sharded_learner_streams_bit_for_bit_the_whole_models_quantized_tensor
     from learner.channels import rollout_from_weights
     from quant.transfer import Fp8Weights, Stream, source_parameter
     from weight_sync.manifest import plan_buckets
-    from weight_sync.names import served_names, served_parameters
+    from weight_sync.names import served_parameters, served_pieces
 
     profile = QuantProfile.load(profile_dir)
     wire = Int8Weights(profile, Int8Quant(profile=profile_dir, activations=profile.activations)) \
@@ -320,7 +320,7 @@ def test_a_sharded_learner_streams_bit_for_bit_the_whole_models_quantized_tensor
     assert sorted(sources) == sorted(dict.fromkeys(source_parameter(n) for n in whole))  # each parameter once
     sizes = {n: p.numel() for n, p in served_parameters(base).items()}
     assert max(sum(sizes[n] for n in call) for call in gathered) < sum(sizes.values()) / 4  # never the whole model
-    kept = rollout_from_weights(wire, served_names(base), dict(base.state_dict()))
+    kept = rollout_from_weights(wire, served_pieces(base), dict(base.state_dict()))
     assert all(torch.equal(kept[n].float(), t.float()) for n, t in whole.items())
 
 

@@ -5,11 +5,15 @@ does: transformers 5 renames some on load and back on save (GPT-NeoX's ``embed_o
 ``lm_head`` in memory). vLLM's engine reads the checkpoint's names, so the learner sends
 every update under those (:func:`served_parameters`), as ``save_pretrained`` writes them,
 and a launch checks that they are the checkpoint's tensors (:func:`served_mismatch`):
-else a worker refuses every update and the run waits at step 0.
+else a worker refuses every update and the run waits at step 0. An MoE layer's experts are
+one fused tensor in memory ([experts, ...]) and one tensor per expert and projection in the
+checkpoint: those are sent as views of the fused tensor (:class:`Piece`), not copies.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,34 +33,87 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def served_names(model: torch.nn.Module) -> dict[str, str]:
-    """In-memory parameter name -> checkpoint name, by transformers' own reverse of its load-time
-    conversions (the one ``save_pretrained`` applies), worked out once per model. A conversion
-    that is not a renaming (several tensors fused into one, as some MoE models do) cannot be
-    sent tensor by tensor: refused, naming the tensor."""
-    cached = getattr(model, "_rlpipe_served_names", None)
+@dataclass(frozen=True)
+class Piece:
+    """Where one checkpoint tensor lives in memory: the parameter ``param`` whole (``view``
+    None: the same tensor, perhaps renamed), or a view of it, ``(size, stride, offset)`` into
+    the parameter's contiguous elements (one expert's slice of a fused MoE tensor)."""
+
+    param: str
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This piece of ``tensor`` (the parameter, or the parameter gathered whole): a view, no copy."""
+        if self.view is None:
+            return tensor
+        size, stride, offset = self.view
+        t = tensor.detach().contiguous()  # a parameter is contiguous: no copy
+        return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
+class _KeepViews(torch.overrides.TorchFunctionMode):
+    """``.contiguous()`` is the tensor itself, so that a slice transformers' conversion makes
+    (``torch.chunk(...).contiguous()``) stays a view whose stride and offset say where it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def served_pieces(model: torch.nn.Module) -> dict[str, Piece]:
+    """Checkpoint name -> where its tensor is in memory, by transformers' own reverse of its
+    load-time conversions (the one ``save_pretrained`` applies), run once per model on meta
+    tensors of the parameters' shapes: a renamed parameter is one piece, a fused one (an MoE
+    layer's experts, [experts, ...]) is one piece per slice the checkpoint keeps. A conversion
+    that is neither (several parameters merged into one checkpoint tensor) cannot be sent
+    slice by slice: refused with ValueError, naming the tensor."""
+    cached = getattr(model, "_rlpipe_served_pieces", None)
     if cached is not None:
         return cached
     from transformers.core_model_loading import revert_weight_conversion
 
-    names = [n for n, _ in model.named_parameters()]
-    placeholders = {n: torch.empty(0, device="meta") for n in names}  # identities, not data
-    reverted = revert_weight_conversion(model, dict(placeholders))
-    saved_as = {id(t): n for n, t in reverted.items()}
-    mapping = {}
-    for name in names:
-        if id(placeholders[name]) not in saved_as:
-            raise ValueError(f"{type(model).__name__}: {name} is converted (not only renamed) when saved; "
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    placeholders = {n: torch.empty(s, device="meta") for n, s in shapes.items()}  # identities and shapes, no data
+    with _KeepViews():
+        reverted = revert_weight_conversion(model, dict(placeholders))
+    param_of = {id(t): n for n, t in placeholders.items()}
+    pieces, covered = {}, dict.fromkeys(shapes, 0)
+    for saved, t in reverted.items():
+        root = t if t._base is None else t._base
+        if id(root) not in param_of:
+            raise ValueError(f"{type(model).__name__}: {saved} is made from several tensors when saved; "
                              f"rlpipe cannot send it to vLLM tensor by tensor")
-        mapping[name] = saved_as[id(placeholders[name])]
-    model._rlpipe_served_names = mapping
-    return mapping
+        name = param_of[id(root)]
+        whole = t is root
+        pieces[saved] = Piece(name, None if whole else (tuple(t.shape), t.stride(), t.storage_offset()))
+        covered[name] += t.numel()
+    for name, shape in shapes.items():
+        if covered[name] != math.prod(shape):
+            raise ValueError(f"{type(model).__name__}: {name} is converted (not only renamed or split) when "
+                             f"saved; rlpipe cannot send it to vLLM tensor by tensor")
+    model._rlpipe_served_pieces = pieces
+    return pieces
 
 
-def served_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters (tied ones once) under the names vLLM loads them by."""
-    names = served_names(model)
-    return {names[n]: p for n, p in model.named_parameters()}
+def served_tensors(pieces: dict[str, Piece], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> tensor, from ``weights`` keyed by parameter name (parameters, or
+    copies gathered whole): fused tensors' slices are views of them."""
+    return {name: pc.of(weights[pc.param]) for name, pc in pieces.items()}
+
+
+def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters (tied ones once) under the names vLLM loads them by: a
+    parameter itself where the checkpoint only renames it, a view where it keeps slices (a
+    sharded parameter's slice has no local view: a meta tensor of its whole shape, for the
+    manifest; learner/dist.py gathers the parameter, then slices)."""
+    pieces, params = served_pieces(model), dict(model.named_parameters())
+    out = {}
+    for name, pc in pieces.items():
+        p = params[pc.param]
+        out[name] = torch.empty(pc.view[0], dtype=p.dtype, device="meta") \
+            if pc.view is not None and hasattr(p, "full_tensor") else pc.of(p)
+    return out
 
 
 def served_mismatch(model_path: str | Path) -> str | None:

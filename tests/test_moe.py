@@ -1,0 +1,103 @@
+"""Mixture-of-experts models through weight sync: transformers 5 keeps a layer's experts
+fused in memory ([experts, ...] tensors) while the checkpoint vLLM loads has one tensor per
+expert and projection, so the learner sends per-expert views under the checkpoint's names
+(weight_sync/names.py). The engine-level check is the architecture matrix's ``qwen3_moe``
+entry (tests/test_architectures.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch.checks import validate_run
+from rlpipe.config import ConfigError, build_config
+from tests.families import save_tiny_model, tiny_model
+from weight_sync.names import checkpoint_shapes, served_mismatch, served_parameters, served_pieces
+
+FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def test_fused_experts_are_sent_as_the_checkpoints_per_expert_tensors_bit_for_bit(tmp_path):
+    """What the learner sends is what ``save_pretrained`` writes: the same names, shapes and
+    values, each expert's tensor a view of the fused parameter (no copy)."""
+    model = tiny_model("qwen3_moe")
+    path = save_tiny_model("qwen3_moe", tmp_path / "m")
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    sent = served_parameters(model)
+    assert sorted(sent) == sorted(saved) == sorted(checkpoint_shapes(path))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in sent
+    for name, t in sent.items():
+        assert t.dtype == saved[name].dtype and torch.equal(t, saved[name]), name
+    params = dict(model.named_parameters())
+    for name, pc in served_pieces(model).items():
+        if pc.view is not None:
+            storage = params[pc.param].untyped_storage().data_ptr()
+            assert pc.param.endswith(FUSED) and sent[name].untyped_storage().data_ptr() == storage
+    assert served_mismatch(path) is None
+
+
+def test_the_per_expert_slices_reassemble_the_fused_tensors_exactly():
+    """Every element of a fused parameter is in exactly one slice: writing the slices back
+    into zeros gives the parameter bit for bit (nothing left out, nothing sent twice)."""
+    model = tiny_model("qwen3_moe")
+    params = dict(model.named_parameters())
+    rebuilt = {n: torch.zeros_like(p) for n, p in params.items()}
+    hits = {n: torch.zeros_like(p, dtype=torch.int32) for n, p in params.items()}
+    for name, pc in served_pieces(model).items():
+        pc.of(rebuilt[pc.param]).copy_(served_parameters(model)[name])
+        pc.of(hits[pc.param]).add_(1)
+    assert sum(n.endswith(FUSED) for n in params) == 4  # 2 layers x (gate_up, down)
+    for n, p in params.items():
+        assert torch.equal(rebuilt[n], p.detach()) and bool((hits[n] == 1).all()), n
+
+
+def test_a_gathered_model_slices_the_fused_parameter_once_per_bucket():
+    """The sharded learner's gather (learner/dist.py) returns the same slices."""
+    from learner.dist import Ranks
+
+    model = tiny_model("qwen3_moe")
+    names = [n for n in served_parameters(model) if ".experts." in n][:5] + ["lm_head.weight"]
+    got = Ranks().full_tensors(model, names)
+    assert list(got) == names
+    assert all(torch.equal(got[n], served_parameters(model)[n]) for n in names)
+
+
+def test_a_model_whose_checkpoint_merges_tensors_is_refused_at_launch_naming_why(tmp_path, monkeypatch):
+    """A conversion rlpipe cannot send slice by slice (several parameters saved as one
+    tensor) is a config error that names the model and the tensor, not a traceback."""
+    import transformers.core_model_loading as conversion
+
+    path = save_tiny_model("qwen3_moe", tmp_path / "m")
+    cfg = build_config({}, environ={}, **{"model.path": path})
+    validate_run(cfg)  # as transformers saves it: fits
+    real = conversion.revert_weight_conversion
+
+    def merging(model, state_dict):
+        out = real(model, state_dict)
+        norm = "model.layers.0.input_layernorm.weight"
+        out[norm] = torch.cat([out[norm], out.pop("model.layers.0.post_attention_layernorm.weight")])
+        return out
+
+    monkeypatch.setattr(conversion, "revert_weight_conversion", merging)
+    with pytest.raises(ConfigError, match=rf"model.path: .*Qwen3MoeForCausalLM: "
+                                          r"model.layers.0.input_layernorm.weight is made from several tensors"):
+        validate_run(cfg)
+
+
+def test_the_moe_toy_is_a_qwen3_moe_whose_weights_fit_the_workers_engine(tmp_path):
+    """``model.path: toy-moe``: a Qwen3MoeForCausalLM with 4 experts a layer, 2 per token,
+    warm-started like the other toys, cached under its own key, and servable."""
+    import json
+
+    from launch.toy import ensure_toy_model, toy_spec
+
+    small = dict(hidden_size=32, intermediate_size=32, target_sampled_accuracy=0.5, sft_max_steps=5, eval_every=5,
+                 eval_prompts=16, seed=5)
+    path = ensure_toy_model(toy_spec("moe", **small), root=tmp_path, log=lambda m: None)
+    config = json.loads((path / "config.json").read_text())
+    assert path.name.startswith("toy-moe-") and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in checkpoint_shapes(path)
+    assert served_mismatch(path) is None
+    assert toy_spec("moe").key() != toy_spec("llama").key()
