@@ -82,16 +82,17 @@ def test_a_chat_template_file_that_is_not_there_is_named_before_the_worker_start
 
 
 def test_a_model_the_launch_check_cannot_build_is_named(tmp_path):
-    """The launch check builds the model to compare its tensors with the engine's: a tiny MoE
-    (Mixtral) raises RuntimeError in transformers' weight conversion there, which printed a
-    traceback; it is a config error naming the model and the error (issue 33 item 7)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    """The launch check reads the model's tensors to compare them with the engine's: one it
+    cannot read (here a model.safetensors that is not one; before, a tiny Mixtral's weight
+    conversion, which weight_sync/names.py now maps) printed a traceback; it is a config error
+    naming the model and the error (issue 33 item 7)."""
+    from transformers import LlamaConfig
 
-    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
-    assert_usage_error(*rlpipe("learner", "--set", f"model.path={tmp_path / 'moe'}"),
-                       "model.path", str(tmp_path / "moe"), "could not be loaded", "RuntimeError")
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(tmp_path / "broken")
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"not a safetensors header")
+    assert_usage_error(*rlpipe("learner", "--set", f"model.path={tmp_path / 'broken'}"),
+                       "model.path", str(tmp_path / "broken"), "could not be loaded", "SafetensorError")
 
 
 def test_a_port_in_use_is_named(model_dir):
