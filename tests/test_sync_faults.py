@@ -89,6 +89,8 @@ def steps_done(cfg) -> list[dict]:
     return read_jsonl(f"{cfg.run_dir}/metrics.jsonl")
 
 
+# A soak test: three engine starts and a transfer timeout, 145 s, over the suite's budget
+@pytest.mark.soak
 def test_a_worker_killed_mid_transfer_costs_one_timeout_and_catches_up_on_restart(run):
     cfg, start_learner, start_worker = run(workers=2)
     r, keys = connect(cfg.redis_url), Keys(cfg.run_id)
