@@ -32,16 +32,12 @@ sys.path.insert(0, str(ROOT))
 
 def prompts_of(cfg, dataset: str | None, rows: int) -> list[tuple[str, str]]:
     """(prompt text, reference answer) of the first ``rows`` rows: the held-out set the run
-    evaluates (training questions dropped) unless ``dataset`` names another set."""
-    from rlpipe.datasets import load_rows
-    from rollout_service.tasks import DatasetTask
+    evaluates (rollout_service/evals.py, training questions dropped) unless ``dataset`` names another set."""
+    from rollout_service.evals import make_eval_task
+    from rollout_service.tasks import eval_task_config, make_task
 
-    task_cfg = cfg.task.model_copy(update={"dataset": dataset or cfg.eval.dataset, "shuffle": False})
-    task = DatasetTask(task_cfg, need_answer=True)
-    if dataset is None and cfg.eval.drop_shared:
-        t = cfg.task
-        task.drop_questions_of(load_rows(t.dataset, t.prompt_field, t.answer_field, t.id_field, need_answer=False))
-    return [(text, answer) for _, text, answer, _ in task.rows[:rows]]
+    task = make_task(eval_task_config(cfg.task, dataset)) if dataset else make_eval_task(cfg)
+    return [(p.text, p.answer) for p in map(task.prompt, range(min(rows, task.size)))]
 
 
 def score(answers: list[str], outputs: list[str]) -> dict:
