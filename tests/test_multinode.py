@@ -91,6 +91,25 @@ def test_a_node_other_than_0_serves_healthz_while_node_0s_store_answers():
     assert code == 503 and body["node_rank"] == 1 and "does not answer" in body["status"]
 
 
+def lose_node_1_and_restart(nodes: list, cfg, later_groups, run_dir, restart, log) -> None:
+    """Node 1 is lost (its agent and its rank, in a session of their own, SIGKILLed) after step 2's
+    checkpoint; the next step's groups arrive, and node 0 must then fail, not hang. ``nodes`` becomes
+    the restarted nodes (``restart()``), which meet again, resume from step 2 and finish."""
+    kill_group(nodes[1], signal.SIGKILL)
+    nodes[1].wait()
+    queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
+    for rec in for_run(later_groups, cfg):
+        queue.push(rec)
+    t0 = time.monotonic()
+    code = nodes[0].wait(timeout=120)
+    print(f"node 0 stopped {time.monotonic() - t0:.1f}s after the groups came, exit code {code}")
+    assert code != 0
+    assert latest_step(run_dir) == 2
+    nodes[:] = restart()
+    for p in nodes:
+        assert p.wait(timeout=300) == 0, log.read_text()[-3000:]
+
+
 # A soak test: the FSDP test below covers the same loss and restart (and more) in the suite's budget;
 # this one keeps DDP's path, about 4 minutes on a loaded 2-core machine
 @pytest.mark.slow
@@ -118,21 +137,8 @@ def test_two_nodes_train_as_one_process_and_a_lost_node_stops_the_job_which_resu
             assert time.monotonic() < deadline, (tmp_path / "node0.log").read_text()[-3000:]
             assert all(p.poll() is None for p in nodes), (tmp_path / "node0.log").read_text()[-3000:]
             time.sleep(0.5)
-        kill_group(nodes[1], signal.SIGKILL)  # node 1 is lost: its agent and its rank (in a session of its own)
-        nodes[1].wait()
-        queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
-        for rec in for_run(groups[8:], cfg):  # the next step's groups: node 0 must now fail, not hang
-            queue.push(rec)
-        t0 = time.monotonic()
-        code = nodes[0].wait(timeout=120)
-        print(f"node 0 stopped {time.monotonic() - t0:.1f}s after the groups came, exit code {code}")
-        assert code != 0
-        assert latest_step(run_dir) == 2
-
-        port = free_port()  # the restarted nodes meet again and resume from step 2
-        nodes = start_nodes(run_dir, port, tmp_path)
-        for p in nodes:
-            assert p.wait(timeout=300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        lose_node_1_and_restart(nodes, cfg, groups[8:], run_dir, lambda: start_nodes(run_dir, free_port(), tmp_path),
+                                tmp_path / "node0.log")
     finally:
         for p in nodes:
             if p.poll() is None:
@@ -178,16 +184,9 @@ def test_only_node_0_reads_checkpoints_and_a_restart_resumes_every_rank_alike(re
             assert all(p.poll() is None for p in nodes), (tmp_path / "node1.log").read_text()[-3000:]
             time.sleep(0.5)
         assert get(f"http://127.0.0.1:{health}/healthz") == (200, {"status": "ok", "node_rank": 1})
-        kill_group(nodes[1], signal.SIGKILL)
-        nodes[1].wait()
-        queue = TrajectoryQueue(connect(cfg.redis_url), cfg.run_id)
-        for rec in for_run(groups[8:], cfg):
-            queue.push(rec)
-        assert nodes[0].wait(timeout=120) != 0
-        assert latest_step(run_dir) == 2
-        nodes = start_nodes(run_dir, free_port(), tmp_path, node1, (run_dir, elsewhere))
-        for p in nodes:
-            assert p.wait(timeout=300) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        lose_node_1_and_restart(nodes, cfg, groups[8:], run_dir,
+                                lambda: start_nodes(run_dir, free_port(), tmp_path, node1, (run_dir, elsewhere)),
+                                tmp_path / "node1.log")
     finally:
         for p in nodes:
             if p.poll() is None:
