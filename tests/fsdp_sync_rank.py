@@ -21,8 +21,6 @@ monitors' metrics.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import sys
 from functools import partial
@@ -33,6 +31,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.peak_memory import peak_rise_kib as measure  # noqa: E402
 from learner.channels import Collectives  # noqa: E402
 from learner.dist import Ranks, exit_rank  # noqa: E402
 from quant.quant_profile import QuantProfile  # noqa: E402
@@ -43,30 +42,6 @@ from weight_sync.sender import WeightSender  # noqa: E402
 BUCKET = 1 << 20
 INT8_BUCKET = 1 << 18  # int8 wire bytes: each is made from 4 gathered fp32 bytes and their temporaries
 WIRE = torch.bfloat16
-
-
-def peak_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM")
-
-
-def resident_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
-
-
-def measure(work) -> tuple[object, int]:
-    """``work()``, and how far resident memory rose above where it was before, at its peak (KiB)."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back: what work() reuses of it would not count
-    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident size
-    before = resident_kib()
-    out = work()
-    return out, peak_kib() - before
 
 
 def made_up_profile(model, model_dir: Path) -> QuantProfile:
