@@ -64,15 +64,17 @@ class RunCheck:
     max_model_len: int  # longest prompt + response an engine of the run holds
     precisions: tuple[str, ...]  # the fleet's
     version: int = 0  # the learner's weights version, kept current by the learner
+    # routing replay: the model's (MoE layers, top_k, experts) every record's routes must have; None: no routes
+    routing: tuple[int, int, int] | None = None
 
     @classmethod
-    def for_run(cls, cfg, vocab_size: int) -> "RunCheck":
+    def for_run(cls, cfg, vocab_size: int, routing: tuple[int, int, int] | None = None) -> "RunCheck":
         s = cfg.sampling
         return cls(run_id=cfg.run_id, vocab_size=vocab_size, n=s.n,
                    sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                              "max_tokens": s.max_tokens},
                    max_tokens=s.max_tokens, max_model_len=cfg.rollout.max_model_len,
-                   precisions=tuple(cfg.rollout.precisions))
+                   precisions=tuple(cfg.rollout.precisions), routing=routing)
 
     def check(self, rec: GroupRecord, handed_out: int, reissued: int) -> None:
         """Raise SchemaError naming the first field that does not fit the run.
@@ -87,6 +89,7 @@ class RunCheck:
             raise SchemaError(f"policy_version: {rec.policy_version}..{rec.policy_version_end} is not within "
                               f"0..{self.version}, the learner's version")
         self._check_sampling(rec.sampling)
+        self._check_routing(rec.routing)
         if len(rec.samples) != self.n:
             raise SchemaError(f"samples: {len(rec.samples)} samples, the run's sampling.n is {self.n}")
         prompt = len(rec.prompt_tokens)
@@ -128,6 +131,19 @@ class RunCheck:
             if len(versions) and (versions.min() < rec.policy_version or versions.max() > high):
                 raise SchemaError(f"{where}versions: {what} {int(versions.min())}..{int(versions.max())} outside "
                                   f"policy_version {rec.policy_version}..{high}")
+
+    def _check_routing(self, routing) -> None:
+        """Routes (checked for shape by decode_group) are this model's: its MoE layers, top_k and
+        experts; a run that replays routing refuses a record without them, and one that does
+        not, a record with them (routes it would silently ignore)."""
+        if routing == self.routing:
+            return
+        if self.routing is None:
+            raise SchemaError(f"routing: {routing}, but this run does not replay routing (rollout.routing_replay)")
+        if routing is None:
+            raise SchemaError(f"routing: missing, and this run replays routing (rollout.routing_replay): "
+                              f"(layers, top_k, experts) {self.routing}")
+        raise SchemaError(f"routing: (layers, top_k, experts) {routing}, this run's model has {self.routing}")
 
     def _check_sampling(self, sampling: dict) -> None:
         for key, want in self.sampling.items():

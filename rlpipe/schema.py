@@ -16,6 +16,15 @@ environment token (context only). Absent means all ones, so a record written bef
 reads exactly as before. ``logprobs`` are the behavior log-probs of the model tokens and
 exactly 0 at environment positions; ``versions`` is per token as before (at an environment
 position: the version in force when it was appended, not interpreted by the learner).
+
+Routing replay (issue 36, ``rollout.routing_replay``; optional too): a mixture-of-experts
+engine's chosen experts travel with the sample so the learner forwards through the same
+ones. The group's ``routing`` map gives the shape (``layers``, ``top_k``, ``experts``); each
+sample's ``routes`` is one row per token the engine forwarded, the prompt's and the
+response's except the last sampled one (it is never forwarded): ``P + L - 1`` rows of
+``layers x top_k`` expert ids, uint8 when ``experts`` <= 256 and little-endian uint16 up to
+65,536, the smallest integer that holds an id (1 byte a (token, layer, k) on any model
+with at most 256 experts: 96 bytes a token for 48 layers of top-2).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 U8 = np.dtype("u1")
+U16 = np.dtype("<u2")
+MAX_EXPERTS = 1 << 16
 
 # What a sample's reward and reward_info may be (issue 33 item 12: one bad reward function stopped a run).
 # A reward within float32's range with room for the learner's float32 sums over a group and a batch (a
@@ -61,6 +72,8 @@ class Sample:
     # (L,) uint8, multi-turn episodes only: 1 model token (trains), 0 environment token
     # (context only; its logprob is 0). None: every token is the model's.
     mask: np.ndarray | None = None
+    # (P + L - 1, layers, top_k) expert ids, routing replay only (the module docstring)
+    routes: np.ndarray | None = None
 
     def model_mask(self) -> np.ndarray:
         """(L,) bool: which tokens the model sampled (all of them without a ``mask``)."""
@@ -104,6 +117,8 @@ class GroupRecord:
     # The learner settles each index once (rlpipe/queue.py, 'Prompt leases'); -1: not from the cursor.
     prompt_index: int = -1
     attempt: int = 0
+    # (layers, top_k, experts) when the samples carry ``routes``, else None
+    routing: tuple[int, int, int] | None = None
 
     @property
     def rewards(self) -> list[float]:
@@ -188,6 +203,8 @@ def encode_group(rec: GroupRecord) -> bytes:
             m["reward_info"] = s.reward_info
         if s.mask is not None:
             m["mask"] = _pack_array(s.mask, U8)
+        if s.routes is not None:
+            m["routes"] = _pack_array(s.routes, route_dtype(rec.routing[2]) if rec.routing else U8)
         samples.append(m)
     payload = {
         "schema": rec.schema,
@@ -207,6 +224,8 @@ def encode_group(rec: GroupRecord) -> bytes:
     }
     if rec.prompt_index >= 0:
         payload.update(prompt_index=int(rec.prompt_index), attempt=int(rec.attempt))
+    if rec.routing is not None:
+        payload["routing"] = dict(zip(ROUTING_KEYS, map(int, rec.routing)))
     data = msgpack.packb(payload, use_bin_type=True)
     decode_group(data)  # the writer holds itself to the reader's rules
     return data
@@ -257,6 +276,51 @@ def _mask(s: dict, tokens: np.ndarray, logprobs: np.ndarray, where: str) -> np.n
     return mask
 
 
+ROUTING_KEYS = ("layers", "top_k", "experts")
+
+
+def route_dtype(experts: int) -> np.dtype:
+    """The smallest unsigned integer that holds an expert id below ``experts``."""
+    return U8 if experts <= 256 else U16
+
+
+def _routing(m: dict) -> tuple[int, int, int] | None:
+    """The group's routing shape, validated, or None when it carries no routes."""
+    if "routing" not in m:
+        return None
+    r = _need(m, "routing", dict)
+    if set(r) != set(ROUTING_KEYS):
+        raise SchemaError(f"routing: expected the keys {list(ROUTING_KEYS)}, got {sorted(map(str, r))}")
+    shape = tuple(_need(r, k, int, "routing.") for k in ROUTING_KEYS)
+    layers, top_k, experts = shape
+    if not (layers > 0 and 0 < top_k <= experts <= MAX_EXPERTS):
+        raise SchemaError(f"routing: {dict(zip(ROUTING_KEYS, shape))} is not 0 < top_k <= experts <= {MAX_EXPERTS} "
+                          f"with layers > 0")
+    return shape
+
+
+def _routes(s: dict, routing: tuple[int, int, int] | None, rows: int, where: str) -> np.ndarray | None:
+    """A sample's expert ids, validated: one row of ``layers x top_k`` per forwarded token
+    (``rows``), every id below ``experts``, no expert twice in a row's top-k."""
+    if "routes" not in s:
+        if routing is not None:
+            raise SchemaError(f"{where}routes: missing, and the group's routing says its samples carry them")
+        return None
+    if routing is None:
+        raise SchemaError(f"{where}routes: present without the group's routing (layers, top_k, experts)")
+    layers, top_k, experts = routing
+    ids = _array(s, "routes", route_dtype(experts), where)
+    if len(ids) != rows * layers * top_k:
+        raise SchemaError(f"{where}routes: {len(ids)} expert ids, expected {rows} forwarded tokens x {layers} layers "
+                          f"x top_k {top_k} = {rows * layers * top_k}")
+    ids = ids.reshape(rows, layers, top_k)
+    if len(ids) and int(ids.max()) >= experts:
+        raise SchemaError(f"{where}routes: expert id {int(ids.max())} is not below the routing's {experts} experts")
+    if top_k > 1 and np.any(np.diff(np.sort(ids, axis=-1), axis=-1) == 0):
+        raise SchemaError(f"{where}routes: an expert chosen twice in one token's top-k")
+    return ids
+
+
 def decode_group(data: bytes) -> GroupRecord:
     """Parse and validate one stream entry's ``data`` field."""
     try:
@@ -282,6 +346,10 @@ def decode_group(data: bytes) -> GroupRecord:
     raw_samples = _need(m, "samples", list)
     if not raw_samples:
         raise SchemaError("samples: empty group")
+    prompt_tokens = _token_ids(m, "prompt_tokens", "")
+    if not len(prompt_tokens):
+        raise SchemaError("prompt_tokens: empty prompt")
+    routing = _routing(m)
     samples = []
     for i, s in enumerate(raw_samples):
         where = f"samples[{i}]."
@@ -309,14 +377,12 @@ def decode_group(data: bytes) -> GroupRecord:
             problem = problem or info_problem(info) or info_size_problem(info)
         if problem:
             raise SchemaError(f"{where}{problem}")
-        samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info, mask))
+        routes = _routes(s, routing, len(prompt_tokens) + len(tokens) - 1, where)
+        samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info, mask, routes))
     for key in ("prompt_index", "attempt"):
         if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):
             raise SchemaError(f"{key}: expected a non-negative int, got {m[key]!r}")
     prompt_index, attempt = m.get("prompt_index", -1), m.get("attempt", 0)
-    prompt_tokens = _token_ids(m, "prompt_tokens", "")
-    if not len(prompt_tokens):
-        raise SchemaError("prompt_tokens: empty prompt")
     return GroupRecord(
         run_id=_need(m, "run_id", str),
         group_id=_need(m, "group_id", str),
@@ -334,4 +400,5 @@ def decode_group(data: bytes) -> GroupRecord:
         schema=schema,
         prompt_index=prompt_index,
         attempt=attempt,
+        routing=routing,
     )
