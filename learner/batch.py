@@ -11,6 +11,10 @@ environment tokens are context only: ``mask`` is 0 there (and ``behavior_logprob
 they leave the loss, the IS weights, every mismatch metric and the token counts, all of
 which are sums over ``mask`` (learner/loss.py). ``staleness`` counts from the oldest
 model token's version.
+
+Routing replay (issue 36): when the records carry routes, ``routes`` holds each position's
+experts in the row's own layout, (N, T, MoE layers, top_k), -1 where the engine forwarded
+nothing (the last token, the padding); learner/routing.py replays them in every forward.
 """
 
 from __future__ import annotations
@@ -37,27 +41,31 @@ class Batch:
     temperature: torch.Tensor  # (N,) float: the sampling temperature of each row
     top_p: torch.Tensor  # (N,) float32: each row's nucleus mass (1: off)
     top_k: torch.Tensor  # (N,) long: each row's top-k (-1 or 0: off)
+    routes: torch.Tensor | None = None  # (N, T, layers, top_k) int32 expert ids, -1: none; routing replay only
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum().item())
 
     def select(self, rows: torch.Tensor) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return self._map(lambda name, value: value[rows])
 
     def trimmed(self) -> "Batch":
         """Without the padding columns past the longest row (rows are right-padded)."""
         width = int(self.attention_mask.sum(1).max().item())
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value.dim() == 2:
-                value = value[:, : width if f.name in ("input_ids", "attention_mask") else width - 1]
-            out[f.name] = value
-        return Batch(**out)
+
+        def trim(name: str, value: torch.Tensor) -> torch.Tensor:
+            if value.dim() < 2:
+                return value
+            return value[:, : width if name in ("input_ids", "attention_mask", "routes") else width - 1]
+        return self._map(trim)
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return self._map(lambda name, value: value.to(device))
+
+    def _map(self, fn) -> "Batch":
+        """A batch of ``fn(name, tensor)`` for each field (an absent ``routes`` stays absent)."""
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else fn(f.name, v) for f in fields(self)})
 
 
 def microbatches(batch: Batch, rows: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
@@ -120,7 +128,25 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
                            dtype=torch.float32),
         top_k=torch.tensor([int(_or(rec.sampling.get("top_k"), -1)) for rec in records for _ in rec.samples],
                            dtype=torch.long),
+        routes=_routes(records, width),
     )
+
+
+def _routes(records: list[GroupRecord], width: int) -> torch.Tensor | None:
+    """The records' expert ids laid out as their rows (collate): sample s of a record with prompt
+    P holds rows for positions 0..P+len(s)-2; the rest is -1. None when no record has routes
+    (a run without routing replay); a mix cannot pass the reader (rlpipe/admission.py)."""
+    shapes = {rec.routing for rec in records}
+    if shapes == {None}:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"records with different routing shapes in one batch: {sorted(map(str, shapes))}")
+    layers, top_k, _ = shapes.pop()
+    rows = [s.routes for rec in records for s in rec.samples]
+    out = torch.full((len(rows), width, layers, top_k), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.from_numpy(r.astype("int32"))
+    return out
 
 
 def _or(value, default):

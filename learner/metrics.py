@@ -104,6 +104,9 @@ _TRAIN = {
     "is_truncated_seq_fraction": "fraction of sequences with a truncated importance weight",
     "is_masked_fraction": "fraction of tokens masked out by the importance-weight rule",
     "is_masked_seq_fraction": "fraction of sequences masked out by the importance-weight rule",
+    "routing_agreement": "rollout.routing_replay: share of (token, MoE layer) pairs where the learner's own router "
+                         "chose the engine's top-k experts (rank 0's forwards of the step)",
+    "routing_agreement_by_layer": "routing_agreement per MoE layer (label layer)",
 }
 _ROLLOUT = {
     "staleness_mean": "mean versions between sampling and training of the step's groups",
@@ -336,6 +339,10 @@ class LearnerMetrics:
                     gauge = self._series(f"{name}_by_precision", f"{describe(name)[1]}, per rollout precision",
                                          ("precision",))
                     gauge.labels(precision=precision).set(value)
+        for layer, value in enumerate(step_metrics.get("routing_agreement_by_layer") or []):  # MoE layers, in order
+            if value is not None:
+                self._series("routing_agreement_by_layer", describe("routing_agreement_by_layer")[1],
+                             ("layer",)).labels(layer=str(layer)).set(value)
         for name in BY_PRECISION_TOTALS:  # {precision: run total}: counters labelled by precision
             for precision, value in step_metrics.get(name, {}).items():
                 self._export(name, value, precision)

@@ -21,6 +21,7 @@ import torch
 
 from learner.batch import Batch
 from learner.loss import token_entropy
+from learner.routing import routes_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -176,7 +177,9 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     positions left out come back as 0, as every masked position reads.
 
     ``share_prompt``: each group's prompt goes forward once for its rows (:func:`shared_prompt_logprobs`),
-    on an unwrapped model without ``fp32_lm_head``; elsewhere the plain path runs.
+    on an unwrapped model without ``fp32_lm_head``; elsewhere the plain path runs. A batch with
+    ``routes`` (routing replay, learner/routing.py) takes the plain path, its routes laid out
+    as its rows.
 
     The entropy is of the full (truncated) distribution, in fp32; it carries a gradient only
     with ``entropy_grad`` (``learner.entropy_coef`` > 0), else nothing of it outlives the
@@ -187,10 +190,19 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     activation checkpointing the recomputed layers appended their keys to it a second time
     (a shape error: tests/test_activation_checkpointing.py, every family).
     """
+    inner = getattr(model, "module", model)
+    if batch.routes is not None:  # routing replay: every forward of these rows through the rollout's experts
+        with routes_for(inner, batch.routes):
+            return _token_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only)
     if share_prompt and not hasattr(model, "module") and not (fp32_lm_head and dtype != "fp32"):
         return shared_prompt_logprobs(model, batch, dtype, entropy_grad)
+    return _token_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only)
+
+
+def _token_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
+                    response_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs`' plain path: the whole rows in one forward."""
     device_type = batch.input_ids.device.type
-    inner = getattr(model, "module", model)
     start = response_start(batch) if response_only else 0
     width = batch.input_ids.shape[1]
     with autocast(dtype, device_type):

@@ -35,6 +35,7 @@ from learner.loss import (
     sequence_kl,
 )
 from learner.policy import token_logprobs
+from learner.routing import take_tally
 from learner.served import ServedWeights, served_dtype
 
 # Activation memory per token of a decoder forward kept for the backward: about 17 values
@@ -384,4 +385,6 @@ class PPOStep:
             **kl_metrics,
             # PPO statistics averaged over the step's minibatches (on rank 0's rows under DDP)
             **{k: sum(m[k] for m in ppo_rows) / len(ppo_rows) for k in (ppo_rows[0] if ppo_rows else {})},
+            # routes recorded by the engines: how often this rank's forwards of the step chose the same experts
+            **take_tally(self.model).metrics(),
         }

@@ -41,6 +41,8 @@ from learner.ledger import Ledger
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, load_policy, token_logprobs
 from learner.reference import load_reference
+from learner.routing import install as install_routing
+from learner.routing import routing_shape
 from learner.schedule import LRSchedule, apply_lr
 from learner.step import PPOStep
 from rlpipe import registry
@@ -139,13 +141,17 @@ class Learner:
         self.run_counters = RunCounters()
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
                            self.metrics.staleness, load_reference(cfg, self.device))  # None unless kl_coef > 0
+        if cfg.rollout.routing_replay:  # the policy's and the reference's forwards replay the rollout's experts
+            for model in filter(None, (self.model, self.ppo.reference)):
+                install_routing(model, replay=lc.replay_routes)
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).
             collectives = Collectives(self._gather, self._probe) if self.ranks.sharded else None
             self.fleet = FleetSync(cfg, self.r, self.keys, self.metrics, collectives, fence=self.queue.fence)
             # The reader admits only records that fit this run and this model (rlpipe/admission.py).
-            self.queue.check = RunCheck.for_run(cfg, self.model.get_input_embeddings().num_embeddings)
+            self.queue.check = RunCheck.for_run(cfg, self.model.get_input_embeddings().num_embeddings,
+                                                routing_shape(self.model) if cfg.rollout.routing_replay else None)
             self.ledger = Ledger(cfg, self.queue, self.run_counters, self.metrics.dropped_stale, self._try_alone)
             self.ledger.on_redis_restart = self.fleet.drop  # the sync hash may have gone back: re-form
             # Dead letters from before this process: its Prometheus counter counts only its own,

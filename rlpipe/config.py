@@ -197,6 +197,9 @@ class RolloutConfig(HttpTimeouts):
     max_num_batched_tokens: int | None = Field(None, ge=8, description="tokens one engine step may schedule "
                                                "(vLLM's token budget; null = vLLM's default): a longer prompt is "
                                                "prefilled in chunks across steps")
+    routing_replay: bool = Field(False, description="a mixture-of-experts model: record each token's experts so the "
+                                 "learner replays them (learner.replay_routes); turns the prefix cache off, because a "
+                                 "cached prefix is not forwarded and has no routes")
     engine: dict[str, Any] = Field({}, description="more vLLM engine arguments (EngineArgs fields: "
                                    "gpu_memory_utilization, max_num_seqs, enable_prefix_caching, ...), checked at "
                                    "launch against vLLM's own (rollout_service/engine_args.py)")
@@ -328,6 +331,9 @@ class LearnerConfig(HttpTimeouts):
     share_prompt: bool = Field(True, description="forward each group's prompt once for its samples (its KV cache "
                                "repeated, gradients through it) instead of once per sample; one rank only (a DDP or "
                                "FSDP learner forwards whole rows)")
+    replay_routes: bool = Field(True, description="with rollout.routing_replay: forward each token through the experts "
+                                "the engine chose (the router's probabilities still computed, so it keeps its "
+                                "gradient); false: only measure routing_agreement against the learner's own choice")
     eps_low: float = Field(0.2, ge=0, description="ppo_clip: the ratio pi/pi_old is clipped below at 1 - this")
     eps_high: float = Field(0.28, ge=0, description="ppo_clip: the ratio is clipped above at 1 + this (above "
                             "eps_low: DAPO's clip-higher, so unlikely tokens can still gain probability)")

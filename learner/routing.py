@@ -1,0 +1,162 @@
+"""Rollout routing replay (R3, issue 36): the learner forwards a mixture-of-experts model
+through the experts the rollout engine chose, and measures how often its own router agrees.
+
+Why: an engine and the learner compute a token's router logits in different kernels (and
+precisions), and where two experts score nearly alike they pick different ones. On the
+feasibility probe 1.6% of a bf16 engine's tokens were routed differently by the learner,
+and those few tokens gave log-prob gaps up to 0.66; replaying the engine's experts cut the
+largest gap to 0.018 (../shared/feasibility/LORA_MOE_NOTES.md). Replay forces only the
+*choice*: the router's probabilities are still computed, softmax over all experts, and the
+chosen ones' weights are gathered from them (renormalised as the model does), so the router
+keeps its gradient.
+
+The routers handled are transformers' softmax-then-top-k routers (``ROUTERS``: Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE), which is also how vLLM routes those models. Their layer order
+in ``model.modules()`` is the engine's capture order (rollout_service/routes.py).
+
+:func:`install` wraps each router's ``forward`` once. A forward under :func:`routes_for`
+replays the given routes, laid out like the model's input (``(B, S, layers, top_k)``, -1
+where there is none: that position routes itself); outside it the routers behave exactly as
+before. Either way, where routes are given, each router counts the (token, layer) pairs whose
+own top-k set equals the replayed one: the routing agreement (:class:`Tally`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter")
+
+
+@dataclass
+class Tally:
+    """(token, layer) pairs with a replayed route, and those the learner's own router agreed
+    on (the same top-k set), per MoE layer."""
+
+    agree: list[int] = field(default_factory=list)
+    total: list[int] = field(default_factory=list)
+
+    def add(self, layer: int, agree: int, total: int) -> None:
+        while len(self.total) <= layer:
+            self.agree.append(0)
+            self.total.append(0)
+        self.agree[layer] += agree
+        self.total[layer] += total
+
+    def metrics(self) -> dict:
+        """``routing_agreement`` overall and per layer; empty when nothing was routed."""
+        if not sum(self.total):
+            return {}
+        return {"routing_agreement": sum(self.agree) / sum(self.total),
+                "routing_agreement_by_layer": [a / t if t else None for a, t in zip(self.agree, self.total)]}
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE routers, in layer order (also the order of the engine's routes)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
+
+
+def routing_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(MoE layers, top_k, experts) of ``model``, None without MoE layers."""
+    routers = moe_routers(model)
+    if not routers:
+        return None
+    return len(routers), int(routers[0].top_k), int(routers[0].num_experts)
+
+
+def replay_problem(model: torch.nn.Module) -> str | None:
+    """Why routing replay cannot run on ``model`` (None when it can)."""
+    routers = moe_routers(model)
+    if not routers:
+        return "the model has no mixture-of-experts layers to replay"
+    other = sorted({type(r).__name__ for r in routers} - set(ROUTERS))
+    if other:
+        return f"routing replay handles the softmax top-k routers {list(ROUTERS)}, not {other}"
+    return None
+
+
+def install(model: torch.nn.Module, replay: bool = True) -> int:
+    """Wrap every MoE router's forward (once; idempotent). Returns the routers wrapped.
+    ``replay`` False: routes given are only compared with the learner's own choice (the
+    agreement), not forced. ``model`` is the bare model (not a DDP wrapper); FSDP2's hooks
+    stay on the layers."""
+    if problem := replay_problem(model):
+        raise ValueError(problem)
+    routers = moe_routers(model)
+    state = model.__dict__.setdefault("_rlpipe_routing", {"routes": None, "tally": Tally()})
+    state["replay"] = replay
+    for layer, router in enumerate(routers):
+        if not getattr(router, "_rlpipe_replays", False):
+            router.forward = _replaying(router, layer, state)
+            router._rlpipe_replays = True
+    return len(routers)
+
+
+@contextmanager
+def routes_for(model: torch.nn.Module, routes: torch.Tensor | None):
+    """Forwards of ``model`` in this block replay ``routes`` (the input's ``(B, S, layers,
+    top_k)``); None, or a model :func:`install` never saw: nothing changes."""
+    state = model.__dict__.get("_rlpipe_routing")
+    if state is None or routes is None:
+        yield
+        return
+    state["routes"] = routes
+    try:
+        yield
+    finally:
+        state["routes"] = None
+
+
+def take_tally(model: torch.nn.Module) -> Tally:
+    """The agreement counted since the last call (and a fresh count from here)."""
+    state = model.__dict__.get("_rlpipe_routing")
+    if state is None:
+        return Tally()
+    tally, state["tally"] = state["tally"], Tally()
+    return tally
+
+
+def _replaying(router: torch.nn.Module, layer: int, state: dict):
+    """``router``'s forward with the replay: the routes in force for this layer, flattened as the
+    router flattens its input (row-major over batch and sequence)."""
+
+    def forward(hidden_states: torch.Tensor):
+        routes = state["routes"]
+        forced = None
+        if routes is not None:
+            forced = routes[..., layer, :].reshape(-1, routes.shape[-1]).to(hidden_states.device, torch.long)
+        return routed(router, hidden_states, forced, state["tally"], layer, state["replay"])
+
+    return forward
+
+
+def routed(router: torch.nn.Module, hidden_states: torch.Tensor, forced: torch.Tensor | None, tally: Tally,
+           layer: int, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the router returns (logits, weights of the chosen experts, their ids), its choice
+    replaced by ``forced`` on each row whose ids are all >= 0 (with ``replay``; without, the
+    rows are only counted for the agreement)."""
+    hidden = hidden_states.reshape(-1, router.weight.shape[1])
+    logits = F.linear(hidden, router.weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    _, own = torch.topk(probs, router.top_k, dim=-1)
+    chosen = own
+    if forced is not None:
+        if forced.shape != own.shape:
+            raise ValueError(f"routes for layer {layer}: {tuple(forced.shape)} rows, the forward has "
+                             f"{tuple(own.shape)} (tokens x top_k)")
+        given = (forced >= 0).all(-1)
+        replayed = torch.where(given[:, None], forced.clamp(min=0), own)
+        same = (own.sort(-1).values == replayed.sort(-1).values).all(-1) & given
+        tally.add(layer, int(same.sum()), int(given.sum()))
+        if replay:
+            chosen = replayed
+    weights = probs.gather(-1, chosen)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises (no attribute)
+        weights = weights / weights.sum(-1, keepdim=True)
+    if type(router).__name__ != "MixtralTopKRouter":  # as each model's own forward returns them
+        weights = weights.to(logits.dtype)
+    return logits, weights, chosen
