@@ -75,6 +75,28 @@ def served_problem(path: str | None) -> str | None:
     return f"model.path: the learner's weights do not fit the workers' engine: {why}" if why else None
 
 
+def routing_problem(cfg: RunConfig) -> str | None:
+    """Why ``rollout.routing_replay`` cannot run on the run's model (no MoE layers, or a
+    router the learner cannot replay: learner/routing.py), or None. The model is built on
+    the meta device: no weights are read."""
+    path = cfg.model.path
+    if not cfg.rollout.routing_replay or not path or not (Path(path) / "config.json").is_file():
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learner.routing import replay_problem
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None  # not a config transformers reads: loading the model says so, not this check
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    why = replay_problem(model)
+    return f"rollout.routing_replay: {why} ({path})" if why else None
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -98,6 +120,8 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.sampling.n < 2:
         problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if why := served_problem(cfg.model.path):
+        problems.append(why)
+    elif why := routing_problem(cfg):
         problems.append(why)
     from weight_sync.transport_choice import role_transport
 

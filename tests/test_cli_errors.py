@@ -72,6 +72,13 @@ def test_a_learner_started_on_its_own_checks_the_run_as_the_launchers_do(model_d
                        "sampling.n", "at least 2")
 
 
+def test_routing_replay_on_a_model_without_experts_is_named(toy_model_path):
+    """rollout.routing_replay on a dense model: nothing to record or replay (learner/routing.py)."""
+    assert_usage_error(*rlpipe("learner", "--set", f"model.path={toy_model_path}", "--set",
+                               "rollout.routing_replay=true"),
+                       "rollout.routing_replay", "no mixture-of-experts layers")
+
+
 def test_a_chat_template_file_that_is_not_there_is_named_before_the_worker_starts(toy_model_path, tmp_path):
     """rollout.chat_template naming no file ended the worker in its app's start-up, after the
     engine: uvicorn's exit 3 after a traceback (issue 33 item 7). It is read before the socket
