@@ -197,6 +197,9 @@ class RolloutConfig(HttpTimeouts):
     max_num_batched_tokens: int | None = Field(None, ge=8, description="tokens one engine step may schedule "
                                                "(vLLM's token budget; null = vLLM's default): a longer prompt is "
                                                "prefilled in chunks across steps")
+    routing_replay: bool = Field(False, description="record each token's experts so the learner replays them "
+                                 "(a mixture-of-experts model only; refused at engine start otherwise); turns the "
+                                 "prefix cache off, because a cached prefix is not forwarded and has no routes")
     engine: dict[str, Any] = Field({}, description="more vLLM engine arguments (EngineArgs fields: "
                                    "gpu_memory_utilization, max_num_seqs, enable_prefix_caching, ...), checked at "
                                    "launch against vLLM's own (rollout_service/engine_args.py)")
