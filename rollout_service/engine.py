@@ -240,7 +240,9 @@ class RolloutEngine:
             raise InvalidRequest.from_vllm(e) from None
         finally:
             self._active.pop(request_id, None)
-        routes = await self._take_routes(request_id, len(prompt_ids), tokens, finish, bool(stop)) if self.routing else {}
+        routes = {}
+        if self.routing:
+            routes = await self._take_routes(request_id, len(prompt_ids), tokens, finish, bool(stop))
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
                                 FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])),
                                 routes.get(i))

@@ -37,7 +37,10 @@ def moe_engine(tmp_path_factory):
     try:
         yield engine, loop, path
     finally:
-        engine.shutdown()
+        async def shutdown():  # on the engine's loop: vLLM closes its sockets there (else exiting hangs)
+            engine.shutdown()
+
+        loop.run_until_complete(shutdown())
         loop.close()
 
 
@@ -84,6 +87,9 @@ def test_each_samples_routes_are_the_experts_hugging_face_routes_its_tokens_to(m
             checked += len(want)
     print({"rows_checked": checked, "rows_differing": diffs})
     assert checked > 100 and sum(diffs) == 0
+    picked = {tuple(sorted(r)) for _, (samples, _, _) in zip(prompts, outs) for s in samples
+              for r in s.routes.reshape(-1, 2).tolist()}
+    assert len(picked) > 3  # the router does choose: a wrong row would show
     assert len({s.tokens.tobytes() for s in outs[2][0]}) > 1  # the children sampled apart
 
 
@@ -100,8 +106,9 @@ def _fake_runner(monkeypatch, layers: int = 2):
 
     routers = [_Router() for _ in range(layers)]
     monkeypatch.setattr(routes, "moe_routers", lambda model: routers)
+    batch = SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(8, int))
     runner = SimpleNamespace(get_model=lambda: None, requests={}, query_start_loc=SimpleNamespace(np=np.zeros(9, int)),
-                             input_batch=SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(8, int)))
+                             input_batch=batch)
     return runner, routers
 
 
@@ -156,3 +163,27 @@ def test_a_model_without_experts_is_refused_naming_why(monkeypatch):
     monkeypatch.setattr("rollout_service.routes.moe_routers", lambda model: [])
     with pytest.raises(ValueError, match="no MoE layers"):
         RouteCapture(runner)
+
+
+def test_the_engine_refuses_routing_replay_on_a_model_without_experts():
+    """RolloutEngine.start's check, on what the engine process answers for a dense model:
+    a config error naming the key and why, and the engine shut down."""
+    from quant.precision_profile import profile_for
+    from rlpipe.config import ConfigError, RolloutConfig
+    from rollout_service.engine import RolloutEngine
+
+    class DenseLLM:
+        down = False
+
+        async def collective_rpc(self, method, args=()):
+            assert method == "rlpipe_capture_routes"
+            return [{"ok": False, "error": "this one has no MoE layers"}]
+
+        def shutdown(self):
+            self.down = True
+
+    engine = RolloutEngine("dense", profile_for("fp32", cuda=False), RolloutConfig(routing_replay=True))
+    engine.llm = llm = DenseLLM()
+    with pytest.raises(ConfigError, match="rollout.routing_replay: .*no MoE layers"):
+        asyncio.run(engine._start_routes())
+    assert llm.down and engine.routing is None and engine.llm is None
