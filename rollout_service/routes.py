@@ -77,7 +77,12 @@ class RouteCapture:
         self.done: OrderedDict[str, _Rows] = OrderedDict()
         self.skipped_steps = 0  # forwards whose row count did not match the runner's batch (not recorded)
         self._step = None
-        for i, router in enumerate(routers):
+        self.bind(routers)
+
+    def bind(self, routers: list | None = None) -> None:
+        """Set the capture hook on every router, in layer order (again after a weight reload,
+        should it have rebuilt a layer)."""
+        for i, router in enumerate(routers or moe_routers(self.runner.get_model())):
             router.set_capture_fn(partial(self._capture, i))
 
     @property

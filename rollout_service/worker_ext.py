@@ -92,6 +92,8 @@ class RlpipeWorkerExtension:
         t0 = time.perf_counter()
         reload_weights(self.model_runner, weights)
         fixes = after_reload(self.model_runner.get_model())
+        if self._rlpipe_routes is not None:
+            self._rlpipe_routes.bind()
         return {"ok": True, "load_s": time.perf_counter() - t0, "fixes": fixes}
 
     # -- routing replay (rollout_service/routes.py) --------------------------------------
