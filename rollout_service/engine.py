@@ -66,6 +66,9 @@ class SampleResult:
     logprobs: np.ndarray  # float32, behavior log-probs
     finish_reason: str
     versions: np.ndarray | None  # int32 per token, only if the version changed mid-sequence
+    # (P + L - 1, layers, top_k) expert ids of every forwarded token, routing replay only
+    # (rollout.routing_replay; rollout_service/routes.py)
+    routes: np.ndarray | None = None
 
 
 @dataclass
@@ -107,6 +110,7 @@ class RolloutEngine:
         self._update_lock = asyncio.Lock()
         self.paused_seconds_total = 0.0
         self.prefix_cache_reset_failures = 0
+        self.routing: tuple[int, int, int] | None = None  # (layers, top_k, experts) under routing replay
 
     def engine_kwargs(self) -> dict:
         """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM): rlpipe's,
@@ -115,6 +119,9 @@ class RolloutEngine:
             raise ConfigError("; ".join(problems))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         vllm_compat.before_engine_start()
+        if self.cfg.routing_replay and self.cfg.engine.get("enable_prefix_caching"):
+            raise ConfigError("rollout.engine.enable_prefix_caching: routing replay (rollout.routing_replay) needs "
+                              "the prefix cache off: a cached prefix is not forwarded and has no routes")
         return dict(
             model=self.model_dir,
             tokenizer=self.model_dir,
@@ -131,7 +138,8 @@ class RolloutEngine:
                else {}),
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
-            **self.cfg.engine,
+            # a cached prefix is not forwarded: its tokens would have no routes
+            **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
         )
 
     async def start(self) -> None:
@@ -143,10 +151,41 @@ class RolloutEngine:
         for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
+        if self.cfg.routing_replay:
+            await self._start_routes()
         self.device_updates = self.receiver()
         if info["ppid"] != os.getpid():
             log.warning("the model runs in a separate worker process (pid %s): vLLM's multiprocess "
                         "executor is in use and busy-polls a core", info["pid"])
+
+    async def _start_routes(self) -> None:
+        """Record each token's experts in the engine process (rollout_service/routes.py); a
+        model whose experts cannot be recorded (no MoE layers) is refused here."""
+        info = (await self.llm.collective_rpc("rlpipe_capture_routes"))[0]
+        if not info["ok"]:
+            self.shutdown()
+            raise ConfigError(f"rollout.routing_replay: {info['error']} ({self.model_dir})")
+        self.routing = (info["layers"], info["top_k"], info["experts"])
+
+    async def _take_routes(self, request_id: str, prompt_len: int, tokens: dict[int, list[int]],
+                           finish: dict[int, str], stop: bool) -> dict[int, np.ndarray]:
+        """Each finished child's routes, checked: one row per forwarded token, P + L - 1 (a
+        mismatch is a bug). With stop strings, matched here after the engine sampled on, the
+        engine may have forwarded tokens past the stop: rows beyond P + L - 1 are theirs."""
+        from rollout_service.routes import decode
+
+        routes = decode((await self.llm.collective_rpc("rlpipe_take_routes", args=(request_id,)))[0], *self.routing)
+        out = {}
+        for i, toks in tokens.items():
+            if finish.get(i) not in FINISH_REASONS:
+                continue  # aborted: no record is made of it
+            want = prompt_len + len(toks) - 1
+            got = len(routes[i]) if i in routes else 0
+            if got < want or (got > want and not stop):
+                raise RuntimeError(f"routing replay: request {request_id} child {i} has {got} rows of routes, "
+                                   f"expected {want} ({prompt_len} prompt + {len(toks)} sampled - 1)")
+            out[i] = routes[i][:want]
+        return out
 
     def receiver(self) -> DeviceUpdates | None:
         """The run's transport's receiver in this process (weight_sync/transport_choice.py):
@@ -201,8 +240,12 @@ class RolloutEngine:
             raise InvalidRequest.from_vllm(e) from None
         finally:
             self._active.pop(request_id, None)
+        routes = {}
+        if self.routing:
+            routes = await self._take_routes(request_id, len(prompt_ids), tokens, finish, bool(stop))
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
-                                FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])))
+                                FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])),
+                                routes.get(i))
                    for i in range(n)]
         end_version = tracked.changes[-1][1] if tracked.changes else tracked.start_version
         return results, tracked.start_version, end_version

@@ -186,6 +186,26 @@ def repack_cpu_experts(model: torch.nn.Module) -> bool:
     return repacked
 
 
+def moe_routers(model: torch.nn.Module) -> list:
+    """Gap 6: vLLM's own ``enable_return_routed_experts`` is refused on this CPU build (it
+    needs Model Runner V2, which needs Triton with a CPU backend: vllm/config/vllm.py). The
+    default V1 runner still calls every MoE layer's router capture hook
+    (``BaseRouter.set_capture_fn``, fused_moe/router/base_router.py) with the logical
+    ``topk_ids`` [tokens, top_k] before any EPLB mapping, the hook vLLM's own capturer binds
+    (fused_moe/routed_experts_capturer.py); rollout_service/routes.py binds its own there.
+
+    Returns the routers in layer order ([] for a model without MoE layers). Raises when a
+    layer's kernel is monolithic: it routes inside the kernel and never calls the router, so
+    its routes could not be recorded."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    runners = sorted((m for m in model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+    if mono := [m.layer_name for m in runners if m.is_monolithic]:
+        raise RuntimeError(f"routing replay: the MoE layers {mono} run a monolithic kernel that never calls "
+                           "the router, so their experts cannot be recorded")
+    return [m.router for m in runners]
+
+
 def after_reload(model: torch.nn.Module) -> dict[str, bool]:
     """Apply every post-reload workaround; returns which ones acted."""
     return {"tied_lm_head": refresh_tied_lm_head(model), "moe_experts": repack_cpu_experts(model)}

@@ -7,7 +7,9 @@ version or a checkpoint); this module only binds it to vLLM: it makes the stager
 start-up, runs its slow operations in a background thread of the engine process while
 the engine keeps generating (``rlpipe_start`` + ``rlpipe_poll``), and loads what it
 staged into the model (``rlpipe_apply``, the only step that runs with generation paused)
-with vLLM's reload and the workarounds of rollout_service/vllm_compat.py.
+with vLLM's reload and the workarounds of rollout_service/vllm_compat.py. Under routing
+replay it also records each token's experts (``rlpipe_capture_routes``, ``rlpipe_take_routes``:
+rollout_service/routes.py).
 
 Only JSON-able arguments and replies cross ``collective_rpc`` (vLLM mangles tensors
 passed as RPC arguments in multi-process mode): a generation's manifest crosses once, as
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 class RlpipeWorkerExtension:
     _rlpipe_stager: WeightStager | None = None
     _rlpipe_job: Future | None = None
+    _rlpipe_routes = None  # a RouteCapture once routing replay started
 
     def rlpipe_init(self, model_dir: str, quant_compat: str = "") -> dict:
         """Called once after start-up: process facts the server checks, the orphan guard,
@@ -89,7 +92,27 @@ class RlpipeWorkerExtension:
         t0 = time.perf_counter()
         reload_weights(self.model_runner, weights)
         fixes = after_reload(self.model_runner.get_model())
+        if self._rlpipe_routes is not None:
+            self._rlpipe_routes.bind()
         return {"ok": True, "load_s": time.perf_counter() - t0, "fixes": fixes}
+
+    # -- routing replay (rollout_service/routes.py) --------------------------------------
+    def rlpipe_capture_routes(self) -> dict:
+        """Start recording each token's experts (``rollout.routing_replay``); the model's routing
+        shape, or the reason it cannot be recorded (no MoE layers, a monolithic kernel)."""
+        from rollout_service.routes import RouteCapture
+
+        try:
+            self._rlpipe_routes = RouteCapture(self.model_runner)
+        except (ValueError, RuntimeError) as e:
+            return {"ok": False, "error": str(e)}
+        c = self._rlpipe_routes
+        return {"ok": True, "layers": c.layers, "top_k": c.top_k, "experts": c.experts}
+
+    def rlpipe_take_routes(self, request_id: str) -> dict:
+        """The rows of our request ``request_id`` by child index, now forgotten here
+        (``RouteCapture.take``; rollout_service/routes.py ``decode`` reads them)."""
+        return self._rlpipe_routes.take(request_id)
 
     def rlpipe_leave(self) -> None:
         self._rlpipe_stager.leave()
