@@ -80,6 +80,9 @@ def routing_problem(cfg: RunConfig) -> str | None:
     router the learner cannot replay: learner/routing.py), or None. The model is built on
     the meta device: no weights are read."""
     path = cfg.model.path
+    if cfg.rollout.routing_replay and cfg.task.environment:
+        return "rollout.routing_replay: multi-turn episodes (task.environment) do not carry routes yet; " \
+               "single-turn groups do"
     if not cfg.rollout.routing_replay or not path or not (Path(path) / "config.json").is_file():
         return None
     import torch

@@ -406,7 +406,7 @@ class RolloutLoop:
         # Rewards read the decoded text; the record keeps the token ids exactly as sampled.
         texts = [self.tokenizer.decode(res.tokens, skip_special_tokens=True) for res in results]
         scores = await self.task.score(prompt, texts)
-        samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info)
+        samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info, routes=res.routes)
                    for res, (reward, info) in zip(results, scores)]
         return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
 
@@ -428,6 +428,9 @@ class RolloutLoop:
                       "max_tokens": s.max_tokens, "seed": seed},
             prompt_tokens=np.asarray(prompt_ids, dtype=np.int32), samples=samples, gen_seconds=gen_seconds,
             prompt_index=group.index, attempt=group.attempt,
+            # routing replay: the engine's experts travel with the samples (an aborted one has none: the
+            # reader refuses the group, as the learner could not replay it)
+            routing=self.engine.routing if any(x.routes is not None for x in samples) else None,
         )
 
     # -- weight sync --------------------------------------------------------------------
