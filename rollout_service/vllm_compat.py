@@ -31,6 +31,25 @@ def before_engine_start() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def quick_exit() -> bool:
+    """Skip the garbage collector's last pass when the engine process exits.
+
+    On a normal shutdown vLLM sends the EngineCore SIGTERM and force-kills it 5 s later.
+    After its own shutdown ours sat in the interpreter's final collection (``gc_collect_main``
+    in ``Py_FinalizeEx``, seen with ``py-spy dump --native``) for seconds, traversing every
+    object the engine, transformers and the tokenizer made; a toy-moe worker was killed
+    there at the 5 s limit. Every worker stop (the demo's, each test's) paid it. Freezing
+    the heap at exit (``gc.freeze``: the objects move to the permanent generation, which no
+    collection traverses) lets it exit at once; nothing is lost, as the process ends anyway
+    and the memory goes with it (a toy demo's stop, from draining to exit: 6.5 s -> 4.5 s).
+    Runs inside the engine process (via collective_rpc)."""
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)
+    return True
+
+
 def die_with_parent() -> bool:
     """Make this (engine) process get SIGKILL when its parent, the API server, dies.
 

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from rollout_service.vllm_compat import (
     after_reload,
     die_with_parent,
+    quick_exit,
     keep_reloaded_kernel_tensors,
     reload_weights,
     rewind_cpu_generators,
@@ -52,6 +53,7 @@ class RlpipeWorkerExtension:
         self._rlpipe_pool = ThreadPoolExecutor(1, thread_name_prefix="rlpipe-sync")
         self._rlpipe_stager = WeightStager.for_model(model_dir, quant_compat)
         return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent(),
+                "quick_exit": quick_exit(),
                 "keep_reloaded_kernel_tensors": keep_reloaded_kernel_tensors(),
                 "rewind_cpu_generators": rewind_cpu_generators(self.model_runner)}
 
