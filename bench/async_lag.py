@@ -25,7 +25,7 @@ vs staleness 0, per seed, and over steps). Runs stay in ``--out``; ``--from-runs
 the sections from them without training.
 
     python bench/async_lag.py                          # lags 0,1,2,4 x seeds 0,1, 40 steps (the lead's run)
-    python bench/async_lag.py --quick --json-dir /tmp/async   # CI smoke: lags 0,1, 1 seed, 4 small steps
+    python bench/async_lag.py --quick --json-dir /tmp/async   # CI smoke: lags 0,1, 1 seed, 3 small steps
     python bench/async_lag.py --from-runs              # redo the sections from runs/async_lag
 """
 
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from launch.results import Section, figure  # noqa: E402
 
-QUICK = {"lags": "0,1", "seeds": "0", "steps": 4, "warmup": 1,  # CI's smoke: its numbers mean nothing
+QUICK = {"lags": "0,1", "seeds": "0", "steps": 3, "warmup": 1,  # CI's smoke: its numbers mean nothing
          "set": {"learner.groups_per_step": 8, "learner.checkpoint_every": 100}}
 
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of every per-run number")
     ap.add_argument("--rollout-cpus", default="0", help="rollout.cpus: the worker's cores")
     ap.add_argument("--learner-cpus", default="1", help="learner.cpus: the learner's cores")
-    ap.add_argument("--quick", action="store_true", help="CI smoke: lags 0,1, seed 0, 4 steps of 8 groups")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: lags 0,1, seed 0, 3 steps of 8 groups")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key for every run")
     ap.add_argument("--out", help="runs directory (default runs/async_lag, or runs/async_lag_quick)")
     ap.add_argument("--json-dir", default=str(ROOT / "docs" / "results"))

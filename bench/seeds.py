@@ -295,6 +295,33 @@ FINDINGS: dict[str, Finding] = {
                "32), down to 1.5 (length_surge, cap 48). The length surge never fired the trigger before the "
                "collapse: on this toy, length is not an early warning, the grad norm and the mismatch are."],
         quick_arms=["length_surge"], quick_from="int8"),
+    "moe": Finding(
+        title="Mixture of experts on the toy task: routing replay on and off",
+        arms={"replay": {"learner.replay_routes": True}, "no-replay": {"learner.replay_routes": False}},
+        defaults={"steps": 30, "model.path": "toy-moe", "rollout.routing_replay": True, "queue.max_lag": 0,
+                  "rollout.precision": "bf16", "learner.groups_per_step": 16},
+        curves=["reward_mean", "routing_agreement", "mismatch_k3_kl", "mismatch_prob_diff_max",
+                "is_truncated_fraction"],
+        columns={"steps": len,
+                 "stale groups": stale_groups,
+                 "routing agreement": mean_of("routing_agreement"),
+                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
+                 "KL (k1, staleness 0)": mean_of("mismatch_kl_fresh"),
+                 "largest token prob gap": mean_of("mismatch_prob_diff_max"),
+                 "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
+                 "IS truncated": mean_of("is_truncated_fraction"),
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean"),
+                 "RL seconds": last("time")},
+        notes=["The built-in `toy-moe` (a Qwen3-MoE: 2 layers, 4 experts, 2 per token) on the toy task, a bf16 "
+               "engine and an fp32 learner, `queue.max_lag` 0. Both arms record the engine's experts "
+               "(`rollout.routing_replay`); `replay` forwards every learner pass through them "
+               "(`learner.replay_routes`), `no-replay` only measures how often the learner's own router agrees "
+               "(docs/moe.md). `routing agreement` is that share of (token, MoE layer) pairs, in the learner's "
+               "forwards of each step; `largest token prob gap` is each step's largest |p_rollout - p_train| over "
+               "the trained tokens, where a routing flip shows first.",
+               "int8 arms (int8 attention, bf16 experts: vLLM's CPU int8 MoE kernel needs AMX) are not here yet."],
+        quick_arms=["replay"], quick={"steps": 2, "learner.groups_per_step": 8}),
     "real": Finding(
         title="GRPO on a real model: SmolLM2-135M-Instruct on MAWPS, held-out accuracy",
         arms={"grpo": {}},
@@ -348,7 +375,7 @@ FINDINGS: dict[str, Finding] = {
                "most (k3 0.23 against 0.13): a plausible early warning, but one run in two is no evidence that "
                "decaying there would have helped."],
         # a mechanical check: answers cut at 32 tokens rarely differ in reward, so dynamic sampling would wait long
-        quick={"steps": 1, "eval.size": 8, "sampling.max_tokens": 32, "learner.groups_per_step": 2,
+        quick={"steps": 1, "eval.size": 4, "sampling.max_tokens": 32, "learner.groups_per_step": 2,
                "learner.dynamic_sampling": False, "workers": 1, "rollout.cpus": "0"},  # one engine to start
         check=evaluated_start_and_end),
     "real-rollout": Finding(
