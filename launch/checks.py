@@ -78,24 +78,19 @@ def served_problem(path: str | None) -> str | None:
 def routing_problem(cfg: RunConfig) -> str | None:
     """Why ``rollout.routing_replay`` cannot run on the run's model (no MoE layers, or a
     router the learner cannot replay: learner/routing.py), or None. The model is built on
-    the meta device: no weights are read."""
+    the meta device (weight_sync/names.py meta_model): no weights are read."""
     path = cfg.model.path
     if cfg.rollout.routing_replay and cfg.task.environment:
         return "rollout.routing_replay: multi-turn episodes (task.environment) do not carry routes yet; " \
                "single-turn groups do"
     if not cfg.rollout.routing_replay or not path or not (Path(path) / "config.json").is_file():
         return None
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from learner.routing import replay_problem
+    from weight_sync.names import meta_model
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError):
-        return None  # not a config transformers reads: loading the model says so, not this check
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(path)
+    if model is None:
+        return None
     why = replay_problem(model)
     return f"rollout.routing_replay: {why} ({path})" if why else None
 

@@ -116,18 +116,26 @@ def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def served_mismatch(model_path: str | Path) -> str | None:
-    """Why the learner's tensors of the model in ``model_path`` would not load into a worker's
-    engine started from it (the first name or shape that differs), or None. Builds the model
-    on the meta device: no weights are read, so it is quick for any size."""
+def meta_model(model_path: str | Path) -> torch.nn.Module | None:
+    """The model in ``model_path`` built on the meta device from its config alone (no weights
+    read, so quick for any size), for the launch checks; None when transformers cannot read
+    the config (loading the model says so, not a check)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
-        return None  # not a config transformers reads: loading the model says so, not this check
+        return None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def served_mismatch(model_path: str | Path) -> str | None:
+    """Why the learner's tensors of the model in ``model_path`` would not load into a worker's
+    engine started from it (the first name or shape that differs), or None (:func:`meta_model`)."""
+    model = meta_model(model_path)
+    if model is None:
+        return None
     expected = checkpoint_shapes(model_path)
     if not expected:
         return f"{model_path} has no *.safetensors weights (workers check every update against them)"
