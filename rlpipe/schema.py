@@ -321,6 +321,37 @@ def _routes(s: dict, routing: tuple[int, int, int] | None, rows: int, where: str
     return ids
 
 
+def _sample(s, i: int, prompt_len: int, routing: tuple[int, int, int] | None) -> Sample:
+    """Sample ``i`` of a group, validated (its routes against the group's ``routing``)."""
+    where = f"samples[{i}]."
+    if not isinstance(s, dict):
+        raise SchemaError(f"samples[{i}]: expected map")
+    tokens = _token_ids(s, "tokens", where)
+    logprobs = _array(s, "logprobs", F32, where)
+    if len(tokens) != len(logprobs):
+        raise SchemaError(f"{where}logprobs: {len(logprobs)} values for {len(tokens)} tokens")
+    if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
+        raise SchemaError(f"{where}logprobs: not finite non-positive log-probabilities")
+    mask = _mask(s, tokens, logprobs, where) if "mask" in s else None
+    versions = None
+    if "versions" in s:
+        versions = _array(s, "versions", I32, where)
+        if len(versions) != len(tokens):
+            raise SchemaError(f"{where}versions: {len(versions)} values for {len(tokens)} tokens")
+    finish = _need(s, "finish_reason", str, where)
+    if finish not in FINISH_REASONS:
+        raise SchemaError(f"{where}finish_reason: {finish!r} not one of {FINISH_REASONS}")
+    reward = _need(s, "reward", (int, float), where)
+    problem = reward_problem(reward)
+    info = s.get("reward_info")
+    if info is not None:
+        problem = problem or info_problem(info) or info_size_problem(info)
+    if problem:
+        raise SchemaError(f"{where}{problem}")
+    routes = _routes(s, routing, prompt_len + len(tokens) - 1, where)
+    return Sample(tokens, logprobs, finish, float(reward), versions, info, mask, routes)
+
+
 def decode_group(data: bytes) -> GroupRecord:
     """Parse and validate one stream entry's ``data`` field."""
     try:
@@ -350,35 +381,7 @@ def decode_group(data: bytes) -> GroupRecord:
     if not len(prompt_tokens):
         raise SchemaError("prompt_tokens: empty prompt")
     routing = _routing(m)
-    samples = []
-    for i, s in enumerate(raw_samples):
-        where = f"samples[{i}]."
-        if not isinstance(s, dict):
-            raise SchemaError(f"samples[{i}]: expected map")
-        tokens = _token_ids(s, "tokens", where)
-        logprobs = _array(s, "logprobs", F32, where)
-        if len(tokens) != len(logprobs):
-            raise SchemaError(f"{where}logprobs: {len(logprobs)} values for {len(tokens)} tokens")
-        if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
-            raise SchemaError(f"{where}logprobs: not finite non-positive log-probabilities")
-        mask = _mask(s, tokens, logprobs, where) if "mask" in s else None
-        versions = None
-        if "versions" in s:
-            versions = _array(s, "versions", I32, where)
-            if len(versions) != len(tokens):
-                raise SchemaError(f"{where}versions: {len(versions)} values for {len(tokens)} tokens")
-        finish = _need(s, "finish_reason", str, where)
-        if finish not in FINISH_REASONS:
-            raise SchemaError(f"{where}finish_reason: {finish!r} not one of {FINISH_REASONS}")
-        reward = _need(s, "reward", (int, float), where)
-        problem = reward_problem(reward)
-        info = s.get("reward_info")
-        if info is not None:
-            problem = problem or info_problem(info) or info_size_problem(info)
-        if problem:
-            raise SchemaError(f"{where}{problem}")
-        routes = _routes(s, routing, len(prompt_tokens) + len(tokens) - 1, where)
-        samples.append(Sample(tokens, logprobs, finish, float(reward), versions, info, mask, routes))
+    samples = [_sample(s, i, len(prompt_tokens), routing) for i, s in enumerate(raw_samples)]
     for key in ("prompt_index", "attempt"):
         if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):
             raise SchemaError(f"{key}: expected a non-negative int, got {m[key]!r}")
