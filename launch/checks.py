@@ -95,6 +95,23 @@ def routing_problem(cfg: RunConfig) -> str | None:
     return f"rollout.routing_replay: {why} ({path})" if why else None
 
 
+def lora_problems(cfg: RunConfig, transport: str) -> list[str]:
+    """Why ``learner.lora`` cannot run with the rest of the run (learner/lora.py): the learner
+    trains on one base as served, and versions travel as adapter directories over gloo."""
+    if not cfg.learner.lora.rank:
+        return []
+    problems = []
+    if len(cfg.rollout.precisions) != 1:
+        problems.append(f"learner.lora: the frozen base is served in one precision; the fleet mixes "
+                        f"{', '.join(cfg.rollout.precisions)} (rollout.fleet)")
+    if transport != "gloo":
+        problems.append(f"learner.lora: adapters travel over gloo only; sync.transport resolves to {transport}")
+    if cfg.rollout.routing_replay:
+        problems.append("learner.lora: not with rollout.routing_replay yet (the adapter-off reference "
+                        "does not replay routes)")
+    return problems
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -128,6 +145,7 @@ def validate_run(cfg: RunConfig) -> None:
     except ConfigError as e:
         problems.append(str(e))
         transport = "gloo"
+    problems += lora_problems(cfg, transport)
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems
 

@@ -47,15 +47,16 @@ class SyncChannel:
         self.precision = precision
         # A fleet's precisions have a channel each, for the workers registered with theirs only.
         self.channel = cfg.rollout.channel(precision)
-        self.wire: Wire = rollout_weights(precision, cfg.quant, cfg.model.path)
+        self.wire: Wire = rollout_weights(precision, cfg.quant, cfg.model.path, lora=bool(cfg.learner.lora.rank))
         self.sharded, self.stream = sharded, None
+        streamed = sharded and not self.wire.adapter_wire  # an adapter is gathered whole, in prepare_sharded
         bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
         device = broadcast_for(role_transport(cfg), bucket_bytes, cfg.sync.timeout_s)  # None under gloo
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
                                    channel=self.channel, fence=fence, device=device, floor=floor,
                                    straggler_s=cfg.sync.straggler_s,
-                                   gather=(lambda names: self.stream(names)) if sharded else None,
+                                   gather=(lambda names: self.stream(names)) if streamed else None,
                                    # deltas pay for quantized wires only (weight_sync/delta.py); a sharded
                                    # learner never holds the whole wire, which a delta's base would be
                                    full_every=cfg.sync.delta_full_every
@@ -82,12 +83,14 @@ class SyncChannel:
                 tensors, quant_metrics = self.wire.prepare(model, step)
             self._prepared = (version, tensors)
         # Quantized before the sync (not sharded); sharded, each bucket is quantized as it is packed.
-        quant_s = 0.0 if self.sharded else quant_metrics.get("quant_seconds", 0.0)
-        if self.sharded:
+        streamed = self.sharded and not self.wire.adapter_wire
+        quant_s = 0.0 if streamed else quant_metrics.get("quant_seconds", 0.0)
+        if streamed:
             self.stream = Stream(self.wire, self.sharded.gather, list(served_parameters(model)))
-        stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat)
+        stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat,
+                                 self.wire.adapter)
         stats.prepare_s = quant_s + stats.pack_s
-        if self.sharded and self.wire.quantized and quant_metrics:
+        if streamed and self.wire.quantized and quant_metrics:
             quant_metrics["quant_seconds"] = self.stream.seconds
         return stats, quant_metrics
 
@@ -211,16 +214,18 @@ class FleetSync:
     def left_out_total(self) -> int:
         return sum(ch.sender.left_out_total for ch in self.channels.values())
 
-    def rollout_tensors(self, model, version: int) -> dict[str, tuple[str, object]]:
-        """Each quantized precision's tensors of ``version`` as sent, for the checkpoint. A
-        sharded learner never held them whole: instead, the function that makes them from
-        the checkpoint's gathered weights (``{parameter name: tensor}``), bit for bit the
-        same (learner/checkpoint.py ``save``)."""
+    def rollout_tensors(self, model, version: int) -> dict[str, tuple[str, object, str]]:
+        """Each quantized precision's tensors of ``version`` as sent, for the checkpoint, with
+        the profile and (LoRA) the adapter's config: a LoRA run keeps every precision's
+        adapter, as its workers load it. A sharded learner never held quantized tensors
+        whole: instead, the function that makes them from the checkpoint's gathered weights
+        (``{parameter name: tensor}``), bit for bit the same (learner/checkpoint.py ``save``)."""
         out = {}
         for p, ch in self.channels.items():
-            if ch.wire.quantized and ch.prepared(version) is not None:
+            if (ch.wire.quantized or ch.wire.adapter_wire) and ch.prepared(version) is not None:
+                streamed = ch.sharded and not ch.wire.adapter_wire
                 out[p] = (ch.wire.quant_profile, partial(rollout_from_weights, ch.wire, served_pieces(model))
-                          if ch.sharded else ch.prepared(version))
+                          if streamed else ch.prepared(version), ch.wire.adapter)
         return out
 
     def workers_status(self, version: int) -> dict[str, dict]:

@@ -96,7 +96,10 @@ def snapshot_weights(model, keep: bool = True) -> dict[str, torch.Tensor]:
     holds the whole model."""
     copies: dict[int, torch.Tensor] = {}
     weights = {}
+    adapter_only = hasattr(model, "peft_config")  # LoRA: the checkpoint holds the adapter, not the frozen base
     for name, t in model.state_dict(keep_vars=True).items():  # tied weights: one object
+        if adapter_only and not t.requires_grad:
+            continue
         if id(t) not in copies:
             whole = full(t.detach())  # under FSDP a collective, on every rank
             copies[id(t)] = whole.to("cpu", copy=True) if keep else None
@@ -231,14 +234,18 @@ def save(root: str | Path, step: int, model, state: dict, meta: dict, tokenizer_
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file() and not (tmp / f.name).exists() and not f.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(f, tmp / f.name)
-    for precision, (quant_profile, tensors) in (rollout or {}).items():
+    for precision, (quant_profile, tensors, adapter) in (rollout or {}).items():
         from safetensors.torch import save_file
 
         if callable(tensors):  # a sharded learner's: made here from the gathered weights
             tensors = tensors(weights if weights is not None else dict(model.named_parameters()))
         sub = tmp / "rollout" / precision
         sub.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, sub / "model.safetensors")
+        # a LoRA run's: the adapter as its workers load it (weight_sync/adapters.py reads it back)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  sub / ("adapter_model.safetensors" if adapter else "model.safetensors"))
+        if adapter:
+            (sub / "adapter_config.json").write_text(adapter)
         (sub / "quant.json").write_text(json.dumps({"quant_profile": quant_profile}))
         for f in sub.iterdir():
             _fsync(f)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from learner import checkpoint
+from learner.lora import adapter_state, is_lora
+from learner.policy import load_policy
 
 
 def load_weights(path: Path | None, model, from_main: bool = False) -> None:
@@ -35,11 +37,12 @@ def load_weights(path: Path | None, model, from_main: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from learner.policy import load_policy
-
-    saved = load_policy(str(path)).state_dict() if path is not None else None
+    lora = is_lora(model)  # a LoRA checkpoint holds the adapter alone: the frozen base stays as built
+    saved = (adapter_state(path, model) if lora else load_policy(str(path)).state_dict()) if path is not None else None
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
+            if lora and not t.requires_grad:
+                continue
             if saved is not None:
                 value = saved[name].to(t.device, t.dtype)
             else:  # filled by rank 0's (t.shape: the whole tensor's, also of a DTensor)
@@ -80,10 +83,12 @@ def trainer_state(schedule, scaler, counters, ledger) -> dict:
     }
 
 
-def lineage_meta(version: int, counters) -> dict:
-    """A checkpoint's meta.json: its version and the lineage of groups its weights trained on."""
+def lineage_meta(version: int, counters, base_model: str = "") -> dict:
+    """A checkpoint's meta.json: its version and the lineage of groups its weights trained on;
+    a LoRA checkpoint's also the base its adapter goes on (``rlpipe export`` merges them)."""
     return {"version": version, "trained_groups": counters.trained_groups,
-            "trained_digest": str(counters.trained_digest), "time": time.time()}
+            "trained_digest": str(counters.trained_digest), "time": time.time(),
+            **({"base_model": base_model} if base_model else {})}
 
 
 def load_trainer_state(state: dict, schedule, scaler, counters) -> None:

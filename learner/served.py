@@ -24,8 +24,9 @@ def served_dtype(cfg) -> torch.dtype | None:
     if not cfg.learner.served_weights or len(precisions) != 1:
         return None
     row = spec(precisions[0])
-    # An engine holds the weights as cast only without a scheme; casting to fp32 rounds nothing.
-    return None if row.scheme or row.dtype == "float32" else getattr(torch, row.dtype)
+    # An engine holds the weights as cast only without a scheme, and a LoRA adapter in its
+    # activation dtype whatever the base's scheme; casting to fp32 rounds nothing.
+    return None if (row.scheme and not cfg.learner.lora.rank) or row.dtype == "float32" else getattr(torch, row.dtype)
 
 
 class ServedWeights:

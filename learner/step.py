@@ -36,6 +36,7 @@ from learner.loss import (
 )
 from learner.policy import token_logprobs
 from learner.routing import take_tally
+from learner.lora import trainable
 from learner.served import ServedWeights, served_dtype
 
 # Activation memory per token of a decoder forward kept for the backward: about 17 values
@@ -102,7 +103,8 @@ class PPOStep:
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
         self.max_tokens = lc.max_tokens_per_microbatch or token_budget(
             model.config, lc.activation_memory_gib, lc.activation_checkpointing)
-        self.served = ServedWeights(model.parameters(), served_dtype(cfg))  # the weights the engines compute with
+        # the weights the engines compute with (under LoRA the adapter: the base is served as it is, learner/lora.py)
+        self.served = ServedWeights(trainable(model), served_dtype(cfg))
         # One rank only: a rank's groups differ in number, and under DDP or FSDP (whose fully_shard
         # wraps the model in place) every rank must run as many forwards, each gathering the layers.
         self.share_prompt = lc.share_prompt and ranks.world == 1
@@ -170,8 +172,8 @@ class PPOStep:
         position = {int(row): i for i, row in enumerate(mine.tolist())}
         parts = microbatches(batch, mine, self.max_tokens) if len(mine) else []
         n_parts = len(parts)
-        if policy and ranks.sharded:  # every rank runs as many policy forwards (each gathers the layers):
-            # extra ones are discarded. The reference is whole on every rank: it runs only on real parts.
+        if (policy or getattr(self.reference, "collective", False)) and ranks.sharded:  # every rank runs as many policy forwards (each gathers the layers):
+            # extra ones are discarded. A separate reference is whole on every rank: it runs only on real parts.
             parts += [torch.arange(1, device=self.device)] * (ranks.max(n_parts) - n_parts)
         with torch.no_grad():
             for i, part in enumerate(parts):
@@ -179,8 +181,8 @@ class PPOStep:
                 at = torch.tensor([position[int(row)] for row in part.tolist()], device=self.device) \
                     if i < n_parts else None
                 for name, model in models.items():
-                    if at is None and name == "ref":
-                        continue
+                    if at is None and name == "ref" and not getattr(model, "collective", False):
+                        continue  # a whole reference runs on real parts only (a sharded one, LoRA's, on every one)
                     part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head,
                                                        response_only=lc.response_logits, share_prompt=self.share_prompt)
                     if at is not None:

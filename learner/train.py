@@ -38,6 +38,8 @@ from learner.checkpointer import Checkpointer, checkpoint_roles, lineage_meta, l
 from learner.dist import Ranks
 from learner.evals import Evals
 from learner.ledger import Ledger
+from learner.lora import BaseView, serve_base, trainable
+from learner.lora import wrap as wrap_lora
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, load_policy, token_logprobs
 from learner.reference import load_reference
@@ -114,13 +116,19 @@ class Learner:
         # rank 0 sends the others what it read of the checkpoint (Checkpointer.load).
         sharded, main_reads = checkpoint_roles(lc, self.ranks.sharded, self.ranks.world)
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
-        self.model = load_policy(str(cfg.model.path if main_reads else resume or cfg.model.path)).to(self.device)
+        lora = lc.lora.rank > 0  # an adapter on the base as served (learner/lora.py); a checkpoint holds the adapter
+        restore_weights = main_reads or lora
+        self.model = load_policy(str(cfg.model.path if restore_weights else resume or cfg.model.path))
+        if lora:
+            log.info("LoRA rank %d on %s", lc.lora.rank, serve_base(self.model, cfg))
+            self.model = wrap_lora(self.model, lc.lora)
+        self.model = self.model.to(self.device)
         if lc.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if lc.compile:
             compile_layers(self.model)
         self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        self.opt = torch.optim.AdamW(trainable(self.model), lr=lc.lr, weight_decay=lc.weight_decay)
         self.checkpoints = Checkpointer(self.ckpt_root, self.model, self.opt, self.ranks, sharded, lc.async_checkpoint,
                                         cfg.model.path, lc.checkpoint_keep, main_reads)
         # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,
@@ -139,8 +147,11 @@ class Learner:
                                       without_secrets(cfg).model_dump(mode="json"),  # trackers write it down
                                       lc.wandb, lc.mlflow)
         self.run_counters = RunCounters()
+        # None unless kl_coef > 0; under LoRA the policy with its adapter off
+        reference = (BaseView(self.model, self.ranks.sharded) if lc.kl_coef else None) if lora \
+            else load_reference(cfg, self.device)
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
-                           self.metrics.staleness, load_reference(cfg, self.device))  # None unless kl_coef > 0
+                           self.metrics.staleness, reference)
         if cfg.rollout.routing_replay:  # the policy's and the reference's forwards replay the rollout's experts
             for model in filter(None, (self.model, self.ppo.reference)):
                 install_routing(model, replay=lc.replay_routes)
@@ -165,7 +176,7 @@ class Learner:
         self.started_at = time.time()
         self._last_membership_check = 0.0
         if resume:
-            self._restore(resume, weights=main_reads)
+            self._restore(resume, weights=restore_weights)
         # The LR of the next step comes from the schedule's state, not from the optimizer's
         # saved param groups, so a changed learner.lr takes effect on resume.
         apply_lr(self.opt, self.schedule.next_lr())
@@ -275,7 +286,7 @@ class Learner:
         rest again."""
         self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
         state = trainer_state(self.schedule, self.scaler, self.run_counters, self.ledger)
-        meta = lineage_meta(self.version, self.run_counters)
+        meta = lineage_meta(self.version, self.run_counters, str(self.cfg.model.path) if self.cfg.learner.lora.rank else "")
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.model, self.version)
         self.ledger.checkpoint_started()

@@ -201,6 +201,49 @@ def dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def served_base(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                smoothing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the unsmoothed model that computes what an int8 engine holding
+    ``tensors`` (:func:`int8_tensors` of ``params``) computes, activation quantization aside:
+    each dequantized linear with its smoothing undone (columns ``/ s``; up_proj's rows ``* s``
+    of down_proj's vector), each smoothed norm ``* s`` (its bf16 rounding kept), the rest as
+    the engine holds it (bf16). The learner trains a LoRA adapter on exactly this base
+    (learner/lora.py ``serve_base``), so its forward is the engine's but for the activations."""
+    out = dequantize(tensors)
+    for g in smooth_groups(params):
+        s = smoothing[g.norm].float()
+        norm = g.norm + ".weight"
+        out[norm] = out[norm] * (s[:, None] if out[norm].dim() == 2 else s)  # up_proj's rows, or a norm
+        for lin in g.linears:
+            out[lin + ".weight"] = out[lin + ".weight"] / s[None, :]
+    return out
+
+
+def smoothed_adapter(tensors: dict[str, torch.Tensor], smoothing: dict[str, torch.Tensor],
+                     names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """A LoRA adapter (peft's names, ``...<module>.lora_A.weight``) rewritten for an int8
+    engine whose base has the smoothing folded in. That base's smoothed linears read
+    ``x / s``, and up_proj's output rows carry ``1 / s`` of down_proj's vector, while vLLM
+    applies an adapter to each base layer's own input and adds it to its output. So
+    ``A' = A * s`` on every smoothed linear (``(A s)(x / s) = A x``) and up_proj's
+    ``B' = B / s_down``: exact algebra, redone for each profile (``names``: the model's
+    parameter names, which give the smoothing groups)."""
+    out = dict(tensors)
+    for g in smooth_groups(names):
+        s = smoothing[g.norm].float()
+        for lin in g.linears:
+            if (a := _adapter_key(out, lin, "lora_A")) is not None:
+                out[a] = (out[a].float() * s[None, :]).to(out[a].dtype)
+        if g.norm.endswith("mlp.up_proj") and (b := _adapter_key(out, g.norm, "lora_B")) is not None:
+            out[b] = (out[b].float() / s[:, None]).to(out[b].dtype)
+    return out
+
+
+def _adapter_key(tensors: dict[str, torch.Tensor], module: str, part: str) -> str | None:
+    key = f"base_model.model.{module}.{part}.weight"
+    return key if key in tensors else None
+
+
 def quant_config(kind: str, static_activations: bool = False) -> dict:
     """The ``quantization_config`` of a compressed-tensors W8A8 checkpoint vLLM loads:
     ``kind`` ``int8`` (per-channel int8 weights; static per-tensor or dynamic per-token

@@ -30,10 +30,11 @@ from typing import Protocol
 
 import torch
 
-from quant.int8 import fp8_tensors, quantized_specs, source_parameter
+from quant.int8 import fp8_tensors, quantized_specs, smoothed_adapter, source_parameter
 from quant.monitor import monitor, sampled_monitor
 from quant.quant_profile import QuantProfile, fp8_identity, load_for_run, model_fingerprint
 from rlpipe.precisions import spec
+from weight_sync.adapters import base_names, wire_config, wire_tensors
 from weight_sync.names import served_parameters
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Wire(Protocol):
     cast_to: torch.dtype | None  # the dtype the sender casts every tensor to; None = as they are
     quant_profile: str  # the hash of the quantization in force ("" for a cast)
     compat: str  # what the workers' engines must have been started for ("" for a cast)
+    adapter: str = ""  # a LoRA adapter's config (AdapterWeights): the tensors are the adapter alone
+    adapter_wire: bool = False  # AdapterWeights: a version is an adapter, gathered whole under FSDP
 
     def prepare(self, model, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         """The whole wire of ``model`` for the update of ``step``, and its metrics."""
@@ -217,6 +220,39 @@ class Int8Weights(Wire):
                 "last_recalibration_step": self.last_recalibration_step, "monitors": self.last_monitors}
 
 
+class AdapterWeights(Wire):
+    """``learner.lora``: a version is the adapter alone (weight_sync/adapters.py); the workers
+    hold the base from the start. On an int8 base the adapter is rewritten for the profile's
+    smoothing (quant/int8.py ``smoothed_adapter``), the profile loaded once and never
+    recalibrated: the base is frozen, so its calibration stays exact. It travels in the
+    engine's dtype (an int8 engine's activations are bf16, and so are its adapters)."""
+
+    quantized, adapter_wire = False, True
+
+    def __init__(self, precision: str, quant, model_path: str):
+        wire = quant.wire(precision)
+        self.profile = load_for_run(quant.int8, model_path) if wire == "int8" else None
+        self.cast_to = getattr(torch, spec(precision).dtype)
+        self.quant_profile = self.profile.hash if self.profile else ""
+        self.compat = self.profile.compat if self.profile else fp8_identity(model_fingerprint(model_path))[0] \
+            if wire == "fp8" else ""
+        self.adapter = ""  # its adapter_config.json, from the first version on
+
+    def prepare(self, model, step: int, gather=None) -> tuple[dict[str, torch.Tensor], dict]:
+        t0 = time.perf_counter()
+        tensors = wire_tensors(model, gather)
+        if self.profile is not None:
+            tensors = smoothed_adapter(tensors, self.profile.smoothing, base_names(model))
+        self.adapter = wire_config(model)
+        return tensors, {"quant_seconds": time.perf_counter() - t0} if self.profile is not None else {}
+
+    def prepare_sharded(self, model, step: int, collectives) -> tuple[dict[str, torch.Tensor], dict]:
+        return self.prepare(model, step, collectives.gather)  # the adapter is small: gathered whole at once
+
+    def part(self, params: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("an adapter is gathered whole (prepare_sharded), never streamed")
+
+
 def whole_shapes(model) -> dict[str, tuple[int, ...]]:
     """Served name -> whole shape (a shard's DTensor has the whole tensor's shape)."""
     return {n: tuple(p.shape) for n, p in served_parameters(model).items()}
@@ -248,9 +284,11 @@ class Stream:
         return {n: have[n] for n in wire_names}
 
 
-def rollout_weights(precision: str, quant, model_path: str) -> Wire:
+def rollout_weights(precision: str, quant, model_path: str, lora: bool = False) -> Wire:
     """The wire for workers of ``precision`` (its row in rlpipe/precisions.py; ``quant``, the
-    run's QuantConfig, says whether the learner quantizes it)."""
+    run's QuantConfig, says whether the learner quantizes it); with ``lora``, the adapter's."""
+    if lora:
+        return AdapterWeights(precision, quant, model_path)
     wire = quant.wire(precision)
     if wire == "int8":
         return Int8Weights(load_for_run(quant.int8, model_path), quant.int8)

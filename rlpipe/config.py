@@ -300,6 +300,23 @@ class MlflowConfig(Section):
     experiment: str = Field("rlpipe", min_length=1, description="the MLflow experiment the run is logged under")
 
 
+class LoraSection(Section):
+    """``learner.lora``: train a LoRA adapter (peft) on a frozen base instead of every weight
+    (learner/lora.py). Workers then load the base once and receive only the adapter at each
+    version. Rule of thumb for the learning rate: about 10x the full fine-tune's (Thinking
+    Machines' LoRA-without-regret; tinker-cookbook), e.g. 2e-4 where a full fine-tune of the same
+    model uses 2e-5."""
+
+    rank: int = Field(0, ge=0, le=256, description="the adapter's rank r; 0 = off (a full fine-tune). RL needs "
+                      "little capacity: 8-32 is what the anchors use. Set learner.lr about 10x a full "
+                      "fine-tune's (e.g. 2e-4 for SmolLM2, whose full recipe uses 2e-5)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's scale is alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (0 for RL: the "
+                           "learner's log-probs must be the served policy's)")
+    targets: list[str] = Field([], description="module names (their last part: q_proj, up_proj, ...) that get an "
+                               "adapter; [] = every linear of the decoder layers (not the LM head)")
+
+
 class LearnerConfig(HttpTimeouts):
     """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
@@ -436,6 +453,7 @@ class LearnerConfig(HttpTimeouts):
                                                                       "metrics to these (learner/metrics.py)")
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
+    lora: LoraSection = LoraSection()
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")

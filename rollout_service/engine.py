@@ -30,6 +30,7 @@ import numpy as np
 from quant.precision_profile import PrecisionProfile
 from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
+from rollout_service.adapters import AdapterVersions, LoraServe, lora_engine_kwargs
 from rollout_service.engine_args import engine_args_problems, engine_processes
 from rollout_service.transfer_engine import VllmTransferEngine
 from rollout_service.worker_ext import EXTENSION_CLS
@@ -90,9 +91,12 @@ class _Tracked:
 
 class RolloutEngine:
     def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0,
-                 transport: str = "gloo"):
+                 transport: str = "gloo", lora: LoraServe | None = None):
         """``transport``: the run's resolved ``sync.transport``; under nccl or ipc updates go
-        through vLLM's own weight-transfer engine (weight_sync/device_updates.py)."""
+        through vLLM's own weight-transfer engine (weight_sync/device_updates.py). ``lora``:
+        versions are adapters on a base held for good (rollout_service/adapters.py)."""
+        self.lora = lora
+        self.adapters = AdapterVersions()
         self.model_path = model_path
         self.transport = transport
         self.device_updates: DeviceUpdates | None = None  # nccl's or ipc's receiver, once started with one
@@ -138,6 +142,7 @@ class RolloutEngine:
                else {}),
             disable_log_stats=True,
             **self.profile.engine_kwargs(),
+            **lora_engine_kwargs(self.lora),
             # a cached prefix is not forwarded: its tokens would have no routes
             **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
         )
@@ -147,7 +152,8 @@ class RolloutEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
-        info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_dir, self.profile.compat)))[0]
+        info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_dir, self.profile.compat,
+                                                                   self.quant_profile, self.lora.rank if self.lora else 0)))[0]
         for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
@@ -229,7 +235,8 @@ class RolloutEngine:
         logprobs: dict[int, list[float]] = {i: [] for i in range(n)}
         finish: dict[int, str] = {}
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                               request_id=request_id, lora_request=self.adapters.current):
                 for c in out.outputs:  # each event carries the new tokens of one child
                     tokens[c.index] += c.token_ids
                     logprobs[c.index] += [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
@@ -240,6 +247,8 @@ class RolloutEngine:
             raise InvalidRequest.from_vllm(e) from None
         finally:
             self._active.pop(request_id, None)
+            if self.lora:  # the adapters of versions no request holds any more go
+                await self.adapters.retire(self.llm, {t.start_version for t in self._active.values()})
         routes = {}
         if self.routing:
             routes = await self._take_routes(request_id, len(prompt_ids), tokens, finish, bool(stop))
@@ -295,6 +304,9 @@ class RolloutEngine:
     async def load_checkpoint(self, model_dir: str, version: int, quant_profile: str | None = None) -> SyncOutcome:
         """Catch up to a checkpoint's weights (a worker that missed syncs); a quantized
         engine's come with the profile they were quantized with."""
+        if self.lora and quant_profile is not None and quant_profile != self.quant_profile:
+            return SyncOutcome.failed(f"checkpoint {model_dir}: its adapter is rewritten for int8 profile "
+                                      f"{quant_profile or '-'}, this worker's base has {self.quant_profile or '-'}")
         result = await self._stage_and_apply(version, "checkpoint", "read", model_dir)
         if result.ok and quant_profile:
             self.quant_profile = quant_profile
@@ -303,7 +315,25 @@ class RolloutEngine:
     async def _stage_and_apply(self, version: int, source: str, op: str, *args) -> SyncOutcome:
         async with self._update_lock:
             staged = await self._in_worker(op, *args)
-            return SyncOutcome.of({**staged, **await self._apply(version, source)} if staged["ok"] else staged)
+            if not staged["ok"]:
+                return SyncOutcome.of(staged)
+            adopt = self._adopt_adapter if staged.get("adapter") else self._apply
+            return SyncOutcome.of({**staged, **await adopt(version, source)})
+
+    async def _adopt_adapter(self, version: int, source: str) -> dict:
+        """A LoRA version: the staged adapter written to its directory and added under a new
+        id, without pausing generation: requests in flight keep theirs to their end (their
+        tokens are all of their start version), new ones carry this one (rollout_service/adapters.py)."""
+        t0 = time.perf_counter()
+        if not self.lora:
+            return {"ok": False, "error": "an adapter came to an engine started without learner.lora"}
+        written = (await self.llm.collective_rpc("rlpipe_adapter", args=(version,)))[0]
+        if not written["ok"]:
+            return written
+        await self.adapters.adopt(self.llm, version, written["adapter_dir"])
+        self.version, self.synced, self.weights_source = version, True, source
+        await self.adapters.retire(self.llm, {t.start_version for t in self._active.values()})
+        return {"ok": True, "load_s": time.perf_counter() - t0, "pause_s": 0.0, "activated_at": time.time()}
 
     async def _load_staged(self) -> dict:
         return (await self.llm.collective_rpc("rlpipe_apply"))[0]
@@ -342,4 +372,5 @@ class RolloutEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        self.adapters.close()
 

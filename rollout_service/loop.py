@@ -452,8 +452,9 @@ class RolloutLoop:
         if path is None:
             return None
         version = int(checkpoints.read_meta(path)["version"])
-        if not self.engine.profile.checkpoint:
+        if not self.engine.profile.checkpoint and not self.engine.lora:
             return Checkpoint(str(path), version)
+        # A LoRA run's checkpoint keeps each precision's adapter as its workers load it
         path = path / "rollout" / self.engine.profile.precision
         if not path.is_dir():
             return None

@@ -50,6 +50,33 @@ def quick_exit() -> bool:
     return True
 
 
+def lora_on_prepacked_int8() -> bool:
+    """Let LoRA layers wrap an int8 linear whose weight the CPU kernel prepacked.
+
+    On a CPU without AMX, vLLM's int8 kernel packs the weight into a oneDNN handle and sets
+    ``layer.weight = None`` (model_executor/kernels/linear/scaled_mm/cpu.py), and the LoRA
+    layer reads its device from that weight (lora/layers/utils.py ``_get_lora_device``):
+    an int8 engine with ``enable_lora`` died at start. Such a layer lives on the CPU; every
+    other layer keeps vLLM's answer. Must run in the engine process before the model is
+    built (rollout_service/worker_ext.py does, on import). Measured in
+    ../shared/feasibility/LORA_MOE_NOTES.md: nothing else in the LoRA path reads the weight."""
+    try:
+        from vllm.lora.layers import base_linear, utils
+    except ImportError:  # no vLLM LoRA support in this build: nothing to fix
+        return False
+    original = getattr(utils._get_lora_device, "__wrapped__", utils._get_lora_device)
+
+    def lora_device(base_layer):
+        inner = getattr(base_layer, "routed_experts", base_layer)
+        if getattr(inner, "weight", 0) is None:
+            return torch.device("cpu")
+        return original(base_layer)
+
+    lora_device.__wrapped__ = original
+    utils._get_lora_device = base_linear._get_lora_device = lora_device
+    return True
+
+
 def die_with_parent() -> bool:
     """Make this (engine) process get SIGKILL when its parent, the API server, dies.
 

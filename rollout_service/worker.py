@@ -87,6 +87,7 @@ class Worker:
     the app's lifespan; ``drain`` is SIGTERM's first step (rollout_service/server.py)."""
 
     def __init__(self, cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_client=None):
+        from rollout_service.adapters import lora_serve
         from rollout_service.engine import RolloutEngine
         from rollout_service.metrics import RolloutMetrics
         from weight_sync.transport_choice import role_transport
@@ -95,7 +96,7 @@ class Worker:
         self.limits = cfg.rollout
         self.profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
         self.engine = RolloutEngine(cfg.model.path, self.profile, cfg.rollout, seed=cfg.seed,
-                                    transport=role_transport(cfg))
+                                    transport=role_transport(cfg), lora=lora_serve(cfg))
         self.metrics = RolloutMetrics(worker_id, self.profile.precision, cfg.run_id)
         self.api_share = ApiShare(cfg)
         self.tokenizer = None

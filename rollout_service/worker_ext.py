@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from rollout_service.vllm_compat import (
     after_reload,
     die_with_parent,
+    lora_on_prepacked_int8,
     quick_exit,
     keep_reloaded_kernel_tensors,
     reload_weights,
@@ -35,6 +36,9 @@ from weight_sync.manifest import Manifest
 from weight_sync.stager import WeightStager
 
 EXTENSION_CLS = "rollout_service.worker_ext.RlpipeWorkerExtension"
+# vLLM imports this module in the engine process before it builds the model: the LoRA layers'
+# device lookup must be fixed by then (vllm_compat.lora_on_prepacked_int8).
+LORA_DEVICE_FIX = lora_on_prepacked_int8()
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +48,17 @@ class RlpipeWorkerExtension:
     _rlpipe_job: Future | None = None
     _rlpipe_routes = None  # a RouteCapture once routing replay started
 
-    def rlpipe_init(self, model_dir: str, quant_compat: str = "") -> dict:
+    def rlpipe_init(self, model_dir: str, quant_compat: str = "", quant_profile: str = "", lora_rank: int = 0) -> dict:
         """Called once after start-up: process facts the server checks, the orphan guard,
         the reload workarounds, and the stager for the model's tensor shapes and the
-        quantization the engine was started for (every update is checked against both)."""
+        quantization the engine was started for (every update is checked against both;
+        an adapter also against the profile and the engine's largest rank)."""
         import os
 
         self._rlpipe_pool = ThreadPoolExecutor(1, thread_name_prefix="rlpipe-sync")
-        self._rlpipe_stager = WeightStager.for_model(model_dir, quant_compat)
+        self._rlpipe_stager = WeightStager.for_model(model_dir, quant_compat, quant_profile, lora_rank)
         return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent(),
+                "lora_on_prepacked_int8": LORA_DEVICE_FIX,
                 "quick_exit": quick_exit(),
                 "keep_reloaded_kernel_tensors": keep_reloaded_kernel_tensors(),
                 "rewind_cpu_generators": rewind_cpu_generators(self.model_runner)}
@@ -97,6 +103,18 @@ class RlpipeWorkerExtension:
         if self._rlpipe_routes is not None:
             self._rlpipe_routes.bind()
         return {"ok": True, "load_s": time.perf_counter() - t0, "fixes": fixes}
+
+    def rlpipe_adapter(self, version: int) -> dict:
+        """The staged adapter (learner.lora) written to a directory of this version's own
+        (weight_sync/adapters.py), for the engine to load with ``add_lora``; the base is not touched."""
+        from weight_sync.adapters import write_adapter
+
+        stager = self._rlpipe_stager
+        config, tensors = stager.staged_adapter, stager.take()
+        if tensors is None or not config:
+            return {"ok": False, "error": "no adapter staged"}
+        t0 = time.perf_counter()
+        return {"ok": True, "adapter_dir": write_adapter(tensors, config, version), "load_s": time.perf_counter() - t0}
 
     # -- routing replay (rollout_service/routes.py) --------------------------------------
     def rlpipe_capture_routes(self) -> dict:

@@ -95,7 +95,7 @@ class WorkerHarness:
         self.http = httpx.Client(base_url=f"http://{address}", timeout=60)
         self.version = -1
         # What the learner would send workers of this precision (cast, or quantized with the profile).
-        self.wire = rollout_weights(cfg.rollout.precision, cfg.quant, cfg.model.path)
+        self.wire = rollout_weights(cfg.rollout.precision, cfg.quant, cfg.model.path, lora=bool(cfg.learner.lora.rank))
         self.sent: dict[str, torch.Tensor] = {}  # the tensors of the last sync
         # as learner/channels.py makes it: quantized wires send deltas after a generation's first version
         self.sender = WeightSender(r, self.keys, "127.0.0.1", timeout_s=30, bucket_bytes=1 << 20,
@@ -108,7 +108,7 @@ class WorkerHarness:
         self.version += 1
         self.sent, _ = self.wire.prepare(model, self.version)
         stats = self.stats = self.sender.sync(self.version, self.sent.items, worker_incarnations(self.r, self.keys),
-                                              self.wire.quant_profile, self.wire.compat)
+                                              self.wire.quant_profile, self.wire.compat, self.wire.adapter)
         assert stats.members == 1
         # the harness consumes one step's groups per version, as a learner would
         set_learner_state(self.r, self.keys, version=self.version, step=self.version, status="running",

@@ -58,6 +58,9 @@ class Manifest:
     transport: str = "gloo"  # how versions travel: gloo (in the buckets), nccl or ipc (weight_sync/nccl.py, ipc.py)
     delta: bool = False  # versions after the first of a generation may travel as deltas (weight_sync/delta.py)
     chunk_bytes: int = 0  # gloo sends a whole version in chunks of this many bytes (0: a bucket a send)
+    # a LoRA adapter's peft adapter_config.json: the tensors are the adapter alone, for the base the
+    # worker already holds (learner.lora; weight_sync/adapters.py); "" = the model's own weights
+    adapter: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +75,8 @@ class Manifest:
             data["delta"] = True
         if self.chunk_bytes:
             data["chunk_bytes"] = self.chunk_bytes
+        if self.adapter:
+            data["adapter"] = self.adapter
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -82,7 +87,8 @@ class Manifest:
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
         return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""),
-                   data.get("transport", "gloo"), data.get("delta", False), data.get("chunk_bytes", 0))
+                   data.get("transport", "gloo"), data.get("delta", False), data.get("chunk_bytes", 0),
+                   data.get("adapter", ""))
 
     @cached_property  # a manifest is frozen: its hash is computed once, not at every check
     def hash(self) -> str:
@@ -124,7 +130,7 @@ def header_tensor(version: int, manifest_hash: str, base: int = -1, index_nbytes
 
 def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, quant_profile: str = "",
                  quant_compat: str = "", transport: str = "gloo", delta: bool = False,
-                 chunk_bytes: int = 0) -> Manifest:
+                 chunk_bytes: int = 0, adapter: str = "") -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket gets a bucket of its own (of its size), so every tensor
@@ -146,7 +152,7 @@ def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
             used += nbytes
         if slots:
             buckets.append(Bucket(dtype_name(dtype), used, tuple(slots)))
-    return Manifest(tuple(buckets), quant_profile, quant_compat, transport, delta, chunk_bytes)
+    return Manifest(tuple(buckets), quant_profile, quant_compat, transport, delta, chunk_bytes, adapter)
 
 
 def _numel(shape) -> int:
@@ -214,11 +220,17 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
 
 
 def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]], quant_compat: str = "",
-                    transport: str = "gloo") -> str | None:
+                    transport: str = "gloo", quant_profile: str = "", lora_rank: int = 0) -> str | None:
     """Why ``manifest`` cannot load into a model whose tensors have the ``expected``
-    shapes and whose engine was started for quantization ``quant_compat`` and weight
-    ``transport`` (a learner that trains another model, quantizes for another scheme or
-    base model, or sends over another transport), or None."""
+    shapes and whose engine was started for quantization ``quant_compat`` (profile
+    ``quant_profile``) and weight ``transport`` (a learner that trains another model,
+    quantizes for another scheme or base model, or sends over another transport), or None.
+    An adapter needs an engine started for adapters of its rank (``lora_rank``) and, on a
+    quantized base, made for that base's very profile (weight_sync/adapters.py)."""
+    if manifest.adapter:
+        from weight_sync.adapters import adapter_incompatibility
+
+        return adapter_incompatibility(manifest, expected, quant_compat, transport, quant_profile, lora_rank)
     if manifest.transport != transport:
         return (f"the learner sends over {manifest.transport}, this worker's engine was started for {transport} "
                 f"(sync.transport must resolve alike on both: set it explicitly)")

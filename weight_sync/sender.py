@@ -211,23 +211,25 @@ class WeightSender:
         Redis restored from an older snapshot): workers can no longer see its versions."""
         return self.group is not None and generation_id(self.r, self.sync_key) != self.state.generation_id
 
-    def plan(self, tensors: Mapping[str, torch.Tensor], quant_profile: str = "", quant_compat: str = "") -> Manifest:
+    def plan(self, tensors: Mapping[str, torch.Tensor], quant_profile: str = "", quant_compat: str = "",
+             adapter: str = "") -> Manifest:
         """The manifest of ``tensors``: float tensors cast to ``wire_dtype`` (when set), the
         others (and all, without one) in their own dtype."""
         specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
                   tuple(t.shape)) for name, t in tensors.items()]
         return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat,
                             self.device.transport if self.device else "gloo", delta=self.full_every > 0,
-                            chunk_bytes=0 if self.device else self.chunk_bytes)
+                            chunk_bytes=0 if self.device else self.chunk_bytes, adapter=adapter)
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-             live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "") -> SyncStats:
+             live: Mapping[str, str], quant_profile: str = "", quant_compat: str = "",
+             adapter: str = "") -> SyncStats:
         """Bring the live workers (``id -> incarnation``) to ``version``, re-forming the
         generation when membership or the manifest changed (a recalibrated profile);
         returns timing stats and who got it."""
         deadline = time.monotonic() + self.timeout_s
         tensors = dict(named())
-        manifest = self.plan(tensors, quant_profile, quant_compat)
+        manifest = self.plan(tensors, quant_profile, quant_compat, adapter)
         form_s = 0.0
         if self.group is None or self.needs_forming(live) or manifest != self.manifest:
             candidates = self.candidates(live)

@@ -33,24 +33,34 @@ from pathlib import Path
 
 import torch
 
-from weight_sync.manifest import Manifest, incompatibility, refusal, shape_mismatch
+from weight_sync.adapters import read_adapter
+from weight_sync.manifest import Manifest, incompatibility, plan_buckets, refusal, shape_mismatch
 from weight_sync.names import checkpoint_shapes
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transport import LeftOut, SyncError
 
 
 class WeightStager:
-    def __init__(self, shapes: dict[str, tuple[int, ...]], quant_compat: str = ""):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], quant_compat: str = "", quant_profile: str = "",
+                 lora_rank: int = 0):
         """``shapes``: the model's tensors as its checkpoint has them; ``quant_compat``: the
-        quantization its engine was started for. A manifest or checkpoint that does not
-        fit them is refused."""
+        quantization its engine was started for (``quant_profile``: its profile, which an
+        adapter must have been rewritten for); ``lora_rank``: the largest adapter rank the
+        engine takes (0: none). A manifest or checkpoint that does not fit them is refused."""
         self.shapes, self.quant_compat = shapes, quant_compat
+        self.quant_profile, self.lora_rank = quant_profile, lora_rank
         self.receiver: WeightReceiver | None = None  # the generation joined, with its manifest
         self._staged: list[tuple[str, torch.Tensor]] | None = None
+        self.staged_adapter = ""  # the adapter config of what is staged, when it is an adapter
 
     @classmethod
-    def for_model(cls, model_dir: str, quant_compat: str = "") -> "WeightStager":
-        return cls(checkpoint_shapes(model_dir), quant_compat)
+    def for_model(cls, model_dir: str, quant_compat: str = "", quant_profile: str = "",
+                  lora_rank: int = 0) -> "WeightStager":
+        return cls(checkpoint_shapes(model_dir), quant_compat, quant_profile, lora_rank)
+
+    def _incompatibility(self, manifest: Manifest) -> str | None:
+        return incompatibility(manifest, self.shapes, self.quant_compat, quant_profile=self.quant_profile,
+                               lora_rank=self.lora_rank)
 
     def join(self, host: str, port: int, slot: str, generation: int, manifest: Manifest, timeout_s: float) -> dict:
         """Leave any generation, then check in under ``slot`` and join ``generation``, or
@@ -58,7 +68,7 @@ class WeightStager:
         naming this worker and the reason, if ``manifest`` is its own; the refusal names the
         manifest's hash, :func:`~weight_sync.manifest.refusal`)."""
         self.leave()
-        refuse = incompatibility(manifest, self.shapes, self.quant_compat)
+        refuse = self._incompatibility(manifest)
         try:
             self.receiver = WeightReceiver.join(host, port, slot, generation, manifest, timeout_s,
                                                 None if refuse is None else refusal(manifest, refuse))
@@ -83,15 +93,18 @@ class WeightStager:
         except SyncError as e:
             self.leave()
             return {"ok": False, "error": str(e)}
-        return {"ok": True, "transfer_s": time.perf_counter() - t0}
+        self.staged_adapter = receiver.manifest.adapter
+        return {"ok": True, "transfer_s": time.perf_counter() - t0, "adapter": bool(self.staged_adapter)}
 
     def read(self, model_dir: str) -> dict:
         """Stage a checkpoint's weights (all read and shape-checked before any is loaded)."""
         from safetensors.torch import load_file
 
-        self._staged = None
+        self._staged, self.staged_adapter = None, ""
         t0 = time.perf_counter()
         try:
+            if (adapter := read_adapter(model_dir)) is not None:
+                return self._stage_adapter(model_dir, *adapter, t0)
             weights = {}
             for f in sorted(Path(model_dir).glob("*.safetensors")):
                 weights.update(load_file(f))
@@ -104,6 +117,15 @@ class WeightStager:
         self._staged = list(weights.items())
         return {"ok": True, "read_s": time.perf_counter() - t0}
 
+    def _stage_adapter(self, model_dir: str, tensors: list[tuple[str, torch.Tensor]], config: str, t0: float) -> dict:
+        """Stage a checkpoint's adapter (learner.lora) once it fits this engine, as one received would."""
+        manifest = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in tensors], 1 << 62, self.quant_profile,
+                                self.quant_compat, adapter=config)
+        if why := self._incompatibility(manifest):
+            return {"ok": False, "error": f"checkpoint {model_dir}: {why}"}
+        self._staged, self.staged_adapter = tensors, config
+        return {"ok": True, "read_s": time.perf_counter() - t0, "adapter": True}
+
     def take(self) -> list[tuple[str, torch.Tensor]] | None:
         """The staged weights, once (None when nothing is staged)."""
         staged, self._staged = self._staged, None
@@ -114,4 +136,4 @@ class WeightStager:
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = None
-        self._staged = None
+        self._staged, self.staged_adapter = None, ""
