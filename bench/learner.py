@@ -13,6 +13,8 @@ checkpoints excluded) for each of
 - ``checkpoint``: the time checkpoints hold up the step (``checkpoint_blocking_seconds``,
   the mean over checkpoint steps, one checkpoint every step) with
   ``learner.async_checkpoint`` false (baseline) and true. Lower is better here.
+- ``lora``: the full fine-tune (baseline) against a rank-8 adapter on the frozen base
+  (``learner.lora.rank``: the optimizer holds the adapter alone, the base gets no gradient);
 - ``compile``: eager (baseline) and ``learner.compile`` (each decoder layer
   ``torch.compile``d). Its first steps (each new batch shape until shapes turn dynamic)
   compile for tens of seconds; like every run's first step, the median leaves them out
@@ -127,6 +129,9 @@ def groups(args) -> list[Group]:
         Group("checkpoint", "checkpoint time on the step's critical path (learner.async_checkpoint)",
               [Row("sync", "synchronous", {**ckpt, "learner.async_checkpoint": False}),
                Row("async", "async", {**ckpt, "learner.async_checkpoint": True})], metric=BLOCKING),
+        Group("lora", "a rank-8 LoRA adapter on the frozen base (learner.lora) against the full fine-tune",
+              [Row("full", "full fine-tune", {}),
+               Row("lora", "LoRA rank 8, every decoder linear", {"learner.lora.rank": 8})]),
         Group("compile", "torch.compile of each decoder layer (learner.compile), steps after the first",
               [Row("eager", "eager", {"learner.compile": False}),
                Row("compiled", "compiled", {"learner.compile": True},

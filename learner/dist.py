@@ -170,11 +170,15 @@ class Ranks:
     def full_tensors(self, model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
         """The named parameters of ``model`` (by their served names), whole (every rank must ask for
         the same names). A fused parameter (an MoE layer's experts) is gathered once for all
-        of its slices among ``names``, then sliced."""
+        of its slices among ``names``, then sliced. A name that is a parameter's own (a LoRA
+        adapter's, which no checkpoint serves) is gathered as it is."""
         pieces, params = served_pieces(model), dict(model.named_parameters())
-        whole = {pieces[n].param: None for n in names}
+        own = [n for n in names if n not in pieces and n in params]
+        served = [n for n in names if n not in own]
+        whole = {pieces[n].param: None for n in served}
         whole = {p: full(params[p].detach()) for p in whole}
-        return {n: pieces[n].of(whole[pieces[n].param]) for n in names}
+        return {**{n: pieces[n].of(whole[pieces[n].param]) for n in served},
+                **{n: full(params[n].detach()) for n in own}}
 
     @torch.no_grad()
     def probe(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:

@@ -86,6 +86,8 @@ class BaseView:
 def served_weights(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The base's weights as a worker of the run's precision computes with them, keyed like
     ``params`` (served names), or None where they are the fp32 weights themselves."""
+    if not cfg.learner.served_weights:  # the fp32 base, to measure what serving it saves (bench/seeds.py lora)
+        return None
     precision = cfg.rollout.precisions[0]
     wire = cfg.quant.wire(precision)
     if wire == "int8":
@@ -98,7 +100,7 @@ def served_weights(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
         return dequantize(fp8_tensors(params))
     dtype = getattr(torch, spec(precision).dtype)
-    if not cfg.learner.served_weights or dtype == torch.float32:
+    if dtype == torch.float32:
         return None
     return {n: t.to(dtype).float() for n, t in params.items()}
 

@@ -196,3 +196,23 @@ def test_the_served_base_follows_the_fleets_precision(toy_model_path, base_model
     assert all(torch.equal(bf16[n], params[n].to(torch.bfloat16).float()) for n in params)
     fp32 = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"precision": "fp32"})})
     assert served_weights(fp32, params) is None  # the fp32 weights are what an fp32 engine serves
+
+
+def test_a_checkpoints_adapter_is_staged_for_a_returning_worker_once_it_fits(toy_model_path, tmp_path):
+    """What a restarted worker catches up from (rollout/<precision>/ of a LoRA checkpoint): the
+    adapter, staged as a received one would be, and refused when its rank is not the engine's."""
+    from learner import checkpoint
+    from weight_sync.stager import WeightStager
+
+    model = lora_model(toy_model_path)
+    tensors = wire_tensors(model)
+    path = checkpoint.save(tmp_path, 4, model, {}, {"version": 4},
+                           rollout={"bf16": ("", tensors, wire_config(model))})
+    rollout = path / "rollout" / "bf16"
+    stager = WeightStager.for_model(toy_model_path, lora_rank=8)
+    reply = stager.read(str(rollout))
+    assert reply["ok"] and reply["adapter"] and stager.staged_adapter == wire_config(model)
+    assert {n for n, _ in stager.take()} == set(tensors)
+    small = WeightStager.for_model(toy_model_path, lora_rank=4).read(str(rollout))
+    assert not small["ok"] and "rank-8 adapter" in small["error"] and str(rollout) in small["error"]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in path.iterdir()}

@@ -8,17 +8,21 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from launch.demo import resolve_quant_profile
+from learner import checkpoint
 from learner.lora import BaseView, serve_base, trainable, wrap
 from learner.policy import load_policy
+from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import build_config
 from rlpipe.queue import connect
 from rlpipe.registry import worker_incarnations
-from tests.conftest import WorkerHarness, max_diff, start_worker, stop_worker, wait_for
+from tests.conftest import WorkerHarness, launch_worker, max_diff, start_worker, stop_worker, wait_for
 from weight_sync.transport import IncompatibleWorker
 
 pytestmark = pytest.mark.slow
@@ -56,7 +60,7 @@ def eos_masked_diff(model, tokens: list[int], logprobs: list[float]) -> torch.Te
     """The largest gap between a response's behavior log-probs, sampled with ``min_tokens`` all
     its length (vLLM masks the end of sequence, and its processed log-probs are renormalised
     without it), and ``model``'s log-probs of the same tokens with the end of sequence masked alike."""
-    eos = model.config.eos_token_id
+    eos = getattr(model, "model", model).config.eos_token_id  # a BaseView's: its model's
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1].float()
     logits[:, eos] = -torch.inf
@@ -122,3 +126,42 @@ def test_an_adapter_for_another_profile_is_refused_and_the_worker_keeps_serving(
     assert status["version"] == version and h.wire.quant_profile in status["last_error"]
     resp = h.http.post("/v1/generate", json={"prompt_token_ids": PROMPT, "n": 2, "max_tokens": 4})
     assert resp.status_code == 200 and resp.json()["policy_version"] == version
+
+
+def checkpointed(h, seed: int, version: int):
+    """A learner checkpoint of version ``version`` with a new adapter, kept for the int8
+    workers as it would be sent (``rollout/int8/``); returns (the policy, the version)."""
+    model = policy(h.cfg, seed=seed)
+    tensors, _ = h.wire.prepare(model, 0)
+    path = checkpoint.save(checkpoint_root(h.cfg), version, model, {}, {"version": version},
+                           rollout={"int8": (h.wire.quant_profile, tensors, h.wire.adapter)})
+    assert (path / "rollout" / "int8" / "adapter_config.json").is_file()
+    return model, version
+
+
+def assert_serves(h, model, version: int) -> None:
+    """The worker samples at ``version`` with ``model``'s adapter, not with its base alone."""
+    resp = h.http.post("/v1/generate", json={"prompt_token_ids": PROMPT, "n": 8, "max_tokens": 8,
+                                             "min_tokens": 8, "seed": 9}).json()
+    assert resp["policy_version"] == version
+    got = torch.cat([eos_masked_diff(model, c["tokens"], c["logprobs"]) for c in resp["choices"]])
+    base = torch.cat([eos_masked_diff(BaseView(model, False), c["tokens"], c["logprobs"]) for c in resp["choices"]])
+    assert got.mean() < 0.05 and base.mean() > 5 * got.mean(), (got.mean(), base.mean())
+
+
+# soak: another engine start (a minute on CI); tests/test_lora.py reads the same checkpoint into a stager, and
+# the engine loads what it staged as a synced adapter (the tests above)
+@pytest.mark.soak
+def test_a_restarted_worker_catches_up_on_the_adapter_of_the_newest_checkpoint(lora_worker):
+    """A worker that restarts loads its int8 base, then the adapter the learner kept for its
+    precision in the newest checkpoint (``rollout/int8/``, as it was sent), before any sync."""
+    h = lora_worker
+    model, version = checkpointed(h, seed=5, version=h.version + 10)
+    h.sender.drop()
+    stop_worker(h.proc)
+    h.proc, address = launch_worker(h.cfg, Path(h.cfg.run_dir) / "config.yaml", "w0")
+    h.http = httpx.Client(base_url=f"http://{address}", timeout=60)
+    status = wait_for(lambda: (st := h.http.get("/v1/status").json())["version"] == version and st, 120,
+                      what="the checkpoint's adapter on the restarted worker")
+    assert status["weights"] == "checkpoint"
+    assert_serves(h, model, version)
