@@ -154,7 +154,8 @@ class RolloutEngine:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
         info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_dir, self.profile.compat,
                                                                    self.quant_profile, self.lora.rank if self.lora else 0)))[0]
-        for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators"):
+        for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators",
+                           *(("grouped_cpu_lora",) if self.lora else ())):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
         if self.cfg.routing_replay:

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from rollout_service.vllm_compat import (
     after_reload,
     die_with_parent,
+    grouped_cpu_lora,
     lora_on_prepacked_int8,
     quick_exit,
     keep_reloaded_kernel_tensors,
@@ -39,6 +40,7 @@ EXTENSION_CLS = "rollout_service.worker_ext.RlpipeWorkerExtension"
 # vLLM imports this module in the engine process before it builds the model: the LoRA layers'
 # device lookup must be fixed by then (vllm_compat.lora_on_prepacked_int8).
 LORA_DEVICE_FIX = lora_on_prepacked_int8()
+LORA_GROUPED = grouped_cpu_lora()  # and its CPU kernels, grouped by adapter (vllm_compat.grouped_cpu_lora)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class RlpipeWorkerExtension:
         self._rlpipe_pool = ThreadPoolExecutor(1, thread_name_prefix="rlpipe-sync")
         self._rlpipe_stager = WeightStager.for_model(model_dir, quant_compat, quant_profile, lora_rank)
         return {"pid": os.getpid(), "ppid": os.getppid(), "die_with_parent": die_with_parent(),
-                "lora_on_prepacked_int8": LORA_DEVICE_FIX,
+                "lora_on_prepacked_int8": LORA_DEVICE_FIX, "grouped_cpu_lora": LORA_GROUPED,
                 "quick_exit": quick_exit(),
                 "keep_reloaded_kernel_tensors": keep_reloaded_kernel_tensors(),
                 "rewind_cpu_generators": rewind_cpu_generators(self.model_runner)}

@@ -79,6 +79,12 @@ def test_routing_replay_on_a_model_without_experts_is_named(toy_model_path):
                        "rollout.routing_replay", "no mixture-of-experts layers")
 
 
+def test_lora_with_what_it_cannot_serve_is_named(model_dir):
+    """learner.lora trains on one served base and sends adapters over gloo (docs/lora.md)."""
+    assert_usage_error(*rlpipe("demo", "--set", f"model.path={model_dir}", "--set", "learner.lora.rank=8",
+                               "--precision", "int8,bf16"), "learner.lora", "int8, bf16")
+
+
 def test_a_chat_template_file_that_is_not_there_is_named_before_the_worker_starts(toy_model_path, tmp_path):
     """rollout.chat_template naming no file ended the worker in its app's start-up, after the
     engine: uvicorn's exit 3 after a traceback (issue 33 item 7). It is read before the socket

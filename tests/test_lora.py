@@ -216,3 +216,46 @@ def test_a_checkpoints_adapter_is_staged_for_a_returning_worker_once_it_fits(toy
     small = WeightStager.for_model(toy_model_path, lora_rank=4).read(str(rollout))
     assert not small["ok"] and "rank-8 adapter" in small["error"] and str(rollout) in small["error"]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in path.iterdir()}
+
+
+def test_the_grouped_cpu_lora_kernels_compute_what_vllms_per_token_ones_do():
+    """rollout_service/vllm_compat.py ``grouped_cpu_lora``: one matmul per adapter in the batch
+    gives vLLM's per-token einsum's sums, for one adapter, several, and slot -1 (as vLLM indexes it)."""
+    import importlib
+
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    original = importlib.reload(lora_ops)  # vLLM's own, whatever an engine in this process patched
+    ops = {n: getattr(original, n) for n in ("bgmv_expand", "bgmv_shrink", "bgmv_expand_slice")}
+    from rollout_service.vllm_compat import grouped_cpu_lora
+
+    assert grouped_cpu_lora()
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 1, 8, 32, generator=g)  # (slots, 1, rank, in)
+    b = torch.randn(3, 1, 48, 8, generator=g)  # (slots, 1, out, rank)
+    x = torch.randn(10, 32, generator=g)
+    h = torch.randn(10, 8, generator=g)
+    for indices in (torch.zeros(10, dtype=torch.long), torch.tensor([0, 1, 2, -1, 1, 0, 2, 2, -1, 0])):
+        want, got = torch.zeros(10, 8), torch.zeros(10, 8)
+        ops["bgmv_shrink"](x, a, want, indices, 0.5)
+        lora_ops.bgmv_shrink(x, a, got, indices, 0.5)
+        assert torch.allclose(got, want, atol=1e-5)
+        want, got = torch.ones(10, 64), torch.ones(10, 64)
+        ops["bgmv_expand_slice"](h, b, want, indices, 8, 48, True)
+        lora_ops.bgmv_expand_slice(h, b, got, indices, 8, 48, True)
+        assert torch.allclose(got, want, atol=1e-5)
+        want, got = torch.ones(10, 48), torch.ones(10, 48)
+        ops["bgmv_expand"](h, b, want, indices, True)
+        lora_ops.bgmv_expand(h, b, got, indices, True)
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_lora_refuses_at_launch_what_it_cannot_serve():
+    from launch.checks import lora_problems
+
+    cfg = build_config({}, environ={}, **{"learner.lora.rank": 8})
+    assert lora_problems(cfg, "gloo") == []
+    assert "gloo only" in lora_problems(cfg, "nccl")[0]
+    replay = build_config({}, environ={}, **{"learner.lora.rank": 8, "rollout.routing_replay": True})
+    assert "routing_replay" in lora_problems(replay, "gloo")[0]
+    assert lora_problems(build_config({}, environ={}), "ipc") == []  # a full fine-tune: nothing to say
