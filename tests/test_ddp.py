@@ -42,20 +42,26 @@ def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **setting
     return cfg, run_dir
 
 
+# LoRA (learner.lora, with its KL reference: the policy with the adapter off, whose forwards
+# under FSDP are collectives too) rides on the padded FSDP case
+LORA = {"learner.lora.rank": 8, "learner.kl_coef": 0.05}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "microbatch_tokens"), [("ddp", 20), ("fsdp", 0), ("fsdp", 20)],
-                         ids=["ddp-token-budget-microbatches", "fsdp-padded", "fsdp-token-budget-microbatches"])
+@pytest.mark.parametrize(("parallel", "microbatch_tokens", "lora"), [("ddp", 20, {}), ("fsdp", 0, LORA),
+                                                                     ("fsdp", 20, {})],
+                         ids=["ddp-token-budget-microbatches", "fsdp-padded-lora", "fsdp-token-budget-microbatches"])
 def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path, parallel,
-                                                           microbatch_tokens):
+                                                           microbatch_tokens, lora):
     """With micro-batches, the 2 ranks also accumulate gradients without syncing until each
     one's last micro-batch (DDP no_sync, FSDP set_requires_gradient_sync), run as many
     forwards as each other under FSDP (padded with weightless ones), and must still match
-    the single padded process."""
+    the single padded process; a LoRA adapter too (its checkpoint holds the adapter alone)."""
     groups = synthetic_groups(load_policy(toy_model_path), 8, seed=21, noise=0.1)
-    single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups)
+    single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups, **lora)
     ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups,
                                 **{"learner.max_tokens_per_microbatch": microbatch_tokens,
-                                   "learner.parallel": parallel})
+                                   "learner.parallel": parallel, **lora})
     learner = [sys.executable, "-m", "launch.cli", "learner", "--config"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*learner, str(single_dir / "config.yaml")], check=True, env=env, timeout=300,
@@ -65,9 +71,13 @@ def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_mod
                          text=True)
     assert out.returncode == 0, out.stderr[-3000:]
 
-    a = load_file(checkpoint.latest(single_dir / "checkpoints") / "model.safetensors")
-    b = load_file(checkpoint.latest(ddp_dir / "checkpoints") / "model.safetensors")
-    base = load_policy(toy_model_path).state_dict()
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    a = load_file(checkpoint.latest(single_dir / "checkpoints") / weights)
+    b = load_file(checkpoint.latest(ddp_dir / "checkpoints") / weights)
+    # an adapter starts with B = 0 (A is the seed's, alike in both runs): what B holds is how far it moved
+    base = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in a.items()} if lora \
+        else load_policy(toy_model_path).state_dict()
+    a, b = ({k: v for k, v in t.items() if ".lora_B." in k} if lora else t for t in (a, b))
     moved = max((a[k] - base[k]).abs().max().item() for k in a)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert moved > 1e-3, "the steps did not train"
