@@ -105,6 +105,20 @@ def served_weights(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {n: t.to(dtype).float() for n, t in params.items()}
 
 
+def training_policy(cfg, path: str):
+    """The model the learner trains, from ``path``: as it is, or under ``learner.lora`` the base
+    as served with a fresh adapter (a resumed run then loads its checkpoint's into it)."""
+    import logging
+
+    from learner.policy import load_policy
+
+    model = load_policy(path)
+    if not cfg.learner.lora.rank:
+        return model
+    logging.getLogger(__name__).info("LoRA rank %d on %s", cfg.learner.lora.rank, serve_base(model, cfg))
+    return wrap(model, cfg.learner.lora)
+
+
 @torch.no_grad()
 def serve_base(model, cfg) -> str:
     """Replace ``model``'s (unwrapped, not yet sharded) weights once with :func:`served_weights`

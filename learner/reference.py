@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import torch
 
+from learner.lora import BaseView
 from learner.policy import load_policy
 from learner.served import served_dtype
 
 
-def load_reference(cfg, device: torch.device):
-    """The reference model on ``device``, frozen and in eval mode; None when ``learner.kl_coef`` is 0."""
+def load_reference(cfg, device: torch.device, policy=None, collective: bool = False):
+    """The reference model on ``device``, frozen and in eval mode; None when ``learner.kl_coef`` is 0.
+    Under ``learner.lora`` the base is frozen already: the reference is ``policy`` with its
+    adapter off (learner/lora.py ``BaseView``; ``collective``: its forwards are FSDP's collectives)."""
     if not cfg.learner.kl_coef:
         return None
+    if cfg.learner.lora.rank:
+        return BaseView(policy, collective)
     model = load_policy(cfg.model.path).to(device)
     model.requires_grad_(False)
     if (dtype := served_dtype(cfg)) is not None:

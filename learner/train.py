@@ -38,10 +38,9 @@ from learner.checkpointer import Checkpointer, checkpoint_roles, lineage_meta, l
 from learner.dist import Ranks
 from learner.evals import Evals
 from learner.ledger import Ledger
-from learner.lora import BaseView, serve_base, trainable
-from learner.lora import wrap as wrap_lora
+from learner.lora import trainable, training_policy
 from learner.metrics import LearnerMetrics
-from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, load_policy, token_logprobs
+from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, token_logprobs
 from learner.reference import load_reference
 from learner.routing import install as install_routing
 from learner.routing import routing_shape
@@ -116,12 +115,8 @@ class Learner:
         # rank 0 sends the others what it read of the checkpoint (Checkpointer.load).
         sharded, main_reads = checkpoint_roles(lc, self.ranks.sharded, self.ranks.world)
         resume = self.ranks.broadcast(checkpoint.latest(self.ckpt_root) if self.ranks.is_main else None)
-        lora = lc.lora.rank > 0  # an adapter on the base as served (learner/lora.py); a checkpoint holds the adapter
-        restore_weights = main_reads or lora
-        self.model = load_policy(str(cfg.model.path if restore_weights else resume or cfg.model.path))
-        if lora:
-            log.info("LoRA rank %d on %s", lc.lora.rank, serve_base(self.model, cfg))
-            self.model = wrap_lora(self.model, lc.lora)
+        restore_weights = main_reads or lc.lora.rank > 0  # a LoRA checkpoint holds the adapter, not the base
+        self.model = training_policy(cfg, str(cfg.model.path if restore_weights else resume or cfg.model.path))
         self.model = self.model.to(self.device)
         if lc.activation_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -147,11 +142,8 @@ class Learner:
                                       without_secrets(cfg).model_dump(mode="json"),  # trackers write it down
                                       lc.wandb, lc.mlflow)
         self.run_counters = RunCounters()
-        # None unless kl_coef > 0; under LoRA the policy with its adapter off
-        reference = (BaseView(self.model, self.ranks.sharded) if lc.kl_coef else None) if lora \
-            else load_reference(cfg, self.device)
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
-                           self.metrics.staleness, reference)
+                           self.metrics.staleness, load_reference(cfg, self.device, self.model, self.ranks.sharded))
         if cfg.rollout.routing_replay:  # the policy's and the reference's forwards replay the rollout's experts
             for model in filter(None, (self.model, self.ppo.reference)):
                 install_routing(model, replay=lc.replay_routes)
@@ -286,7 +278,8 @@ class Learner:
         rest again."""
         self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
         state = trainer_state(self.schedule, self.scaler, self.run_counters, self.ledger)
-        meta = lineage_meta(self.version, self.run_counters, str(self.cfg.model.path) if self.cfg.learner.lora.rank else "")
+        lora_base = str(self.cfg.model.path) if self.cfg.learner.lora.rank else ""  # what a LoRA checkpoint goes on
+        meta = lineage_meta(self.version, self.run_counters, lora_base)
         # What quantized workers load to catch up: this version's tensors, as last sent.
         rollout = self.fleet.rollout_tensors(self.model, self.version)
         self.ledger.checkpoint_started()
