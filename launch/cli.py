@@ -78,7 +78,8 @@ def _plot_args(p):
 
 
 def _export_args(p):
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its newest checkpoint) or one checkpoint directory")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory (its newest checkpoint) or one checkpoint directory")
     p.add_argument("out", metavar="OUT", help="the model directory to write (new or empty)")
     p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest complete one)")
 

@@ -163,7 +163,8 @@ def test_export_errors_name_what_is_wrong(tmp_path, toy_model_path, capsys):
 
 def _greedy(model: Path, prompts: list[list[int]], adapter: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "tests.test_export", str(model), json.dumps(prompts)] + ([str(adapter)] if adapter else [])
+    args = [sys.executable, "-m", "tests.test_export", str(model), json.dumps(prompts)]
+    args += [str(adapter)] if adapter else []
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
