@@ -6,6 +6,7 @@
     rlpipe calibrate --config run.yaml [--out DIR]        int8: calibrate the base model once, write a profile
     rlpipe build-model [--seed S]                         prepare/cache the model (toy or built-in), print its path
     rlpipe plot runs/<id>                                 (re)draw metrics.png of a run
+    rlpipe export runs/<id> OUT [--step N]                a checkpoint as a merged Hugging Face model (vLLM serves it)
     rlpipe up --config run.yaml                           the roles of deploy/k8s on this machine, supervised
     rlpipe status | restart ROLE | scale ROLE N           act on a running `rlpipe up` (launch/up.py)
 
@@ -74,6 +75,13 @@ def _bench_args(p):
 
 def _plot_args(p):
     p.add_argument("run_dir")
+
+
+def _export_args(p):
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory (its newest checkpoint) or one checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="the model directory to write (new or empty)")
+    p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest complete one)")
 
 
 def _up_args(p):
@@ -301,6 +309,17 @@ def _run_plot(args, cfg) -> int:
     return 0
 
 
+def _run_export(args, cfg) -> int:
+    from launch.export import ExportError, export
+
+    try:
+        out = export(args.run_dir, args.out, args.step)
+    except ExportError as e:
+        return _error(e, 2)
+    print(out)
+    return 0
+
+
 def _run_control(args, cfg) -> int:
     """status, restart, scale: act on a running `rlpipe up` through its run directory."""
     from launch import up
@@ -332,6 +351,8 @@ COMMANDS = {
     "build-model": ("prepare (or find) the cached model, toy or built-in, and print its path", _build_model_args, _run_build_model),
     "bench": ("regenerate the evidence report (docs/results.md): every benchmark in bench/", _bench_args, _run_bench),
     "plot": ("draw metrics.png for a run directory", _plot_args, _run_plot),
+    "export": ("write a run's checkpoint (LoRA merged into its base) as a Hugging Face model directory that "
+               "transformers and vLLM load without rlpipe", _export_args, _run_export),
     "up": ("run the learner and workers on this machine, restarted when they crash, as the Kubernetes "
            "manifests run them", _up_args, _run_up),
     "status": ("print the roles, versions, lag, queue and sync of a running `rlpipe up`", _status_args, _run_control),
