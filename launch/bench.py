@@ -73,7 +73,7 @@ PARTS = (
          ("--finding", "surge", "--steps", "20"), ("--finding", "surge", "--quick"), ("surge",), "--json-dir"),
     Part("moe", "mixture of experts: routing replay on and off (toy-moe)", "bench/seeds.py",
          ("--finding", "moe"), ("--finding", "moe", "--quick"), ("moe",), "--json-dir"),
-    Part("lora", "LoRA on a frozen int8 base against a full fine-tune with int8 rollout (SmolLM2)", "bench/seeds.py",
+    Part("lora", "LoRA on a frozen int8 base against a full fine-tune with int8 rollout (toy)", "bench/seeds.py",
          ("--finding", "lora"), ("--finding", "lora", "--quick"), ("lora",), "--json-dir"),
     Part("real", "GRPO on SmolLM2-135M-Instruct, held-out accuracy", "bench/seeds.py",
          ("--finding", "real"), ("--finding", "real", "--quick"), ("real",), "--json-dir"),
@@ -92,7 +92,7 @@ PARTS = (
 # The report's order, the seeds' own (000 precision, 001 surge, 002 int8); the parts run int8's first, because
 # --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
 ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
-         "delta_sync", "moe", "real", "lora", "real-int8", "real-rollout", "soak", "gpu"]
+         "delta_sync", "lora", "moe", "real", "real-int8", "real-rollout", "soak", "gpu"]
 # Why a section may be missing, beyond "not run yet": the GPU one needs a GPU machine (docs/gpu.md).
 NOT_RUN = {"gpu": "the GPU run is still owed: no GPU machine has been lent yet; on one, run `python bench/gpu.py "
                   "--device-check --out DIR` as docs/gpu.md says, and copy DIR/gpu.json to docs/results/"}
