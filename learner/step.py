@@ -107,7 +107,9 @@ class PPOStep:
         self.served = ServedWeights(trainable(model), served_dtype(cfg))
         # One rank only: a rank's groups differ in number, and under DDP or FSDP (whose fully_shard
         # wraps the model in place) every rank must run as many forwards, each gathering the layers.
-        self.share_prompt = lc.share_prompt and ranks.world == 1
+        # Not under activation checkpointing either: a layer recomputed in the backward appends its keys to the
+        # prompt's shared KV cache a second time (a shape error in the backward, tests/test_lora.py).
+        self.share_prompt = lc.share_prompt and ranks.world == 1 and not lc.activation_checkpointing
 
     @property
     def version(self) -> int:

@@ -347,7 +347,8 @@ class LearnerConfig(HttpTimeouts):
                                   "position on only: the prompt's logits are never read")
     share_prompt: bool = Field(True, description="forward each group's prompt once for its samples (its KV cache "
                                "repeated, gradients through it) instead of once per sample; one rank only (a DDP or "
-                               "FSDP learner forwards whole rows)")
+                               "FSDP learner forwards whole rows), and not with activation_checkpointing (a "
+                               "recomputed layer would extend the shared cache again)")
     replay_routes: bool = Field(True, description="with rollout.routing_replay: forward each token through the experts "
                                 "the engine chose (the router's probabilities still computed, so it keeps its "
                                 "gradient); false: only measure routing_agreement against the learner's own choice")

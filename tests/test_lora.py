@@ -3,6 +3,7 @@ what a worker accepts. The real engines run in tests/test_lora_engine.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -259,3 +260,19 @@ def test_lora_refuses_at_launch_what_it_cannot_serve():
     replay = build_config({}, environ={}, **{"learner.lora.rank": 8, "rollout.routing_replay": True})
     assert "routing_replay" in lora_problems(replay, "gloo")[0]
     assert lora_problems(build_config({}, environ={}), "ipc") == []  # a full fine-tune: nothing to say
+
+
+def test_a_lora_step_under_activation_checkpointing_is_the_plain_step(lora_learner, base_model):
+    """Recomputing each decoder layer in the backward (learner.activation_checkpointing) gives
+    the adapter the same update: the frozen base needs no gradient, the activations still do.
+    (It also turns learner.share_prompt off: a recomputed layer extended the shared prompt's
+    cache again, a shape error in the backward of every one-rank learner with both on.)"""
+    records = for_run(synthetic_groups(base_model, 4, seed=7), lora_learner().cfg)
+    moved = []
+    for checkpointing in (False, True):
+        learner = lora_learner(**{"learner.activation_checkpointing": checkpointing})
+        before = [p.detach().clone() for p in trainable(learner.model)]
+        learner.ppo.train_step([dataclasses.replace(r, run_id=learner.cfg.run_id) for r in records])
+        moved.append([p.detach() - b for p, b in zip(trainable(learner.model), before)])
+    assert max(float(d.abs().max()) for d in moved[0]) > 1e-5
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*moved))
