@@ -56,6 +56,11 @@ class AdapterVersions:
         self.current = None  # the LoRARequest new requests carry (None: the base alone)
         self._held: dict[int, tuple[object, str]] = {}
 
+    @property
+    def versions(self) -> list[int]:
+        """The versions whose adapters are held: the current one and those requests in flight started on."""
+        return sorted(self._held)
+
     async def adopt(self, llm, version: int, path: str) -> None:
         """Load ``version``'s adapter from ``path`` under a new id; new requests carry it from here."""
         from vllm.lora.request import LoRARequest

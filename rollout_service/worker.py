@@ -249,6 +249,7 @@ class Worker:
             "idle_seconds_total": loop.idle_seconds() if loop else 0.0,  # no group in flight while serving
             # updates after which running requests kept the prefix cache from being reset
             "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,
+            "adapters": engine.adapters.versions,  # learner.lora: the versions whose adapters the engine holds
             "last_error": loop.last_error if loop else None,
         }
 

@@ -111,6 +111,8 @@ def test_a_group_in_flight_finishes_on_the_adapter_it_started_with(lora_worker):
     assert on_old.mean() < 0.05 and on_new.mean() > 5 * on_old.mean(), (on_old.mean(), on_new.mean())
     status = h.http.get("/v1/status").json()
     assert status["version"] == version + 1
+    # the old adapter goes once no request holds it (the loop's own groups may, a moment longer)
+    wait_for(lambda: h.http.get("/v1/status").json()["adapters"] == [version + 1], 30, what="the old adapter removed")
 
 
 def test_an_adapter_for_another_profile_is_refused_and_the_worker_keeps_serving(lora_worker):
