@@ -152,8 +152,9 @@ class RolloutEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
+        lora_rank = self.lora.rank if self.lora else 0
         info = (await self.llm.collective_rpc("rlpipe_init", args=(self.model_dir, self.profile.compat,
-                                                                   self.quant_profile, self.lora.rank if self.lora else 0)))[0]
+                                                                   self.quant_profile, lora_rank)))[0]
         for workaround in ("keep_reloaded_kernel_tensors", "rewind_cpu_generators",
                            *(("grouped_cpu_lora",) if self.lora else ())):
             if not info[workaround]:

@@ -62,7 +62,8 @@ def test_a_smoothed_adapter_on_the_smoothed_base_computes_the_raw_adapter_on_the
     hidden, inter, r = 16, 24, 4
     pre = "model.layers.0."
     params = {pre + "post_attention_layernorm.weight": torch.rand(hidden) + 0.5,
-              pre + "mlp.up_proj.weight": torch.randn(inter, hidden), pre + "mlp.gate_proj.weight": torch.randn(inter, hidden),
+              pre + "mlp.up_proj.weight": torch.randn(inter, hidden),
+              pre + "mlp.gate_proj.weight": torch.randn(inter, hidden),
               pre + "mlp.down_proj.weight": torch.randn(hidden, inter)}
     smoothing = smoothing_for(params)
     raw = {f"base_model.model.{pre}mlp.{m}.lora_{p}.weight": torch.randn(shape)
@@ -73,7 +74,8 @@ def test_a_smoothed_adapter_on_the_smoothed_base_computes_the_raw_adapter_on_the
     x = torch.randn(3, hidden)
 
     def lora(t, m, x):
-        return x @ t[f"base_model.model.{pre}mlp.{m}.lora_A.weight"].T @ t[f"base_model.model.{pre}mlp.{m}.lora_B.weight"].T
+        key = f"base_model.model.{pre}mlp.{m}"
+        return x @ t[f"{key}.lora_A.weight"].T @ t[f"{key}.lora_B.weight"].T
 
     up_raw = x @ params[pre + "mlp.up_proj.weight"].T + lora(raw, "up_proj", x)
     smoothed_w = params[pre + "mlp.up_proj.weight"] / s_down[:, None] * s_post[None, :]
@@ -138,7 +140,8 @@ def lora_learner(redis_server, toy_model_path, tmp_path):
     from learner.train import Learner
 
     def make(**overrides):
-        cfg = build_config({}, environ={}, run_id=free_run_id("lora"), run_dir=str(tmp_path), redis_url=redis_server.url,
+        cfg = build_config({}, environ={}, run_id=free_run_id("lora"), run_dir=str(tmp_path),
+                           redis_url=redis_server.url,
                            **{"model.path": toy_model_path, "learner.groups_per_step": 4, "learner.lora.rank": 8,
                               "learner.lr": 1e-3, "rollout.precision": "bf16", **overrides})
         return Learner(cfg)
