@@ -171,7 +171,10 @@ def _greedy(model: Path, prompts: list[list[int]], adapter: Path | None = None) 
     return json.loads(lines[-1][len("RESULT "):])
 
 
+# soak: two engines (about a minute), over the suite's budget; in the suite the export's logits equal peft's
+# with the adapter applied (above), and tests/test_lora_engine.py has vLLM's adapter equal the learner's
 @pytest.mark.slow
+@pytest.mark.soak
 def test_lora_export_serves_the_answers_of_the_adapter_in_vllm(tmp_path, llama_toy):
     """vLLM on the export answers as vLLM on the base with the adapter (LoRARequest): the
     last version the run served. fp32 engines, so bf16 rounding cannot flip an argmax."""
