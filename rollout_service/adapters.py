@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from weight_sync.adapters import remove_adapter
 
@@ -55,6 +56,7 @@ class AdapterVersions:
     def __init__(self):
         self.current = None  # the LoRARequest new requests carry (None: the base alone)
         self._held: dict[int, tuple[object, str]] = {}
+        self._root: str | None = None  # the engine process's directory of versions
 
     @property
     def versions(self) -> list[int]:
@@ -70,6 +72,7 @@ class AdapterVersions:
             raise RuntimeError(f"vLLM did not add the adapter of version {version} ({path})")
         self._held[version] = (request, path)
         self.current = request
+        self._root = str(Path(path).parent)
 
     async def retire(self, llm, in_use: set[int]) -> int:
         """Remove every adapter but the current one and those of ``in_use`` versions; returns how many."""
@@ -82,6 +85,9 @@ class AdapterVersions:
         return len(gone)
 
     def close(self) -> None:
+        """Every version's directory, and theirs, gone with the engine."""
         for _, path in self._held.values():
             remove_adapter(path)
         self._held.clear()
+        if self._root is not None:
+            remove_adapter(self._root)
