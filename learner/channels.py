@@ -49,14 +49,15 @@ class SyncChannel:
         self.channel = cfg.rollout.channel(precision)
         self.wire: Wire = rollout_weights(precision, cfg.quant, cfg.model.path, lora=bool(cfg.learner.lora.rank))
         self.sharded, self.stream = sharded, None
-        streamed = sharded and not self.wire.adapter_wire  # an adapter is gathered whole, in prepare_sharded
+        # a sharded learner's quantized wire is made bucket by bucket; an adapter is gathered whole (prepare_sharded)
+        self.streamed = bool(sharded) and not self.wire.adapter_wire
         bucket_bytes = int(cfg.sync.bucket_mib * 2**20)
         device = broadcast_for(role_transport(cfg), bucket_bytes, cfg.sync.timeout_s)  # None under gloo
         # Sharded: each bucket's wire tensors are made as it is packed (quant/transfer.py Stream)
         self.sender = WeightSender(r, keys, cfg.sync.host, cfg.sync.timeout_s, bucket_bytes, self.wire.cast_to,
                                    channel=self.channel, fence=fence, device=device, floor=floor,
                                    straggler_s=cfg.sync.straggler_s,
-                                   gather=(lambda names: self.stream(names)) if streamed else None,
+                                   gather=(lambda names: self.stream(names)) if self.streamed else None,
                                    # deltas pay for quantized wires only (weight_sync/delta.py); a sharded
                                    # learner never holds the whole wire, which a delta's base would be
                                    full_every=cfg.sync.delta_full_every
@@ -83,14 +84,13 @@ class SyncChannel:
                 tensors, quant_metrics = self.wire.prepare(model, step)
             self._prepared = (version, tensors)
         # Quantized before the sync (not sharded); sharded, each bucket is quantized as it is packed.
-        streamed = self.sharded and not self.wire.adapter_wire
-        quant_s = 0.0 if streamed else quant_metrics.get("quant_seconds", 0.0)
-        if streamed:
+        quant_s = 0.0 if self.streamed else quant_metrics.get("quant_seconds", 0.0)
+        if self.streamed:
             self.stream = Stream(self.wire, self.sharded.gather, list(served_parameters(model)))
         stats = self.sender.sync(version, tensors.items, live, self.wire.quant_profile, self.wire.compat,
                                  self.wire.adapter)
         stats.prepare_s = quant_s + stats.pack_s
-        if streamed and self.wire.quantized and quant_metrics:
+        if self.streamed and self.wire.quantized and quant_metrics:
             quant_metrics["quant_seconds"] = self.stream.seconds
         return stats, quant_metrics
 
@@ -223,9 +223,8 @@ class FleetSync:
         out = {}
         for p, ch in self.channels.items():
             if (ch.wire.quantized or ch.wire.adapter_wire) and ch.prepared(version) is not None:
-                streamed = ch.sharded and not ch.wire.adapter_wire
                 out[p] = (ch.wire.quant_profile, partial(rollout_from_weights, ch.wire, served_pieces(model))
-                          if streamed else ch.prepared(version), ch.wire.adapter)
+                          if ch.streamed else ch.prepared(version), ch.wire.adapter)
         return out
 
     def workers_status(self, version: int) -> dict[str, dict]:

@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from learner.dist import full
+from learner.lora import is_lora
 from rlpipe.checkpoints import PREFIX, complete, latest, read_meta  # noqa: F401 (the learner's API too)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -96,7 +97,7 @@ def snapshot_weights(model, keep: bool = True) -> dict[str, torch.Tensor]:
     holds the whole model."""
     copies: dict[int, torch.Tensor] = {}
     weights = {}
-    adapter_only = hasattr(model, "peft_config")  # LoRA: the checkpoint holds the adapter, not the frozen base
+    adapter_only = is_lora(model)  # LoRA: the checkpoint holds the adapter, not the frozen base
     for name, t in model.state_dict(keep_vars=True).items():  # tied weights: one object
         if adapter_only and not t.requires_grad:
             continue

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from quant.quant_profile import load_for_run
-from rlpipe.precisions import spec
+from learner.served import served_dtype
+from weight_sync.adapters import saved_name
 from weight_sync.names import served_parameters
 
 
@@ -56,15 +57,11 @@ def adapter_state(path, model) -> dict[str, torch.Tensor]:
     from peft.utils import load_peft_weights
 
     saved = load_peft_weights(str(path), device="cpu")
-    wanted = {_saved_name(n): n for n, p in model.named_parameters() if p.requires_grad}
+    wanted = {saved_name(n): n for n, p in model.named_parameters() if p.requires_grad}
     if missing := sorted(set(wanted) - set(saved)):
         raise ValueError(f"checkpoint {path}: its adapter lacks {missing[0]} ({len(missing)} missing): "
                          f"learner.lora must be what the run was checkpointed with")
     return {wanted[k]: saved[k] for k in wanted}
-
-
-def _saved_name(name: str) -> str:
-    return name.replace(".default.", ".").replace("._checkpoint_wrapped_module.", ".")
 
 
 class BaseView:
@@ -99,10 +96,8 @@ def served_weights(cfg, params: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         from quant.int8 import dequantize, fp8_tensors
 
         return dequantize(fp8_tensors(params))
-    dtype = getattr(torch, spec(precision).dtype)
-    if dtype == torch.float32:
-        return None
-    return {n: t.to(dtype).float() for n, t in params.items()}
+    dtype = served_dtype(cfg)  # a cast wire: the dtype its engines hold (None: fp32, nothing rounds)
+    return None if dtype is None else {n: t.to(dtype).float() for n, t in params.items()}
 
 
 def training_policy(cfg, path: str):

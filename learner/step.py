@@ -174,8 +174,9 @@ class PPOStep:
         position = {int(row): i for i, row in enumerate(mine.tolist())}
         parts = microbatches(batch, mine, self.max_tokens) if len(mine) else []
         n_parts = len(parts)
-        if (policy or getattr(self.reference, "collective", False)) and ranks.sharded:  # every rank runs as many policy forwards (each gathers the layers):
-            # extra ones are discarded. A separate reference is whole on every rank: it runs only on real parts.
+        # Sharded, every rank runs as many policy forwards (each gathers the layers): extra ones are discarded.
+        # A separate reference is whole on every rank: it runs only on real parts (LoRA's is the policy: on all).
+        if (policy or getattr(self.reference, "collective", False)) and ranks.sharded:
             parts += [torch.arange(1, device=self.device)] * (ranks.max(n_parts) - n_parts)
         with torch.no_grad():
             for i, part in enumerate(parts):

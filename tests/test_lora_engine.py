@@ -14,15 +14,14 @@ import httpx
 import pytest
 import torch
 
-from launch.demo import resolve_quant_profile
 from learner import checkpoint
 from learner.lora import BaseView, serve_base, trainable, wrap
 from learner.policy import load_policy
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.config import build_config
 from rlpipe.queue import connect
 from rlpipe.registry import worker_incarnations
 from tests.conftest import WorkerHarness, launch_worker, max_diff, start_worker, stop_worker, wait_for
+from tests.test_quant_engine import calibrated
 from weight_sync.transport import IncompatibleWorker
 
 pytestmark = pytest.mark.slow
@@ -32,11 +31,8 @@ PROMPT = [1, 5, 6, 14, 7, 8, 17]
 @pytest.fixture(scope="module")
 def lora_worker(redis_server, toy_model_path, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora-int8")
-    settings = {"rollout.precision": "int8", "quant.int8.activations": "dynamic", "learner.lora.rank": 8}
-    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, **settings,
-                                          "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})
-    settings["quant.int8.profile"] = resolve_quant_profile(cfg, toy_model_path, run_dir / "profile", progress=False,
-                                                           log=lambda m: None)
+    settings = calibrated({"rollout.precision": "int8", "quant.int8.activations": "dynamic", "learner.lora.rank": 8},
+                          toy_model_path, run_dir)
     cfg, proc, address = start_worker(redis_server.url, toy_model_path, run_dir, **settings)
     harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
     yield harness

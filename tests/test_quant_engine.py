@@ -48,16 +48,21 @@ def quant_worker(request, redis_server, toy_model_path, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(request.param)
     settings = dict(KINDS[request.param])
     if settings["rollout.precision"] == "int8":
-        cfg = build_config({}, environ={}, **{"model.path": toy_model_path, **settings,
-                                              "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})
-        settings["quant.int8.profile"] = resolve_quant_profile(cfg, toy_model_path, run_dir / "profile", progress=False,
-                                                          log=lambda m: None)
+        settings = calibrated(settings, toy_model_path, run_dir)
     cfg, proc, address = start_worker(redis_server.url, toy_model_path, run_dir, **settings)
     harness = WorkerHarness(cfg, proc, address, connect(redis_server.url))
     harness.kind, harness.run_dir = request.param, run_dir
     yield harness
     harness.sender.drop()
     stop_worker(harness.proc)  # a test may have restarted it
+
+
+def calibrated(settings: dict, toy_model_path: str, run_dir) -> dict:
+    """An int8 worker's ``settings`` with the toy's profile, calibrated (once, cached) on a small set."""
+    cfg = build_config({}, environ={}, **{"model.path": toy_model_path, **settings,
+                                          "quant.int8.calibration_samples": 64, "quant.int8.probe_samples": 16})
+    return {**settings, "quant.int8.profile": resolve_quant_profile(cfg, toy_model_path, run_dir / "profile",
+                                                                    progress=False, log=lambda m: None)}
 
 
 def fresh_engine_samples(checkpoint, requests, tmp_path) -> list:

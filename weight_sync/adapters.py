@@ -42,7 +42,12 @@ def wire_tensors(model, gather=None) -> dict[str, torch.Tensor]:
     sharded learner's collective that returns them whole."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     values = gather(names) if gather is not None else dict(model.named_parameters())
-    return {_NAME.sub(r".\1.", n): values[n].detach() for n in names}
+    return {saved_name(n): values[n].detach() for n in names}
+
+
+def saved_name(name: str) -> str:
+    """An adapter parameter's name as peft saves it (and vLLM loads it): without the adapter's own name."""
+    return _NAME.sub(r".\1.", name)
 
 
 def wire_config(model) -> str:
