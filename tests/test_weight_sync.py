@@ -408,6 +408,22 @@ def test_a_hung_member_is_given_up_on_alone_and_the_others_get_every_version_on_
         sender.drop()
 
 
+def test_a_store_that_is_gone_is_refused_at_once():
+    """A worker that read a generation the learner has since dropped spent TCPStore's whole
+    retry on the closed port (seen: 10.7 s, past the next generation's check-in deadline,
+    which failed CI). The refusal now reaches it at once, as the SyncError that makes it
+    read the current generation."""
+    from weight_sync.gate import listening_socket
+    from weight_sync.receiver import join_group
+    sock = listening_socket("127.0.0.1")
+    port = sock.getsockname()[1]
+    sock.close()  # the learner's store, gone
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match="cannot reach the learner's store"):
+        join_group("127.0.0.1", port, 1, 7, timeout_s=5.0)
+    assert time.monotonic() - t0 < 1.0
+
+
 def test_a_generations_only_member_that_died_is_left_out_at_once_and_its_restart_joins(redis_server, r):
     """Its registry entry outlives it (its TTL): the learner formed the next generation with
     it and blocked for the whole check-in deadline (60 s by default), while its restart, with

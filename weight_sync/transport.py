@@ -228,6 +228,11 @@ class GlooGroup:
         (the caller closes the returned relay after the store)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         if token is None:
+            # A store that is gone (a generation read before the learner dropped it) refuses at
+            # once, but TCPStore's client retries a refusal for its whole timeout and more (seen:
+            # 10.7 s), so a worker reached the next generation after its check-in deadline. A
+            # plain connection first raises the refusal now (the gate's client does the same).
+            socket.create_connection((host, port), timeout=timeout_s).close()
             return TCPStore(host, port, None, is_master=False, timeout=timeout), None
         relay = GateClient(host, port, token, timeout_s)
         try:
