@@ -7,15 +7,17 @@ down), with the arguments of the full run or of ``--quick``. Each writes a secti
 ``<out>/results/``; the report is then rendered from every section there, so
 ``--only`` re-runs some parts and keeps the others' latest numbers.
 
-``--quick`` is CI-sized (minutes, every part exercised, the numbers meaningless) and
-writes under ``runs/bench-quick/`` unless ``--out`` says otherwise, so it never
+``--quick`` is CI-sized (minutes, every part exercised, the numbers meaningless; two
+parts at a time, see :func:`lanes`) and writes under ``runs/bench-quick/`` unless ``--out`` says otherwise, so it never
 overwrites the documented numbers.
 """
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +95,8 @@ PARTS = (
 # --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
 ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
          "delta_sync", "lora", "moe", "real", "real-int8", "real-rollout", "soak", "gpu"]
+# --quick's lane of parts that start a cluster (Redis, workers, a learner): lanes()
+CLUSTER_LANE = ("async", "int8", "delta_sync", "precision", "surge", "moe", "lora", "real", "real-rollout")
 # Why a section may be missing, beyond "not run yet": the GPU one needs a GPU machine (docs/gpu.md).
 NOT_RUN = {"gpu": "the GPU run is still owed: no GPU machine has been lent yet; on one, run `python bench/gpu.py "
                   "--device-check --out DIR` as docs/gpu.md says, and copy DIR/gpu.json to docs/results/"}
@@ -145,6 +149,46 @@ def run_part(part: Part, quick: bool, json_dir: Path, log_dir: Path) -> tuple[bo
     return ok, time.monotonic() - t0
 
 
+def lanes(parts: list[Part], quick: bool) -> list[list[Part]]:
+    """The full run's parts one after another: its numbers are times, measured on an idle machine.
+    ``--quick``'s numbers mean nothing and most of its time is single-threaded start-up (imports,
+    engine processes spawned), so it runs two lanes at once: the parts that start a cluster of
+    roles, in their order (their runs feed one another), beside the single-process ones (CI: 703 s
+    one after another, over its 10 minutes)."""
+    if not quick:
+        return [parts]
+    clusters = [p for p in parts if p.name in CLUSTER_LANE]
+    # SmolLM2's calibration first, so that it is done before the cluster lane reaches SmolLM2 (memory)
+    single = sorted((p for p in parts if p.name not in CLUSTER_LANE), key=lambda p: p.name != "real-int8")
+    return [lane for lane in (clusters, single) if lane]
+
+
+def run_parts(parts: list[Part], quick: bool, out_dir: Path) -> dict[str, str]:
+    """Run ``parts`` in their lanes (a thread each); returns the sections of those that failed."""
+    failed: dict[str, str] = {}
+    counter, lock = itertools.count(1), threading.Lock()
+
+    def run_lane(lane: list[Part]) -> None:
+        for part in lane:
+            with lock:
+                i = next(counter)
+            head = f"[{i}/{len(parts)}] {part.name}:"
+            sys.stderr.write(f"{head} {part.what}\n")  # one write a line: two lanes print at once
+            ok, seconds = run_part(part, quick, out_dir / "results", ROOT / "runs" / "bench-logs")
+            status = "done" if ok else f"FAILED (log: runs/bench-logs/{part.name}.log)"
+            sys.stderr.write(f"{head} {status} in {seconds:.0f}s\n")
+            if not ok:
+                with lock:
+                    failed.update({s: "failed in the last run" for s in part.sections})
+
+    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes(parts, quick)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failed
+
+
 def render(out: Path, failed: dict[str, str] | None = None) -> Path:
     """Write ``<out>/results.md`` from every section in ``<out>/results/``, in the report's order."""
     json_dir = out / "results"
@@ -183,15 +227,8 @@ def main(quick: bool, only: str, out: str | None, render_only: bool) -> int:
         return 2
     failed: dict[str, str] = {}
     if not render_only:
-        parts = [p for p in PARTS if p.name in chosen]
         t_all = time.monotonic()
-        for i, part in enumerate(parts, 1):
-            print(f"[{i}/{len(parts)}] {part.name}: {part.what}", file=sys.stderr, flush=True)
-            ok, seconds = run_part(part, quick, out_dir / "results", ROOT / "runs" / "bench-logs")
-            status = "done" if ok else "FAILED (log: runs/bench-logs/%s.log)" % part.name
-            print(f"[{i}/{len(parts)}] {part.name}: {status} in {seconds:.0f}s", file=sys.stderr, flush=True)
-            if not ok:
-                failed.update({s: "failed in the last run" for s in part.sections})
+        failed = run_parts([p for p in PARTS if p.name in chosen], quick, out_dir)
         print(f"all parts in {time.monotonic() - t_all:.0f}s", file=sys.stderr)
     path = render(out_dir, failed)
     print(f"wrote {path}")

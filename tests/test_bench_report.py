@@ -64,3 +64,22 @@ def test_the_cli_names_an_unknown_part_and_every_part_script_exists(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "--render-only", "--out", str(tmp_path)],
                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert ok.returncode == 0 and (tmp_path / "results.md").read_text().startswith("# rlpipe: results")
+
+
+def test_quick_runs_two_lanes_and_a_part_reading_anothers_run_follows_it_in_its_lane():
+    """``--quick`` runs two parts at a time (CI: 703 s one after another, over its 10
+    minutes); a part that reports another's quick run instead of training one must come
+    after it, in the same lane, or it reads nothing (or a stale run)."""
+    from bench.seeds import FINDINGS
+    parts = list(bench.PARTS)
+    assert bench.lanes(parts, quick=False) == [parts]  # the full run's times are measured alone
+    lanes = bench.lanes(parts, quick=True)
+    assert len(lanes) == 2 and sorted(p.name for lane in lanes for p in lane) == sorted(p.name for p in parts)
+    where = {p.name: (i, j) for i, lane in enumerate(lanes) for j, p in enumerate(lane)}
+    delta = next(p for p in parts if p.name == "delta_sync")
+    reads = {"delta_sync": "int8"} | {name: f.quick_from for name, f in FINDINGS.items() if f.quick_from}
+    assert "runs/seeds/int8/" in " ".join(delta.quick) and len(reads) >= 4
+    for part, source in reads.items():
+        assert where[part][0] == where[source][0] and where[part][1] > where[source][1], (part, source)
+    # the two parts that load SmolLM2 in their own processes are apart in time: calibration first
+    assert where["real-int8"] == (1, 0) and where["real"][0] == 0
