@@ -10,9 +10,10 @@ rank fills only its own rows.
 ``learner.parallel``:
 
 - ``fsdp`` (the default with more than one rank): ``fully_shard`` on every decoder layer
-  and on the model, so each rank holds 1/world of the weights, gradients and Adam state;
-  parameters are all-gathered in the training dtype (bf16/fp16, or fp32) for each layer's
-  forward and backward, and gradients reduce-scattered in fp32. With ``fp32_lm_head`` the
+  (and first on its mixture-of-experts block, if it has one) and on the model, so each
+  rank holds 1/world of the weights, gradients and Adam state; parameters are all-gathered
+  in the training dtype (bf16/fp16, or fp32) for each layer's (and block's) forward and
+  backward, and gradients reduce-scattered in fp32. With ``fp32_lm_head`` the
   model's own parameters (embeddings, final norm, head) stay fp32 when gathered.
 - ``ddp``: every rank holds the whole model; gradients are all-reduced.
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from learner.policy import DTYPES, decoder_layers
+from learner.routing import moe_blocks
 from weight_sync.names import served_pieces
 
 # Ranks other than 0 wait in a broadcast while rank 0 waits for rollouts: a long wait is normal.
@@ -117,6 +119,8 @@ class Ranks:
         gathered = None if dtype == "fp32" else DTYPES[dtype]
         layers = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
+            for block in moe_blocks(layer):  # an MoE block (most of its layer's weights) is gathered
+                fully_shard(block, mp_policy=layers)  # for its own forward only, apart from the attention's
             fully_shard(layer, mp_policy=layers)
         # The model's own parameters (embeddings, final norm, LM head); gathered in fp32 when
         # the head must run in fp32 (learner/policy.py token_logprobs calls it directly).

@@ -107,6 +107,11 @@ _TRAIN = {
     "routing_agreement": "rollout.routing_replay: share of (token, MoE layer) pairs where the learner's own router "
                          "chose the engine's top-k experts (rank 0's forwards of the step)",
     "routing_agreement_by_layer": "routing_agreement per MoE layer (label layer)",
+    "router_load_max": "MoE: the busiest expert's share of its layer's top-k assignments, in even shares "
+                       "(1 balanced, experts/top_k all on the same experts), the worst layer's, over the step's forwards",
+    "router_load_max_by_layer": "router_load_max per MoE layer (label layer)",
+    "router_aux_loss": "MoE: the model's load-balancing loss as transformers computes it, over the step's forwards "
+                       "(not added to the learner's loss)",
 }
 _ROLLOUT = {
     "staleness_mean": "mean versions between sampling and training of the step's groups",
@@ -339,10 +344,10 @@ class LearnerMetrics:
                     gauge = self._series(f"{name}_by_precision", f"{describe(name)[1]}, per rollout precision",
                                          ("precision",))
                     gauge.labels(precision=precision).set(value)
-        for layer, value in enumerate(step_metrics.get("routing_agreement_by_layer") or []):  # MoE layers, in order
-            if value is not None:
-                self._series("routing_agreement_by_layer", describe("routing_agreement_by_layer")[1],
-                             ("layer",)).labels(layer=str(layer)).set(value)
+        for name in ("routing_agreement_by_layer", "router_load_max_by_layer"):  # MoE layers, in order
+            for layer, value in enumerate(step_metrics.get(name) or []):
+                if value is not None:
+                    self._series(name, describe(name)[1], ("layer",)).labels(layer=str(layer)).set(value)
         for name in BY_PRECISION_TOTALS:  # {precision: run total}: counters labelled by precision
             for precision, value in step_metrics.get(name, {}).items():
                 self._export(name, value, precision)

@@ -191,12 +191,12 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     (a shape error: tests/test_activation_checkpointing.py, every family).
     """
     inner = getattr(model, "module", model)
-    if batch.routes is not None:  # routing replay: every forward of these rows through the rollout's experts
-        with routes_for(inner, batch.routes):
-            return _token_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only)
-    if share_prompt and not hasattr(model, "module") and not (fp32_lm_head and dtype != "fp32"):
+    if share_prompt and batch.routes is None and not hasattr(model, "module") and not (fp32_lm_head and dtype != "fp32"):
         return shared_prompt_logprobs(model, batch, dtype, entropy_grad)
-    return _token_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only)
+    # routing replay: every forward of these rows through the rollout's experts; an MoE's routers
+    # count their load over the rows' tokens either way (learner/routing.py)
+    with routes_for(inner, batch.routes, batch.attention_mask):
+        return _token_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only)
 
 
 def _token_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
@@ -258,12 +258,15 @@ def shared_prompt_logprobs(model, batch: Batch, dtype: str = "fp32",
         rows = torch.nonzero(batch.group_index == g).squeeze(1)
         plen = int(batch.prompt_len[rows[0]])
         end = int(batch.attention_mask[rows].sum(1).max())  # the group's longest row
+        prompt = batch.input_ids[rows[:1], :plen]
         with autocast(dtype, device.type):
-            head = model(input_ids=batch.input_ids[rows[:1], :plen], use_cache=True, logits_to_keep=1)
+            with routes_for(model, None, torch.ones_like(prompt)):  # an MoE's load: the prompt's tokens once
+                head = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
             cache = head.past_key_values
             cache.batch_repeat_interleave(len(rows))
-            body = model(input_ids=batch.input_ids[rows, plen:end], attention_mask=batch.attention_mask[rows, :end],
-                         past_key_values=cache, use_cache=True)
+            with routes_for(model, None, batch.attention_mask[rows, plen:end]):
+                body = model(input_ids=batch.input_ids[rows, plen:end], attention_mask=batch.attention_mask[rows, :end],
+                             past_key_values=cache, use_cache=True)
         logits = torch.cat([head.logits.expand(len(rows), -1, -1), body.logits[:, :-1]], dim=1)  # (n, end-plen, V)
         lp, ent = _logp_entropy(logits, batch, rows, batch.targets[rows, plen - 1:end - 1], entropy_grad)
         logp[rows, plen - 1:end - 1] = lp

@@ -34,11 +34,15 @@ ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "Olm
 
 @dataclass
 class Tally:
-    """(token, layer) pairs with a replayed route, and those the learner's own router agreed
-    on (the same top-k set), per MoE layer."""
+    """Per MoE layer: (token, layer) pairs with a replayed route, and those the learner's own
+    router agreed on (the same top-k set); and the router's load, over the tokens of the
+    forwards (not the padding): top-k assignments and summed probabilities per expert."""
 
     agree: list[int] = field(default_factory=list)
     total: list[int] = field(default_factory=list)
+    load: dict[int, torch.Tensor] = field(default_factory=dict)
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
 
     def add(self, layer: int, agree: int, total: int) -> None:
         while len(self.total) <= layer:
@@ -47,17 +51,52 @@ class Tally:
         self.agree[layer] += agree
         self.total[layer] += total
 
+    def add_load(self, layer: int, chosen: torch.Tensor, probs: torch.Tensor) -> None:
+        """Count one forward's ``chosen`` experts (tokens x top_k) and ``probs`` (tokens x experts)."""
+        counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1]).float()
+        self.load[layer] = self.load.get(layer, 0) + counts.cpu()
+        self.probs[layer] = self.probs.get(layer, 0) + probs.detach().float().sum(0).cpu()
+        self.tokens[layer] = self.tokens.get(layer, 0) + len(probs)
+
     def metrics(self) -> dict:
-        """``routing_agreement`` overall and per layer; empty when nothing was routed."""
-        if not sum(self.total):
-            return {}
-        return {"routing_agreement": sum(self.agree) / sum(self.total),
-                "routing_agreement_by_layer": [a / t if t else None for a, t in zip(self.agree, self.total)]}
+        """``routing_agreement`` overall and per layer (where routes were replayed), and the load
+        balance (where tokens were routed); empty when neither."""
+        out = {}
+        if sum(self.total):
+            out = {"routing_agreement": sum(self.agree) / sum(self.total),
+                   "routing_agreement_by_layer": [a / t if t else None for a, t in zip(self.agree, self.total)]}
+        if sum(self.tokens.values()):
+            out.update(load_balance(self.load, self.probs, self.tokens))
+        return out
+
+
+def load_balance(load: dict[int, torch.Tensor], probs: dict[int, torch.Tensor], tokens: dict[int, int]) -> dict:
+    """``router_load_max``: the busiest expert's share of a layer's top-k assignments, in units
+    of an even share (1: balanced; ``experts / top_k``: every token on the same experts), the
+    worst layer's and per layer; ``router_aux_loss``: the model's load-balancing loss as
+    transformers computes it (``load_balancing_loss_func``: experts x the sum over experts of
+    assignments per token x mean probability, all layers pooled). The learner never adds it to
+    its loss; it shows a router collapsing onto a few experts, which RL can drive."""
+    layers = sorted(load)
+    experts = len(load[layers[0]])
+    by_layer = [float(load[i].max() / load[i].sum() * experts) if i in load and load[i].sum() else None
+                for i in range(layers[-1] + 1)]
+    rows = sum(tokens.values())
+    aux = experts * float((sum(load.values()) / rows * sum(probs.values()) / rows).sum())
+    return {"router_load_max": max(v for v in by_layer if v is not None), "router_load_max_by_layer": by_layer,
+            "router_aux_loss": aux}
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's MoE routers, in layer order (also the order of the engine's routes)."""
     return [m for m in model.modules() if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
+
+
+def moe_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The sparse MoE blocks in ``module``: each router's parent (router and experts), which
+    FSDP2 shards as units of their own (learner/dist.py)."""
+    routers = {id(r) for r in moe_routers(module)}
+    return [m for m in module.modules() if any(id(c) in routers for c in m.children())]
 
 
 def routing_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
@@ -97,18 +136,20 @@ def install(model: torch.nn.Module, replay: bool = True) -> int:
 
 
 @contextmanager
-def routes_for(model: torch.nn.Module, routes: torch.Tensor | None):
+def routes_for(model: torch.nn.Module, routes: torch.Tensor | None, valid: torch.Tensor | None = None):
     """Forwards of ``model`` in this block replay ``routes`` (the input's ``(B, S, layers,
-    top_k)``); None, or a model :func:`install` never saw: nothing changes."""
+    top_k)``), and count the routers' load over the ``valid`` positions (``(B, S)``, the
+    attention mask; without it nothing is counted: padding would be). Both None, or a model
+    :func:`install` never saw: nothing changes."""
     state = model.__dict__.get("_rlpipe_routing")
-    if state is None or routes is None:
+    if state is None or (routes is None and valid is None):
         yield
         return
-    state["routes"] = routes
+    state["routes"], state["valid"] = routes, valid
     try:
         yield
     finally:
-        state["routes"] = None
+        state["routes"] = state["valid"] = None
 
 
 def take_tally(model: torch.nn.Module) -> Tally:
@@ -125,20 +166,24 @@ def _replaying(router: torch.nn.Module, layer: int, state: dict):
     router flattens its input (row-major over batch and sequence)."""
 
     def forward(hidden_states: torch.Tensor):
-        routes = state["routes"]
+        routes, valid = state["routes"], state.get("valid")
         forced = None
         if routes is not None:
             forced = routes[..., layer, :].reshape(-1, routes.shape[-1]).to(hidden_states.device, torch.long)
-        return routed(router, hidden_states, forced, state["tally"], layer, state["replay"])
+        if valid is not None:
+            valid = valid.reshape(-1).to(hidden_states.device, torch.bool)
+        return routed(router, hidden_states, forced, state["tally"], layer, state["replay"], valid)
 
     return forward
 
 
 def routed(router: torch.nn.Module, hidden_states: torch.Tensor, forced: torch.Tensor | None, tally: Tally,
-           layer: int, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           layer: int, replay: bool = True, valid: torch.Tensor | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the router returns (logits, weights of the chosen experts, their ids), its choice
     replaced by ``forced`` on each row whose ids are all >= 0 (with ``replay``; without, the
-    rows are only counted for the agreement)."""
+    rows are only counted for the agreement). The ``valid`` rows' experts and probabilities
+    are counted for the load balance."""
     hidden = hidden_states.reshape(-1, router.weight.shape[1])
     logits = F.linear(hidden, router.weight)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -154,6 +199,8 @@ def routed(router: torch.nn.Module, hidden_states: torch.Tensor, forced: torch.T
         tally.add(layer, int(same.sum()), int(given.sum()))
         if replay:
             chosen = replayed
+    if valid is not None and valid.shape[0] == len(chosen):
+        tally.add_load(layer, chosen[valid], probs[valid])
     weights = probs.gather(-1, chosen)
     if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises (no attribute)
         weights = weights / weights.sum(-1, keepdim=True)

@@ -43,7 +43,7 @@ from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, token_logprobs
 from learner.reference import load_reference
 from learner.routing import install as install_routing
-from learner.routing import routing_shape
+from learner.routing import replay_problem, routing_shape
 from learner.schedule import LRSchedule, apply_lr
 from learner.step import PPOStep
 from rlpipe import registry
@@ -144,9 +144,9 @@ class Learner:
         self.run_counters = RunCounters()
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
                            self.metrics.staleness, load_reference(cfg, self.device, self.model, self.ranks.sharded))
-        if cfg.rollout.routing_replay:  # the policy's and the reference's forwards replay the rollout's experts
-            for model in filter(None, (self.model, self.ppo.reference)):
-                install_routing(model, replay=lc.replay_routes)
+        # An MoE's routers count their load; with rollout.routing_replay they replay the rollout's experts too
+        for model in filter(lambda m: isinstance(m, torch.nn.Module) and replay_problem(m) is None, (self.model, self.ppo.reference)):
+            install_routing(model, replay=cfg.rollout.routing_replay and lc.replay_routes)
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized
             # here with the profile) and its generation, and when to sync (learner/channels.py).

@@ -16,7 +16,7 @@ from launch.checks import validate_run
 from rlpipe.config import ConfigError, build_config
 from rlpipe.queue import connect
 from tests.conftest import WorkerHarness, max_diff, start_worker, stop_worker
-from tests.families import FAMILIES, save_tiny_model, tiny_model
+from tests.families import FAMILIES, LAYERS, save_tiny_model, tiny_model
 from weight_sync.names import checkpoint_shapes, served_mismatch, served_pieces
 
 
@@ -30,7 +30,11 @@ def test_served_names_are_the_checkpoints_for_every_family(tmp_path):
         assert set(pieces) <= set(checkpoint_shapes(path)), family
         assert served_mismatch(path) is None, family
         renamed.update({pc.param: n for n, pc in pieces.items() if pc.param != n and pc.view is None})
-    assert renamed == {"lm_head.weight": "embed_out.weight"}  # GPT-NeoX's, the one transformers 5 renames
+    # GPT-NeoX's head, and Mixtral's routers (its experts are per-expert views, not counted here): what
+    # transformers 5 renames on saving
+    assert renamed == {"lm_head.weight": "embed_out.weight",
+                       **{f"model.layers.{i}.mlp.gate.weight": f"model.layers.{i}.block_sparse_moe.gate.weight"
+                          for i in range(LAYERS)}}
 
 
 def test_a_launch_names_the_first_tensor_the_workers_engine_would_not_load(tmp_path):
@@ -70,9 +74,10 @@ def grpo_step(model, record) -> int:
 # Llama, Qwen2 and Mistral load as the qwen2 and llama toys do, which the demo tests run end to end
 # (Qwen2 and a Llama with GQA and its own head); RLPIPE_ALL_FAMILIES=1 runs them here too.
 # Gemma's tied head runs in the suite; the others are soak cases, 45-50 s each, over the suite's budget:
-# Qwen3 (q/k norms), Phi-3 (fused projections), GPT-NeoX (the renamed head) and Qwen3-MoE (the fused experts,
-# whose engine sync the suite checks end to end in tests/test_moe.py's routing-replay demo).
-SOAK_FAMILIES = ("qwen3", "phi3", "gpt_neox", "qwen3_moe")
+# Qwen3 (q/k norms), Phi-3 (fused projections), GPT-NeoX (the renamed head), Qwen3-MoE (the fused experts,
+# whose engine sync the suite checks end to end in tests/test_moe.py's routing-replay demo), Mixtral and
+# OLMoE (two more MoE layouts on vLLM's CPU fused-MoE path).
+SOAK_FAMILIES = ("qwen3", "phi3", "gpt_neox", "qwen3_moe", "mixtral", "olmoe")
 ENGINE_FAMILIES = list(FAMILIES) if os.environ.get("RLPIPE_ALL_FAMILIES") == "1" else \
     [pytest.param(f, marks=pytest.mark.soak) if f in SOAK_FAMILIES else f for f in ("gemma", *SOAK_FAMILIES)]
 

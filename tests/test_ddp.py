@@ -21,6 +21,7 @@ from learner.policy import load_policy
 from rlpipe.config import build_config, dump_config
 from rlpipe.queue import TrajectoryQueue, connect
 from tests.conftest import free_run_id
+from tests.families import save_tiny_model
 from tests.test_learner import for_run, synthetic_groups
 
 
@@ -45,18 +46,24 @@ def prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **setting
 # LoRA (learner.lora, with its KL reference: the policy with the adapter off, whose forwards
 # under FSDP are collectives too) rides on the padded FSDP case
 LORA = {"learner.lora.rank": 8, "learner.kl_coef": 0.05}
+MOE = {"family": "qwen3_moe"}  # the fsdp-moe case: a tiny random Qwen3-MoE instead of the toy
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("parallel", "microbatch_tokens", "lora"), [("ddp", 20, {}), ("fsdp", 0, LORA),
-                                                                     ("fsdp", 20, {})],
-                         ids=["ddp-token-budget-microbatches", "fsdp-padded-lora", "fsdp-token-budget-microbatches"])
+                                                                     ("fsdp", 20, {}), ("fsdp", 0, MOE)],
+                         ids=["ddp-token-budget-microbatches", "fsdp-padded-lora", "fsdp-token-budget-microbatches",
+                              "fsdp-moe"])
 def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path, parallel,
                                                            microbatch_tokens, lora):
     """With micro-batches, the 2 ranks also accumulate gradients without syncing until each
     one's last micro-batch (DDP no_sync, FSDP set_requires_gradient_sync), run as many
     forwards as each other under FSDP (padded with weightless ones), and must still match
-    the single padded process; a LoRA adapter too (its checkpoint holds the adapter alone)."""
+    the single padded process; a LoRA adapter too (its checkpoint holds the adapter alone),
+    and a mixture of experts (each MoE block sharded as a unit of its own)."""
+    moe = lora is MOE  # its checkpoint has one tensor per expert, as its model directory does
+    if moe:
+        toy_model_path, lora = save_tiny_model("qwen3_moe", tmp_path / "moe"), {}
     groups = synthetic_groups(load_policy(toy_model_path), 8, seed=21, noise=0.1)
     single, single_dir = prepared_run(tmp_path, "single", redis_server, toy_model_path, groups, **lora)
     ddp, ddp_dir = prepared_run(tmp_path, "ddp", redis_server, toy_model_path, groups,
@@ -76,7 +83,7 @@ def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_mod
     b = load_file(checkpoint.latest(ddp_dir / "checkpoints") / weights)
     # an adapter starts with B = 0 (A is the seed's, alike in both runs): what B holds is how far it moved
     base = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in a.items()} if lora \
-        else load_policy(toy_model_path).state_dict()
+        else load_file(f"{toy_model_path}/model.safetensors") if moe else load_policy(toy_model_path).state_dict()
     a, b = ({k: v for k, v in t.items() if ".lora_B." in k} if lora else t for t in (a, b))
     moved = max((a[k] - base[k]).abs().max().item() for k in a)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -90,3 +97,5 @@ def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_mod
         for x, y in zip(ma, mb):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
     assert torch.isfinite(torch.tensor([m["learner_loss"] for m in mb])).all()
+    if moe:  # each run's routers counted their load (rank 0's rows under FSDP)
+        assert all(1 <= m["router_load_max"] <= 2 and m["router_aux_loss"] > 0 for m in ma + mb)

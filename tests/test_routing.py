@@ -191,3 +191,68 @@ def test_a_model_without_moe_layers_is_refused_for_replay():
     assert routing.replay_problem(tiny_model("llama")) == "the model has no mixture-of-experts layers to replay"
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         routing.install(tiny_model("qwen2"))
+
+
+def olmoe():
+    import transformers
+
+    cfg = tiny_config("llama").to_dict()
+    cfg.update(num_experts=4, num_experts_per_tok=2, architectures=None)
+    torch.manual_seed(0)
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**cfg)).float().eval()
+
+
+@pytest.mark.parametrize("family", [*MODELS, "olmoe"])
+def test_the_routers_load_and_aux_loss_are_transformers_own_over_the_tokens_not_the_padding(family):
+    """The load-balancing loss the learner reports is the one transformers computes for the
+    model (``output_router_logits``, the same attention mask), and the busiest expert's share
+    is counted by hand from the model's own top-k, padding left out."""
+    model = olmoe() if family == "olmoe" else MODELS[family]()
+    ids = torch.randint(3, 20, (3, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 4:], mask[2, 2:] = 0, 0  # right padding, as collate lays rows out
+    own = own_routes(model, ids)  # (B, S, layers, top_k)
+    routing.install(model, replay=False)
+    with torch.no_grad(), routing.routes_for(model, None, mask):
+        aux = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+    got = routing.take_tally(model).metrics()
+    assert "routing_agreement" not in got  # no routes were given: nothing to agree with
+    assert got["router_aux_loss"] == pytest.approx(float(aux), rel=1e-5)
+    layers, top_k, experts = routing.routing_shape(model)
+    kept = own[mask.bool()]  # (tokens, layers, top_k)
+    by_hand = [torch.bincount(kept[:, i].reshape(-1).long(), minlength=experts).max().item() / (len(kept) * top_k)
+               * experts for i in range(layers)]
+    assert got["router_load_max_by_layer"] == pytest.approx(by_hand) and got["router_load_max"] == pytest.approx(max(by_hand))
+    assert 1 <= got["router_load_max"] <= experts / top_k
+    with torch.no_grad():  # outside routes_for the routers count nothing (a padded row's tokens would count)
+        model(input_ids=ids)
+    assert routing.take_tally(model).metrics() == {}
+
+
+def test_the_shared_prompt_path_counts_a_groups_prompt_once_and_the_plain_path_every_row():
+    model = tiny_model("qwen3_moe")
+    routing.install(model, replay=False)
+    rec = record_with_routes(model, [5, 9, 7], [[11, 12, 13, 2], [14, 2]])
+    for s in rec.samples:
+        s.routes = None
+    rec.routing = None
+    batch = collate([rec], torch.zeros(1, 2), version=0)
+    counted = {}
+    with torch.no_grad():
+        for share in (True, False):
+            token_logprobs(model, batch, share_prompt=share)
+            counted[share] = routing.take_tally(model).tokens
+    assert counted[False] == {0: int(batch.attention_mask.sum()), 1: int(batch.attention_mask.sum())}
+    assert counted[True] == {0: 3 + 4 + 2, 1: 3 + 4 + 2}  # the prompt once, then each response
+
+
+@pytest.mark.parametrize("family", [*MODELS, "olmoe"])
+def test_each_layers_moe_block_is_found_for_fsdp_to_shard_apart(family):
+    """learner/dist.py shards each MoE block (router and experts) as a unit of its own, before its
+    layer (tests/test_ddp.py's fsdp-moe case trains one under 2 ranks)."""
+    model = olmoe() if family == "olmoe" else MODELS[family]()
+    from learner.policy import decoder_layers
+
+    blocks = [routing.moe_blocks(layer) for layer in decoder_layers(model)]
+    assert [len(b) for b in blocks] == [1, 1] and all(hasattr(b[0], "experts") for b in blocks)
+    assert routing.moe_blocks(tiny_model("llama")) == []
