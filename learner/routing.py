@@ -53,9 +53,10 @@ class Tally:
 
     def add_load(self, layer: int, chosen: torch.Tensor, probs: torch.Tensor) -> None:
         """Count one forward's ``chosen`` experts (tokens x top_k) and ``probs`` (tokens x experts)."""
+        # kept on the forward's device: a copy to the host here would wait on it in every MoE layer
         counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1]).float()
-        self.load[layer] = self.load.get(layer, 0) + counts.cpu()
-        self.probs[layer] = self.probs.get(layer, 0) + probs.detach().float().sum(0).cpu()
+        self.load[layer] = self.load.get(layer, 0) + counts
+        self.probs[layer] = self.probs.get(layer, 0) + probs.detach().float().sum(0)
         self.tokens[layer] = self.tokens.get(layer, 0) + len(probs)
 
     def metrics(self) -> dict:
