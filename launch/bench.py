@@ -8,8 +8,8 @@ down), with the arguments of the full run or of ``--quick``. Each writes a secti
 ``--only`` re-runs some parts and keeps the others' latest numbers.
 
 ``--quick`` is CI-sized (minutes, every part exercised, the numbers meaningless; two
-parts at a time, see :func:`lanes`) and writes under ``runs/bench-quick/`` unless ``--out`` says otherwise, so it never
-overwrites the documented numbers.
+parts at a time, see :func:`lanes`) and writes under ``runs/bench-quick/`` unless
+``--out`` says otherwise, so it never overwrites the documented numbers.
 """
 
 from __future__ import annotations

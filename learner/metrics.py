@@ -108,7 +108,8 @@ _TRAIN = {
                          "chose the engine's top-k experts (rank 0's forwards of the step)",
     "routing_agreement_by_layer": "routing_agreement per MoE layer (label layer)",
     "router_load_max": "MoE: the busiest expert's share of its layer's top-k assignments, in even shares "
-                       "(1 balanced, experts/top_k all on the same experts), the worst layer's, over the step's forwards",
+                       "(1 balanced, experts/top_k all on the same experts), the worst layer's, over the step's "
+                       "forwards",
     "router_load_max_by_layer": "router_load_max per MoE layer (label layer)",
     "router_aux_loss": "MoE: the model's load-balancing loss as transformers computes it, over the step's forwards "
                        "(not added to the learner's loss)",

@@ -191,7 +191,8 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     (a shape error: tests/test_activation_checkpointing.py, every family).
     """
     inner = getattr(model, "module", model)
-    if share_prompt and batch.routes is None and not hasattr(model, "module") and not (fp32_lm_head and dtype != "fp32"):
+    plain_only = batch.routes is not None or hasattr(model, "module") or (fp32_lm_head and dtype != "fp32")
+    if share_prompt and not plain_only:
         return shared_prompt_logprobs(model, batch, dtype, entropy_grad)
     # routing replay: every forward of these rows through the rollout's experts; an MoE's routers
     # count their load over the rows' tokens either way (learner/routing.py)

@@ -145,7 +145,8 @@ class Learner:
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
                            self.metrics.staleness, load_reference(cfg, self.device, self.model, self.ranks.sharded))
         # An MoE's routers count their load; with rollout.routing_replay they replay the rollout's experts too
-        for model in filter(lambda m: isinstance(m, torch.nn.Module) and replay_problem(m) is None, (self.model, self.ppo.reference)):
+        for model in (m for m in (self.model, self.ppo.reference)
+                      if isinstance(m, torch.nn.Module) and replay_problem(m) is None):
             install_routing(model, replay=cfg.rollout.routing_replay and lc.replay_routes)
         if self.ranks.is_main:
             # One sync channel per rollout precision: what its workers get (cast, or quantized

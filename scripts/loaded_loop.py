@@ -33,7 +33,8 @@ def run_round(pytest_args: list[str], junit: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
                            f"--junitxml={junit}", *pytest_args], cwd=ROOT, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors)\b", out.splitlines()[-1] if out else "")}
+    last = out.splitlines()[-1] if out else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors)\b", last)}
     return {"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "passed": counts.get("passed", 0),
             "failed": counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
             "failures": re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)}

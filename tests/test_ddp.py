@@ -53,7 +53,8 @@ MOE = {"family": "qwen3_moe"}  # the fsdp-moe case: a tiny random Qwen3-MoE inst
 # the FSDP micro-batch case trains a mixture of experts (tests/test_fsdp.py shards the dense toy)
 @pytest.mark.parametrize(("parallel", "microbatch_tokens", "lora"), [("ddp", 20, {}), ("fsdp", 0, LORA),
                                                                      ("fsdp", 20, MOE)],
-                         ids=["ddp-token-budget-microbatches", "fsdp-padded-lora", "fsdp-moe-token-budget-microbatches"])
+                         ids=["ddp-token-budget-microbatches", "fsdp-padded-lora",
+                              "fsdp-moe-token-budget-microbatches"])
 def test_two_gloo_ranks_take_the_same_steps_as_one_process(redis_server, toy_model_path, tmp_path, parallel,
                                                            microbatch_tokens, lora):
     """With micro-batches, the 2 ranks also accumulate gradients without syncing until each
