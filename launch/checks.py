@@ -80,9 +80,6 @@ def routing_problem(cfg: RunConfig) -> str | None:
     router the learner cannot replay: learner/routing.py), or None. The model is built on
     the meta device (weight_sync/names.py meta_model): no weights are read."""
     path = cfg.model.path
-    if cfg.rollout.routing_replay and cfg.task.environment:
-        return "rollout.routing_replay: multi-turn episodes (task.environment) do not carry routes yet; " \
-               "single-turn groups do"
     if not cfg.rollout.routing_replay or not path or not (Path(path) / "config.json").is_file():
         return None
     from learner.routing import replay_problem
@@ -93,6 +90,33 @@ def routing_problem(cfg: RunConfig) -> str | None:
         return None
     why = replay_problem(model)
     return f"rollout.routing_replay: {why} ({path})" if why else None
+
+
+def is_moe(path: str | None) -> bool:
+    """Whether the model at ``path`` is a mixture of experts, from its config.json alone."""
+    config = Path(path) / "config.json" if path else None
+    if config is None or not config.is_file():
+        return False
+    fields = json.loads(config.read_text())
+    return any(isinstance(fields.get(k), int) and fields[k] > 1
+               for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def moe_precision_problem(cfg: RunConfig) -> str | None:
+    """Why the run's quantized rollout cannot serve its MoE model, or None. int8 and
+    learner-side fp8 keep the experts bf16 (quant/int8.py ``UNQUANTIZED_MOE``), but vLLM's
+    online fp8 quantizes them too, and without CUDA it has no fp8 MoE kernel: the engine
+    would fail at start with a traceback. The check runs where the launcher runs; a launcher
+    without CUDA is taken to start CPU workers (quant/precision_profile.py ``on_cuda``)."""
+    if "fp8" not in cfg.rollout.precisions or cfg.quant.fp8.on_learner or not is_moe(cfg.model.path):
+        return None
+    from quant.precision_profile import on_cuda
+
+    if on_cuda():
+        return None
+    return ("quant.fp8.quantize_on: worker (vLLM's online fp8) would quantize the experts of this mixture of "
+            f"experts ({cfg.model.path}), and vLLM's CPU build has no fp8 MoE kernel; set "
+            "quant.fp8.quantize_on=learner, which keeps the experts in bf16")
 
 
 def lora_problems(cfg: RunConfig, transport: str) -> list[str]:
@@ -137,6 +161,8 @@ def validate_run(cfg: RunConfig) -> None:
     if why := served_problem(cfg.model.path):
         problems.append(why)
     elif why := routing_problem(cfg):
+        problems.append(why)
+    if why := moe_precision_problem(cfg):
         problems.append(why)
     from weight_sync.transport_choice import role_transport
 

@@ -134,6 +134,10 @@ def prepare_run(cfg: RunConfig, runs_dir: str, say) -> tuple[RunConfig, Path, Em
     run_dir = make_run_dir(runs_dir, run_id)
     say(f"rlpipe: run {run_id} in {run_dir}")
     model_path = resolve_model(cfg, log=say)
+    if model_path != cfg.model.path:  # a toy or built-in model: the checks that read it need its directory
+        resolved = cfg.model_copy(deep=True)
+        resolved.model.path = model_path
+        validate_run(resolved)
     redis_server = None
     redis_url = os.environ.get("REDIS_URL", "")
     if not redis_url:

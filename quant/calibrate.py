@@ -147,8 +147,10 @@ def calibrate(model, calibration_ids: list[list[int]], probe_ids: list[list[int]
 
 def cache_key(base_model: str, calibration_ids: list[list[int]], probe_ids: list[list[int]], alpha: float,
               activations: str, scheme: str) -> str:
+    # the checkpoint's quantization_config too: a cached checkpoint written with another one (an
+    # older ignore list, which an MoE engine cannot load) is not reused
     blob = json.dumps([FORMAT, base_model, token_fingerprint(calibration_ids), token_fingerprint(probe_ids),
-                       alpha, activations, scheme])
+                       alpha, activations, scheme, quant_config("int8", activations == "static")])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -40,6 +40,15 @@ INT8_MAX = 127.0
 WEIGHT_MAX = {"int8-w8a8": 127.0, "int8-w7a8": 63.0}
 FP8_MAX = 448.0  # float8_e4m3fn
 _LAYER = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.)(?P<proj>self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+# Modules a quantized checkpoint leaves in the engine's dtype besides lm_head, matched by
+# vLLM's compressed-tensors ``ignore`` (``re:`` patterns, re.match on vLLM's module names):
+# a mixture of experts' routed and shared experts and its routers. The learner quantizes only
+# the decoder layers' dense linears (``_LAYER``), and vLLM's CPU build has no int8 or fp8 MoE
+# kernel (its int8 one needs AMX or zentorch: "No Int8 MoE backend supports the deployment
+# configuration"), so the experts stay bf16 by rule; the router stays exact, since a flipped
+# expert choice costs more than its matmul saves (docs/moe.md). Dense models have none of these.
+UNQUANTIZED_MOE = (r"re:.*\.experts\..*", r"re:.*\.shared_experts?\..*", r"re:.*\.shared_expert_gate$",
+                   r"re:.*\.(mlp|block_sparse_moe)\.gate$")
 SMOOTHED = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
             "mlp.up_proj": ("mlp.down_proj",)}
@@ -256,7 +265,7 @@ def quant_config(kind: str, static_activations: bool = False) -> dict:
     return {
         "quant_method": "compressed-tensors",
         "format": "int-quantized" if kind == "int8" else "float-quantized",
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *UNQUANTIZED_MOE],
         "config_groups": {"group_0": {"targets": ["Linear"],
                                       "weights": {**num, "strategy": "channel", "dynamic": False},
                                       "input_activations": acts}},

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from quant.int8 import INT8_MAX, dequantize, quantized_linears, smooth_groups
 from quant.quant_profile import QuantProfile
+from weight_sync.names import parameter_tensors
 
 
 def probe_batch(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +97,7 @@ def simulate(model, tensors: dict[str, torch.Tensor], smoothed: dict[str, torch.
     against the unquantized smoothed weights."""
     from torch.func import functional_call
 
-    weights = dequantize(tensors)
+    weights = parameter_tensors(model, dequantize(tensors))  # served names -> the model's (MoE experts)
     valid = attention_mask.bool()
     stats: dict[str, dict] = {}
     hooks = []

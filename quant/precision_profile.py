@@ -104,14 +104,21 @@ def fp8_checkpoint(model_path: str) -> Path:
     from quant.quant_profile import model_fingerprint, write_checkpoint
     from rlpipe.paths import cache_root
 
-    out = cache_root() / "quant" / f"fp8-{model_fingerprint(model_path)}" / "checkpoint"
+    import hashlib
+    import json
+
+    from quant.int8 import fp8_tensors, quant_config
+
+    # keyed by its quantization_config too, so a checkpoint written with another is not reused
+    config = quant_config("fp8")
+    version = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
+    out = cache_root() / "quant" / f"fp8-{model_fingerprint(model_path)}-{version}" / "checkpoint"
     if not (out / "config.json").is_file():
         import torch
         from transformers import AutoModelForCausalLM
 
-        from quant.int8 import fp8_tensors, quant_config
         from weight_sync.names import served_parameters
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        write_checkpoint(fp8_tensors(served_parameters(model)), model_path, out, quant_config("fp8"))
+        write_checkpoint(fp8_tensors(served_parameters(model)), model_path, out, config)
     return out

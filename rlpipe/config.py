@@ -506,7 +506,9 @@ class Int8Quant(Section):
     """``quant.int8``: W8A8 SmoothQuant with calibration transfer. ``rlpipe calibrate`` writes a
     profile once (modelopt calibration of the base model); the learner quantizes every update
     with it and ships int8 weights plus scales. ``activations: static`` uses the profile's
-    per-tensor input scales (FlashRL's scheme), ``dynamic`` per-token scales."""
+    per-tensor input scales (FlashRL's scheme), ``dynamic`` per-token scales. Quantized are the
+    decoder layers' attention and dense MLP linears; a mixture of experts' experts and routers
+    stay bf16 by rule (vLLM's CPU build has no int8 MoE kernel; quant/int8.py ``UNQUANTIZED_MOE``)."""
 
     on_learner: ClassVar[bool] = True  # every update is quantized by the learner, with the profile
 
@@ -551,7 +553,9 @@ class Fp8OnWorker(Section):
 
 class Fp8OnLearner(Section):
     """``quant.fp8.quantize_on: learner``: the engine starts from an FP8 checkpoint of the base
-    model (written once, cached) and the learner ships per-channel fp8 weights plus scales."""
+    model (written once, cached) and the learner ships per-channel fp8 weights plus scales. As
+    with int8, a mixture of experts' experts and routers stay bf16; vLLM's online fp8
+    (``worker``) would quantize them too, which its CPU build cannot run (launch/checks.py)."""
 
     on_learner: ClassVar[bool] = True
     quantize_on: Literal["learner"] = Field("learner", description="who quantizes fp8 weights: worker = each "

@@ -79,6 +79,23 @@ def test_routing_replay_on_a_model_without_experts_is_named(toy_model_path):
                        "rollout.routing_replay", "no mixture-of-experts layers")
 
 
+def test_online_fp8_on_a_mixture_of_experts_is_named_with_the_setting_that_serves_it(tmp_path):
+    """vLLM's online fp8 quantizes an MoE's experts, and its CPU build has no fp8 MoE kernel:
+    the engine failed at start with a traceback (issue 36 item 4). Learner-side fp8 and int8
+    keep the experts bf16 and pass the same check."""
+    from tests.families import save_tiny_model
+
+    path = save_tiny_model("qwen3_moe", tmp_path / "moe")
+    assert_usage_error(*rlpipe("learner", "--set", f"model.path={path}", "--set", "rollout.precision=fp8"),
+                       "quant.fp8.quantize_on", "fp8 MoE kernel", "quantize_on=learner")
+    from launch.checks import moe_precision_problem
+
+    for precision, on in (("fp8", "learner"), ("int8", "worker"), ("bf16", "worker")):
+        cfg = build_config({}, environ={}, **{"model.path": path, "rollout.precision": precision,
+                                              "quant.fp8.quantize_on": on})
+        assert moe_precision_problem(cfg) is None, precision
+
+
 def test_lora_with_what_it_cannot_serve_is_named(model_dir):
     """learner.lora trains on one served base and sends adapters over gloo (docs/lora.md)."""
     assert_usage_error(*rlpipe("demo", "--set", f"model.path={model_dir}", "--set", "learner.lora.rank=8",

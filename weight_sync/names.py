@@ -102,6 +102,23 @@ def served_tensors(pieces: dict[str, Piece], weights: dict[str, torch.Tensor]) -
     return {name: pc.of(weights[pc.param]) for name, pc in pieces.items()}
 
 
+def parameter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameter name -> tensor, from ``tensors`` keyed by checkpoint name (the inverse of
+    :func:`served_tensors`): a fused parameter (an MoE layer's experts) is assembled from its
+    slices, so a ``functional_call`` can run the model at weights made under served names
+    (quant/monitor.py's simulated int8 policy)."""
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for name, pc in served_pieces(model).items():
+        t = tensors[name]
+        if pc.view is None:
+            out[pc.param] = t
+        else:
+            whole = out.setdefault(pc.param, torch.empty(params[pc.param].shape, dtype=t.dtype))
+            pc.of(whole).copy_(t)
+    return out
+
+
 def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters (tied ones once) under the names vLLM loads them by: a
     parameter itself where the checkpoint only renames it, a view where it keeps slices (a
