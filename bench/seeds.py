@@ -297,7 +297,10 @@ FINDINGS: dict[str, Finding] = {
         quick_arms=["length_surge"], quick_from="int8"),
     "moe": Finding(
         title="Mixture of experts on the toy task: routing replay on and off",
-        arms={"replay": {"learner.replay_routes": True}, "no-replay": {"learner.replay_routes": False}},
+        arms={"bf16/replay": {"learner.replay_routes": True},
+              "bf16/no-replay": {"learner.replay_routes": False},
+              "int8/replay": {"rollout.precision": "int8", "learner.replay_routes": True},
+              "int8/no-replay": {"rollout.precision": "int8", "learner.replay_routes": False}},
         defaults={"steps": 30, "model.path": "toy-moe", "rollout.routing_replay": True, "queue.max_lag": 0,
                   "rollout.precision": "bf16", "learner.groups_per_step": 16},
         curves=["reward_mean", "routing_agreement", "mismatch_k3_kl", "mismatch_prob_diff_max",
@@ -330,7 +333,7 @@ FINDINGS: dict[str, Finding] = {
                "routing's. A real MoE (tens of layers, 64-128 experts, near-ties far more common, and bf16 or int8 "
                "kernels further from the learner's) is where the feasibility probe saw 1.6-4.5% of tokens routed "
                "differently and gaps up to 0.66 that replay removed (docs/moe.md)."],
-        quick_arms=["replay"], quick={"steps": 2, "learner.groups_per_step": 8}),
+        quick_arms=["bf16/replay"], quick={"steps": 2, "learner.groups_per_step": 8}),
     "lora": Finding(
         title="LoRA on a frozen int8 base (issue 35): the mismatch, the sync and the learner, against a full "
               "fine-tune with int8 rollout, on the toy task",

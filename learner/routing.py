@@ -200,7 +200,10 @@ def routed(router: torch.nn.Module, hidden_states: torch.Tensor, forced: torch.T
         tally.add(layer, int(same.sum()), int(given.sum()))
         if replay:
             chosen = replayed
-    if valid is not None and valid.shape[0] == len(chosen):
+    if valid is not None:
+        if valid.shape[0] != len(chosen):  # a mask of another layout would count the wrong rows
+            raise ValueError(f"router load for layer {layer}: a mask of {valid.shape[0]} rows, the forward has "
+                             f"{len(chosen)} tokens")
         tally.add_load(layer, chosen[valid], probs[valid])
     weights = probs.gather(-1, chosen)
     if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises (no attribute)

@@ -56,7 +56,7 @@ class EpisodeRunner:
         episodes = await asyncio.gather(*(self.episode(prompt, (seed + i) % 2**31) for i in range(n)))
         prompt_ids = episodes[0][0].token_ids[:episodes[0][0].prompt_length]
         samples = []
-        for ep, reward, info in episodes:
+        for ep, reward, info, routes in episodes:
             if ep.token_ids[:ep.prompt_length] != prompt_ids:  # the environment's reset is not deterministic
                 raise RewardError(f"task.environment {self.cfg.task.environment}: episodes of one prompt opened "
                                   "on different messages; a group's samples share their prompt")
@@ -65,12 +65,13 @@ class EpisodeRunner:
             samples.append(Sample(np.asarray(ep.token_ids[p:], dtype=np.int32),
                                   np.asarray(ep.logprobs[p:], dtype=np.float32), ep.finish_reasons[-1], reward,
                                   versions if (versions != ep.policy_version).any() else None, info,
-                                  mask=np.asarray(ep.mask[p:], dtype=np.uint8)))
-        return prompt_ids, samples, min(e.policy_version for e, _, _ in episodes), \
-            max(e.policy_version_end for e, _, _ in episodes)
+                                  mask=np.asarray(ep.mask[p:], dtype=np.uint8), routes=routes))
+        return prompt_ids, samples, min(e[0].policy_version for e in episodes), \
+            max(e[0].policy_version_end for e in episodes)
 
     async def episode(self, prompt, seed: int):
-        """One episode: ``(Episode, reward, reward_info)``."""
+        """One episode: ``(Episode, reward, reward_info, routes)``; routes (routing replay, else
+        None) one row per token but the last, prompt included (rollout_service/sessions.py)."""
         s = self.cfg.sampling
         env = self.make_env(prompt.answer)
         session = self.sessions.start(await self._step(env.reset, prompt), None, None, None)
@@ -91,7 +92,7 @@ class EpisodeRunner:
         if isinstance(info, dict):
             info = {**info, "turns": len(session.finish_reasons)}
         reward, info = checked_score(reward, info, self.where)
-        return self.sessions.finish(session, Finish(reward=reward)), reward, info
+        return self.sessions.finish(session, Finish(reward=reward)), reward, info, session.routes
 
     async def _step(self, fn, arg):
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from fastapi import HTTPException
 
 from rollout_service.api_models import Episode, Finish, Turn, TurnResult, bad_request, max_tokens_within
@@ -65,6 +66,7 @@ class Session:
     versions: list[int] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     last_turn: list[int] | None = None  # the last model turn's ids while it is the newest thing held
+    routes: np.ndarray | None = None  # routing replay: one row of experts per id held but the last
     touched: float = field(default_factory=time.monotonic)
     busy: bool = False
 
@@ -73,6 +75,14 @@ class Session:
         self.mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.versions += versions
+
+    def add_routes(self, rows: np.ndarray) -> None:
+        """A turn's routes (routing replay): one row per token its request forwarded (every id
+        held before it, its context, and its tokens but the last). A row is kept from the turn
+        that first forwarded its token: a model token's from its own turn, as it was sampled; a
+        context token's, and the previous turn's last token's, from the next turn's prefill."""
+        held = 0 if self.routes is None else len(self.routes)
+        self.routes = rows if self.routes is None else np.concatenate([self.routes, rows[held:]])
 
 
 class ChatTemplate:
@@ -310,6 +320,8 @@ class Sessions:
         versions = [int(v) for v in result.versions] if result.versions is not None else [v0] * len(tokens)
         session.append(context, 0, None, [self.version()] * len(context))
         session.append(tokens, 1, [float(x) for x in result.logprobs], versions)
+        if getattr(result, "routes", None) is not None:
+            session.add_routes(result.routes)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if session.messages is not None:
             session.messages = session.messages + new_messages + [{"role": "assistant", "content": text}]

@@ -257,6 +257,42 @@ def test_an_environment_info_no_record_can_take_fails_the_group_naming_why(tmp_p
         asyncio.run(runner.group(prompt, 2, 0))
 
 
+def test_an_episodes_routes_are_one_row_per_token_each_from_the_turn_that_first_forwarded_it(tmp_path):
+    """Routing replay for multi-turn episodes (issue 36): every turn's request forwards the whole
+    session so far, and the sample keeps one row per token but the last (P + L - 1, as a
+    single-turn sample): a model token's row from its own turn, a context token's (and the
+    turn before's last token's) from the next turn's prefill."""
+    import asyncio
+
+    from rollout_service.engine import SampleResult
+
+    runner = episode_runner(tmp_path, "retry")  # "7" is never right: three turns, two "-" messages between
+    seven, eos = runner.sessions.tokenizer.convert_tokens_to_ids(["7", "<eos>"])
+    calls = []
+
+    class RoutedEngine:
+        version = 0
+
+        async def generate(self, ids, n, **kw):
+            rows = len(ids) + 2 - 1  # the request's P + L - 1 forwarded tokens
+            routes = np.stack([np.full(rows, len(calls)), np.arange(rows)], -1)[:, None, :].astype(np.uint8)
+            calls.append(len(ids))
+            return [SampleResult(np.asarray([seven, eos], np.int32), np.asarray([-0.5, -0.5], np.float32), "stop",
+                                 None, routes=routes)], 0, 0
+
+    runner.engine = RoutedEngine()
+    prompt = Prompt(index=0, prompt_id="p0", text="1+1=", answer="2", meta={})
+    prompt_ids, samples, _, _ = asyncio.run(runner.group(prompt, 1, 0))
+    (sample,) = samples
+    assert len(calls) == 3 and sample.reward_info["tries"] == 3
+    routes = sample.routes
+    assert routes.shape == (len(prompt_ids) + len(sample.tokens) - 1, 1, 2)
+    assert np.array_equal(routes[:, 0, 1], np.arange(len(routes)))  # every row in place, none twice
+    ends = np.asarray(calls[:-1]) + 2 - 1  # a turn's request forwards its P ids and its tokens but the last
+    turn_of_row = np.searchsorted(ends, np.arange(len(routes)), side="right")
+    assert np.array_equal(routes[:, 0, 0], turn_of_row), (calls, routes[:, 0, 0])
+
+
 def test_hung_environment_steps_are_abandoned_and_never_hold_the_loops_threads(tmp_path):
     """A step that never ends is abandoned after task.environment_timeout_s. It held a thread
     of the event loop's default pool, the one every Redis call of the loop runs in (six on a

@@ -228,6 +228,9 @@ def test_the_routers_load_and_aux_loss_are_transformers_own_over_the_tokens_not_
     with torch.no_grad():  # outside routes_for the routers count nothing (a padded row's tokens would count)
         model(input_ids=ids)
     assert routing.take_tally(model).metrics() == {}
+    with torch.no_grad(), routing.routes_for(model, None, mask[:, :5]), \
+            pytest.raises(ValueError, match="a mask of 15 rows, the forward has 18 tokens"):
+        model(input_ids=ids, attention_mask=mask)  # a mask of another layout is refused, not skipped
 
 
 def test_the_shared_prompt_path_counts_a_groups_prompt_once_and_the_plain_path_every_row():
