@@ -115,6 +115,7 @@ class RolloutEngine:
         self.paused_seconds_total = 0.0
         self.prefix_cache_reset_failures = 0
         self.routing: tuple[int, int, int] | None = None  # (layers, top_k, experts) under routing replay
+        self.native_routes = False  # vLLM records the routes itself (GPU, vllm_compat.native_routes)
 
     def engine_kwargs(self) -> dict:
         """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM): rlpipe's,
@@ -126,6 +127,7 @@ class RolloutEngine:
         if self.cfg.routing_replay and self.cfg.engine.get("enable_prefix_caching"):
             raise ConfigError("rollout.engine.enable_prefix_caching: routing replay (rollout.routing_replay) needs "
                               "the prefix cache off: a cached prefix is not forwarded and has no routes")
+        self.native_routes = self.cfg.routing_replay and vllm_compat.native_routes()
         return dict(
             model=self.model_dir,
             tokenizer=self.model_dir,
@@ -145,6 +147,7 @@ class RolloutEngine:
             **lora_engine_kwargs(self.lora),
             # a cached prefix is not forwarded: its tokens would have no routes
             **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
+            **({"enable_return_routed_experts": True} if self.native_routes else {}),
         )
 
     async def start(self) -> None:
@@ -159,7 +162,7 @@ class RolloutEngine:
                            *(("grouped_cpu_lora",) if self.lora else ())):
             if not info[workaround]:
                 raise RuntimeError(f"the vLLM workaround vllm_compat.{workaround} did not take")
-        if self.cfg.routing_replay:
+        if self.cfg.routing_replay and not self.native_routes:
             await self._start_routes()
         self.device_updates = self.receiver()
         if info["ppid"] != os.getpid():
@@ -180,20 +183,21 @@ class RolloutEngine:
         """Each finished child's routes, checked: one row per forwarded token, P + L - 1 (a
         mismatch is a bug). With stop strings, matched here after the engine sampled on, the
         engine may have forwarded tokens past the stop: rows beyond P + L - 1 are theirs."""
-        from rollout_service.routes import decode
+        from rollout_service.routes import checked, decode
 
         routes = decode((await self.llm.collective_rpc("rlpipe_take_routes", args=(request_id,)))[0], *self.routing)
-        out = {}
-        for i, toks in tokens.items():
-            if finish.get(i) not in FINISH_REASONS:
-                continue  # aborted: no record is made of it
-            want = prompt_len + len(toks) - 1
-            got = len(routes[i]) if i in routes else 0
-            if got < want or (got > want and not stop):
-                raise RuntimeError(f"routing replay: request {request_id} child {i} has {got} rows of routes, "
-                                   f"expected {want} ({prompt_len} prompt + {len(toks)} sampled - 1)")
-            out[i] = routes[i][:want]
-        return out
+        return checked(request_id, routes, prompt_len, tokens, finish, stop, FINISH_REASONS)
+
+    def _native(self, routed: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """vLLM's own routes (GPU) in the wire's dtype; the first give the run's routing shape."""
+        from rlpipe.schema import route_dtype
+
+        if self.routing is None and routed:
+            config = self.llm.model_config.hf_config
+            experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                           if getattr(config, k, None))
+            self.routing = (*next(iter(routed.values())).shape[1:], experts)
+        return {i: np.asarray(r).astype(route_dtype(self.routing[2])) for i, r in routed.items()}
 
     def receiver(self) -> DeviceUpdates | None:
         """The run's transport's receiver in this process (weight_sync/transport_choice.py):
@@ -236,6 +240,7 @@ class RolloutEngine:
         tokens: dict[int, list[int]] = {i: [] for i in range(n)}
         logprobs: dict[int, list[float]] = {i: [] for i in range(n)}
         finish: dict[int, str] = {}
+        routed: dict[int, np.ndarray] = {}  # vLLM's own routes, each child's at its end (GPU)
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
                                                request_id=request_id, lora_request=self.adapters.current):
@@ -245,6 +250,8 @@ class RolloutEngine:
                     tracked.counts[c.index] = len(tokens[c.index])
                     if c.finish_reason is not None:
                         finish[c.index] = c.finish_reason
+                    if getattr(c, "routed_experts", None) is not None:
+                        routed[c.index] = c.routed_experts
         except VLLMValidationError as e:  # refused when the request was added (e.g. too long)
             raise InvalidRequest.from_vllm(e) from None
         finally:
@@ -252,7 +259,12 @@ class RolloutEngine:
             if self.lora:  # the adapters of versions no request holds any more go
                 await self.adapters.retire(self.llm, {t.start_version for t in self._active.values()})
         routes = {}
-        if self.routing:
+        if self.native_routes:
+            from rollout_service.routes import checked
+
+            routes = checked(request_id, self._native(routed), len(prompt_ids), tokens, finish, bool(stop),
+                             FINISH_REASONS)
+        elif self.routing:
             routes = await self._take_routes(request_id, len(prompt_ids), tokens, finish, bool(stop))
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
                                 FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])),

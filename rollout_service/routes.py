@@ -153,3 +153,24 @@ def decode(taken: dict, layers: int, top_k: int, experts: int) -> dict[int, np.n
                                "their routes are unknown")
         out[int(index)] = np.frombuffer(base64.b64decode(t["data"]), dtype=dtype).reshape(t["rows"], layers, top_k)
     return out
+
+
+def checked(request_id: str, routes: dict[int, np.ndarray], prompt_len: int, tokens: dict[int, list[int]],
+            finish: dict[int, str], stop: bool, finished: tuple | dict) -> dict[int, np.ndarray]:
+    """Each finished child's routes (``finished``: the finish reasons that make a record; an
+    aborted child has none), checked: one row per forwarded token, P + L - 1, whoever
+    recorded them (the capture here, or vLLM's own on GPU); a mismatch is a bug. With stop
+    strings, matched after the engine sampled on, the engine may have forwarded tokens past
+    the stop: rows beyond P + L - 1 are theirs and are cut."""
+    out = {}
+    for i, toks in tokens.items():
+        if finish.get(i) not in finished:
+            continue
+        want = prompt_len + len(toks) - 1
+        got = len(routes[i]) if i in routes else 0
+        if got < want or (got > want and not stop):
+            raise RuntimeError(f"routing replay: request {request_id} child {i} has {got} rows of routes, "
+                               f"expected {want} ({prompt_len} prompt + {len(toks)} sampled - 1)")
+        out[i] = routes[i][:want]
+    return out
+

@@ -310,6 +310,20 @@ def moe_routers(model: torch.nn.Module) -> list:
     return [m.router for m in runners]
 
 
+def native_routes() -> bool:
+    """Whether vLLM records routing replay's routes itself: ``enable_return_routed_experts``
+    (its V2 model runner, on CUDA), read from each finished ``CompletionOutput.routed_experts``,
+    [P + L - 1, MoE layers, top_k] (distributed/aux_output_connector/connector.py
+    ``take_output``: rows up to ``num_tokens - 1``). False on this CPU build, whose V2 runner
+    needs Triton: there :func:`moe_routers`' capture hook records them. The GPU path is a thin
+    layer over vLLM's own capture, and no test here runs it (no GPU): the rows it hands over
+    pass the same check as the hook's (rollout_service/routes.py ``checked``)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda() and "enable_return_routed_experts" in EngineArgs.__dataclass_fields__
+
+
 def after_reload(model: torch.nn.Module) -> dict[str, bool]:
     """Apply every post-reload workaround; returns which ones acted."""
     return {"tied_lm_head": refresh_tied_lm_head(model), "moe_experts": repack_cpu_experts(model)}

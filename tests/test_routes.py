@@ -187,3 +187,39 @@ def test_the_engine_refuses_routing_replay_on_a_model_without_experts():
     with pytest.raises(ConfigError, match="rollout.routing_replay: .*no MoE layers"):
         asyncio.run(engine._start_routes())
     assert llm.down and engine.routing is None and engine.llm is None
+
+
+def test_vllms_own_routes_are_asked_for_where_it_records_them_and_pass_the_hooks_check(monkeypatch):
+    """Where vLLM records the routes itself (``enable_return_routed_experts``: its V2 runner, on
+    CUDA; not this CPU build), the engine asks for them instead of binding the capture hook,
+    takes the run's routing shape from the first, and checks each finished child's
+    ``CompletionOutput.routed_experts`` as it checks the hook's: P + L - 1 rows, those past a
+    stop string cut, none kept for an aborted child. No GPU engine runs here."""
+    from vllm.outputs import CompletionOutput
+
+    from quant.precision_profile import profile_for
+    from rlpipe.config import RolloutConfig
+    from rollout_service import vllm_compat
+    from rollout_service.engine import FINISH_REASONS, RolloutEngine
+    from rollout_service.routes import checked
+
+    assert not vllm_compat.native_routes()  # this build records them through the hook
+    monkeypatch.setattr(vllm_compat, "native_routes", lambda: True)
+    engine = RolloutEngine("moe", profile_for("fp32", cuda=False), RolloutConfig(routing_replay=True))
+    kwargs = engine.engine_kwargs()
+    assert kwargs["enable_return_routed_experts"] is True and kwargs["enable_prefix_caching"] is False
+    engine.llm = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(num_experts=6)))
+    prompt, sampled = 4, [7, 8, 9]
+    outs = [CompletionOutput(index=i, text="", token_ids=sampled, cumulative_logprob=None, logprobs=None,
+                             routed_experts=np.arange(rows * 4).reshape(rows, 2, 2) % 6, finish_reason="stop")
+            for i, rows in enumerate((prompt + 3 - 1, prompt + 3))]
+    routes = engine._native({c.index: c.routed_experts for c in outs})
+    assert engine.routing == (2, 2, 6) and routes[0].dtype == np.uint8
+    tokens, finish = {0: sampled, 1: sampled, 2: sampled}, {0: "stop", 1: "stop", 2: "abort"}
+    got = checked("r1", routes, prompt, tokens, finish, True, FINISH_REASONS)
+    assert sorted(got) == [0, 1] and all(len(r) == prompt + 3 - 1 for r in got.values())
+    assert np.array_equal(got[1], outs[1].routed_experts[:-1])  # a row past the stop string cut
+    with pytest.raises(RuntimeError, match="child 1 has 7 rows of routes, expected 6"):
+        checked("r1", routes, prompt, tokens, finish, False, FINISH_REASONS)  # without a stop string: a bug
+    with pytest.raises(RuntimeError, match="child 0 has 5 rows"):
+        checked("r1", {0: routes[0][:-1]}, prompt, {0: sampled}, {0: "length"}, False, FINISH_REASONS)
