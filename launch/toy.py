@@ -10,7 +10,8 @@ that the toy uses the tool sometimes and RL can teach it when. ``arch="llama"`` 
 builds a Llama of the same size instead, with what the Qwen2 toy lacks: an untied LM head
 and grouped-query attention (4 query heads sharing 2 KV heads), same tokenizer and recipe.
 ``arch="moe"`` (``model.path: toy-moe``) is a Qwen3-MoE with the Llama toy's attention and 4
-experts a layer, 2 per token: a mixture of experts through the whole loop in minutes.
+experts a layer, 2 per token: a mixture of experts through the whole loop in minutes;
+``arch="mixtral"`` (``toy-mixtral``) the same in Mixtral's layout.
 
 Everything is made locally from a seed and cached under ``~/.cache/rlpipe`` (or
 ``$RLPIPE_CACHE``): no hub is ever contacted. vLLM and transformers load the result from
@@ -49,9 +50,9 @@ class ToyModelSpec:
     num_heads: int = 2
     intermediate_size: int = 512
     tie_word_embeddings: bool = True
-    arch: str = "qwen2"  # or "llama": LlamaForCausalLM, "moe": Qwen3MoeForCausalLM
+    arch: str = "qwen2"  # or "llama": LlamaForCausalLM, "moe": Qwen3MoeForCausalLM, "mixtral"
     num_kv_heads: int = 0  # grouped-query attention; 0 = num_heads (plain multi-head)
-    num_experts: int = 0  # "moe": experts a layer, each of intermediate_size
+    num_experts: int = 0  # "moe", "mixtral": experts a layer, each of intermediate_size
     experts_per_token: int = 0
     task: ArithmeticProblems = field(default_factory=ArithmeticProblems)
     seed: int = 0
@@ -158,20 +159,24 @@ def build_toy_model(out_dir: Path, spec: ToyModelSpec, log=print) -> None:
     (out_dir / "rlpipe_toy.json").write_text(json.dumps(info, indent=2))
 
 
-TOY_MODEL_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "moe": "Qwen3MoeForCausalLM"}
+TOY_MODEL_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "moe": "Qwen3MoeForCausalLM",
+                     "mixtral": "MixtralForCausalLM"}
 
 
 def toy_config(spec: ToyModelSpec):
     """The transformers config of ``spec``'s architecture. The MoE toy's every layer is
     sparse, its experts ``intermediate_size`` wide, with the routing weights renormalized
     over the chosen experts (``norm_topk_prob``), as Qwen3-MoE's released models do."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
     fields = dict(vocab_size=len(SPECIAL_TOKENS) + len(CHARS), hidden_size=spec.hidden_size,
                   intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                   num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads or spec.num_heads,
                   max_position_embeddings=64, tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=BOS_ID,
                   eos_token_id=EOS_ID, pad_token_id=PAD_ID, rope_theta=10000.0)
+    if spec.arch == "mixtral":
+        return MixtralConfig(**fields, head_dim=spec.hidden_size // spec.num_heads,
+                             num_local_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token)
     if spec.arch != "moe":
         return {"qwen2": Qwen2Config, "llama": LlamaConfig}[spec.arch](**fields)
     return Qwen3MoeConfig(**fields, head_dim=spec.hidden_size // spec.num_heads,

@@ -20,6 +20,10 @@ TOY_ARCHS = {
     # dense toys' FFN width (the same active FFN), untied head and GQA as the Llama toy.
     "moe": {"arch": "moe", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False,
             "intermediate_size": 256, "num_experts": 4, "experts_per_token": 2},
+    # The same mixture of experts in Mixtral's layout (block_sparse_moe, a router that always
+    # renormalises): the second MoE family the learner replays.
+    "mixtral": {"arch": "mixtral", "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": False,
+                "intermediate_size": 256, "num_experts": 4, "experts_per_token": 2},
 }
 
 # Real models rlpipe prepares once from an installed package (launch/builtin_models.py).

@@ -87,22 +87,25 @@ def test_a_model_whose_checkpoint_merges_tensors_is_refused_at_launch_naming_why
         validate_run(cfg)
 
 
-def test_the_moe_toy_is_a_qwen3_moe_whose_weights_fit_the_workers_engine(tmp_path):
-    """``model.path: toy-moe``: a Qwen3MoeForCausalLM with 4 experts a layer, 2 per token,
-    warm-started like the other toys, cached under its own key, and servable."""
+@pytest.mark.parametrize("arch, cls, expert", [
+    ("moe", "Qwen3MoeForCausalLM", "model.layers.1.mlp.experts.3.down_proj.weight"),
+    ("mixtral", "MixtralForCausalLM", "model.layers.1.block_sparse_moe.experts.3.w2.weight")])
+def test_the_moe_toys_are_mixtures_of_experts_whose_weights_fit_the_workers_engine(tmp_path, arch, cls, expert):
+    """``model.path: toy-moe`` (Qwen3-MoE) and ``toy-mixtral``: 4 experts a layer, 2 per token,
+    warm-started like the other toys, cached under their own keys, and servable."""
     import json
 
     from launch.toy import ensure_toy_model, toy_spec
 
     small = dict(hidden_size=32, intermediate_size=32, target_sampled_accuracy=0.5, sft_max_steps=5, eval_every=5,
                  eval_prompts=16, seed=5)
-    path = ensure_toy_model(toy_spec("moe", **small), root=tmp_path, log=lambda m: None)
+    path = ensure_toy_model(toy_spec(arch, **small), root=tmp_path, log=lambda m: None)
     config = json.loads((path / "config.json").read_text())
-    assert path.name.startswith("toy-moe-") and config["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert (config["num_local_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in checkpoint_shapes(path)
+    assert path.name.startswith(f"toy-{arch}-") and config["architectures"] == [cls]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    assert expert in checkpoint_shapes(path)
     assert served_mismatch(path) is None
-    assert toy_spec("moe").key() != toy_spec("llama").key()
+    assert toy_spec(arch).key() != toy_spec("llama").key()
 
 
 # multi-turn episodes (configs/toy-retry.yaml) carry routes too: a soak case, 150 s
