@@ -17,8 +17,10 @@ A node whose node 0 is gone answers 503, is restarted by its supervisor, and mee
 node 0 at the rendezvous, instead of waiting in a collective until it times out.
 
 The standard library's threading HTTP server in a daemon thread: nothing here needs the
-learner app's FastAPI stack, and a request that stalls holds only its own thread (closed
-after ``TIMEOUT_S``).
+learner app's FastAPI stack, and a request that stalls holds only its own thread. Its
+socket's timeout bounds one read, not a header sent a byte at a time (a slow-loris client
+held its thread for as long as it liked; issue 33, item 4): a request whose header has not
+arrived ``TIMEOUT_S`` after it connected is cut.
 """
 
 from __future__ import annotations
@@ -54,9 +56,25 @@ def serve_node_health(host: str, port: int, rendezvous: str, node_rank: int) -> 
     """Serve ``GET /healthz`` in a daemon thread; returns the bound ``host:port``."""
 
     class Health(BaseHTTPRequestHandler):
-        timeout = TIMEOUT_S
+        timeout = TIMEOUT_S  # one read
+
+        def setup(self):
+            super().setup()
+            self._late = threading.Timer(TIMEOUT_S, self._cut)  # the whole header
+            self._late.start()
+
+        def _cut(self):
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        def finish(self):
+            self._late.cancel()
+            super().finish()
 
         def do_GET(self):
+            self._late.cancel()  # the header is in: the answer may take node0_answers' own timeout
             if self.path != PATH:
                 self._reply(404, {"detail": "not found: a node other than 0 serves only " + PATH})
             elif node0_answers(rendezvous):

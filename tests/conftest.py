@@ -55,6 +55,16 @@ def toy_model_path() -> str:
     return str(ensure_toy_model(TOY_SPEC, log=lambda m: None))
 
 
+@pytest.fixture(scope="session")
+def real_model_path() -> str:
+    """The built-in SmolLM2 (launch/builtin_models.py), converted once from its installed
+    package and then cached: a test that needs its tokenizer runs on a fresh clone too."""
+    from launch.builtin_models import ensure_builtin_model
+    from rlpipe.paths import SMOLLM2
+
+    return str(ensure_builtin_model(SMOLLM2, log=lambda m: None))
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns something truthy, or raise TimeoutError."""
     deadline = time.monotonic() + timeout

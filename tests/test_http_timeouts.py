@@ -79,6 +79,24 @@ def test_the_learners_http_cuts_off_a_header_sent_byte_by_byte():
     assert answered == b"" and served and set(served) == {200}
 
 
+def test_a_learner_node_other_than_0_cuts_off_a_header_sent_byte_by_byte():
+    """learner/node_health.py's /healthz (nodes other than 0) is the standard library's server,
+    whose socket timeout bounds one read: a header trickled a byte every 0.1 s held its thread
+    for as long as the client liked. It is cut TIMEOUT_S after connecting, and a probe that
+    sends its request at once is still answered."""
+    from learner.node_health import TIMEOUT_S, serve_node_health
+
+    store = socket.create_server(("127.0.0.1", 0))
+    try:
+        address = serve_node_health("127.0.0.1", 0, f"127.0.0.1:{store.getsockname()[1]}", node_rank=1)
+        took, answered = trickle(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ", b"a")
+        # trickle gives up by itself after 8 s: a cut comes well before
+        assert answered == b"" and TIMEOUT_S - 0.2 <= took < TIMEOUT_S + 3, f"cut after {took:.1f}s"
+        assert httpx.get(f"http://{address}/healthz", timeout=10).status_code == 200
+    finally:
+        store.close()
+
+
 def test_the_learners_http_cuts_off_a_body_sent_byte_by_byte():
     """/healthz answers without reading the body; the rest of it, trickled, still has to
     stop: the connection is closed by the next header's deadline."""

@@ -14,7 +14,6 @@ import asyncio
 import httpx
 import pytest
 
-from rlpipe.paths import SMOLLM2
 from rlpipe.queue import connect
 from tests.conftest import WorkerHarness, learner_logprobs, start_worker, stop_worker
 
@@ -27,13 +26,6 @@ QUESTIONS = [
     "How much did she earn? Give the final answer as a number at the end.",
 ]
 STEP_TOKENS = 64
-
-
-@pytest.fixture(scope="session")
-def real_model_path() -> str:
-    from launch.builtin_models import ensure_builtin_model
-
-    return str(ensure_builtin_model(SMOLLM2))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 from functools import lru_cache
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -35,7 +34,6 @@ TOY_TEMPLATE = ("{{ bos_token }}{% if tools %}{% for t in tools %}*{% endfor %}{
                 "{% elif m.role == 'tool' %}%{{ m.content }}{% else %}{{ m.content }}{% endif %}{% endfor %}"
                 "{% if add_generation_prompt %}={% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
-SMOLLM = Path.home() / ".cache/rlpipe/models/smollm2-135m-instruct"
 
 
 # -- the store in process, with a scripted engine -------------------------------------------
@@ -83,14 +81,13 @@ def run_turn(sessions, session, message=None, **kw):
     return asyncio.run(sessions.turn(session, req))
 
 
-@pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(), reason="the SmolLM2 tokenizer is not cached here")
-def test_bpe_split_kept_as_sampled_and_only_new_text_tokenized():
+def test_bpe_split_kept_as_sampled_and_only_new_text_tokenized(real_model_path):
     """SmolLM2's BPE: the model samples " hel","lo" then <|im_end|>; re-tokenizing the history
     gives one " hello" token. The session keeps the two ids, adds the template's closing "\\n"
     the model did not sample (as context), and tokenizes only each new message's text."""
     from transformers import AutoTokenizer
 
-    tok = SpyTokenizer(AutoTokenizer.from_pretrained(SMOLLM))
+    tok = SpyTokenizer(AutoTokenizer.from_pretrained(real_model_path))
     hel, lo, hello = (tok.inner.encode(t, add_special_tokens=False) for t in (" hel", "lo", " hello"))
     assert len(hel) == len(lo) == len(hello) == 1 and hel + lo != hello  # the split is a real non-canonical one
     end = tok.inner.convert_tokens_to_ids("<|im_end|>")
@@ -122,15 +119,14 @@ def test_bpe_split_kept_as_sampled_and_only_new_text_tokenized():
     assert hello[0] in retokenized and session.ids[:len(retokenized)] != retokenized
 
 
-@pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(), reason="the SmolLM2 tokenizer is not cached here")
-def test_chatml_turn_cut_on_another_special_token_still_gets_its_whole_closing():
+def test_chatml_turn_cut_on_another_special_token_still_gets_its_whole_closing(real_model_path):
     """SmolLM2's ChatML closes a model turn with "<|im_end|>\\n". A turn cut by max_tokens on
     <|im_start|> (a special token, not part of the rendered content) shares "<|im_" with it:
     compared as characters the closing became the text "end|>\\n", five ordinary ids, and
     the turn was never closed (issue 33 item 5). Compared as ids, the whole closing is appended."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(SMOLLM)
+    tok = AutoTokenizer.from_pretrained(real_model_path)
     hel, lo = (tok.encode(t, add_special_tokens=False) for t in (" hel", "lo"))
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     turns, seen = [hel + lo + [start], hel + lo + [end]], []
