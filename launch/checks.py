@@ -97,9 +97,9 @@ def is_moe(path: str | None) -> bool:
     config = Path(path) / "config.json" if path else None
     if config is None or not config.is_file():
         return False
-    fields = json.loads(config.read_text())
-    return any(isinstance(fields.get(k), int) and fields[k] > 1
-               for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    from rlpipe.schema import expert_count
+
+    return expert_count(json.loads(config.read_text())) > 1
 
 
 def moe_precision_problem(cfg: RunConfig) -> str | None:

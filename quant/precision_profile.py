@@ -104,9 +104,6 @@ def fp8_checkpoint(model_path: str) -> Path:
     from quant.quant_profile import model_fingerprint, write_checkpoint
     from rlpipe.paths import cache_root
 
-    import hashlib
-    import json
-
     from quant.int8 import fp8_tensors, quant_config
 
     # keyed by its quantization_config too, so a checkpoint written with another is not reused

@@ -279,6 +279,14 @@ def _mask(s: dict, tokens: np.ndarray, logprobs: np.ndarray, where: str) -> np.n
 ROUTING_KEYS = ("layers", "top_k", "experts")
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # as MoE configs name it
+
+
+def expert_count(config: dict) -> int:
+    """The experts a layer of the model with this ``config.json`` has (0: a dense model)."""
+    return next((v for k in EXPERT_COUNT_KEYS if isinstance(v := config.get(k), int) and v > 0), 0)
+
+
 def route_dtype(experts: int) -> np.dtype:
     """The smallest unsigned integer that holds an expert id below ``experts``."""
     return U8 if experts <= 256 else U16

@@ -115,7 +115,8 @@ class RolloutEngine:
         self.paused_seconds_total = 0.0
         self.prefix_cache_reset_failures = 0
         self.routing: tuple[int, int, int] | None = None  # (layers, top_k, experts) under routing replay
-        self.native_routes = False  # vLLM records the routes itself (GPU, vllm_compat.native_routes)
+        # vLLM records the routes itself (GPU, vllm_compat.native_routes); else the capture hook
+        self.native_routes = cfg.routing_replay and vllm_compat.native_routes()
 
     def engine_kwargs(self) -> dict:
         """The vLLM engine arguments (also what bench/rollout.py gives offline vLLM): rlpipe's,
@@ -127,7 +128,6 @@ class RolloutEngine:
         if self.cfg.routing_replay and self.cfg.engine.get("enable_prefix_caching"):
             raise ConfigError("rollout.engine.enable_prefix_caching: routing replay (rollout.routing_replay) needs "
                               "the prefix cache off: a cached prefix is not forwarded and has no routes")
-        self.native_routes = self.cfg.routing_replay and vllm_compat.native_routes()
         return dict(
             model=self.model_dir,
             tokenizer=self.model_dir,
@@ -178,24 +178,18 @@ class RolloutEngine:
             raise ConfigError(f"rollout.routing_replay: {info['error']} ({self.model_dir})")
         self.routing = (info["layers"], info["top_k"], info["experts"])
 
-    async def _take_routes(self, request_id: str, prompt_len: int, tokens: dict[int, list[int]],
-                           finish: dict[int, str], stop: bool) -> dict[int, np.ndarray]:
-        """Each finished child's routes, checked: one row per forwarded token, P + L - 1 (a
-        mismatch is a bug). With stop strings, matched here after the engine sampled on, the
-        engine may have forwarded tokens past the stop: rows beyond P + L - 1 are theirs."""
-        from rollout_service.routes import checked, decode
+    async def _take_routes(self, request_id: str, routed: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """The request's routes by child, unchecked: those the capture hook recorded in the
+        engine process, or vLLM's own (``routed``, GPU) in the wire's dtype, the first of
+        which give the run's routing shape."""
+        from rlpipe.schema import expert_count, route_dtype
+        from rollout_service.routes import decode
 
-        routes = decode((await self.llm.collective_rpc("rlpipe_take_routes", args=(request_id,)))[0], *self.routing)
-        return checked(request_id, routes, prompt_len, tokens, finish, stop, FINISH_REASONS)
-
-    def _native(self, routed: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """vLLM's own routes (GPU) in the wire's dtype; the first give the run's routing shape."""
-        from rlpipe.schema import route_dtype
-
+        if not self.native_routes:
+            return decode((await self.llm.collective_rpc("rlpipe_take_routes", args=(request_id,)))[0],
+                          *self.routing)
         if self.routing is None and routed:
-            config = self.llm.model_config.hf_config
-            experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                           if getattr(config, k, None))
+            experts = expert_count(self.llm.model_config.hf_config.to_dict())
             self.routing = (*next(iter(routed.values())).shape[1:], experts)
         return {i: np.asarray(r).astype(route_dtype(self.routing[2])) for i, r in routed.items()}
 
@@ -259,13 +253,11 @@ class RolloutEngine:
             if self.lora:  # the adapters of versions no request holds any more go
                 await self.adapters.retire(self.llm, {t.start_version for t in self._active.values()})
         routes = {}
-        if self.native_routes:
+        if self.native_routes or self.routing:
             from rollout_service.routes import checked
 
-            routes = checked(request_id, self._native(routed), len(prompt_ids), tokens, finish, bool(stop),
-                             FINISH_REASONS)
-        elif self.routing:
-            routes = await self._take_routes(request_id, len(prompt_ids), tokens, finish, bool(stop))
+            routes = checked(request_id, await self._take_routes(request_id, routed), len(prompt_ids), tokens, finish,
+                             bool(stop), FINISH_REASONS)
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
                                 FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])),
                                 routes.get(i))

@@ -208,12 +208,13 @@ def test_vllms_own_routes_are_asked_for_where_it_records_them_and_pass_the_hooks
     engine = RolloutEngine("moe", profile_for("fp32", cuda=False), RolloutConfig(routing_replay=True))
     kwargs = engine.engine_kwargs()
     assert kwargs["enable_return_routed_experts"] is True and kwargs["enable_prefix_caching"] is False
-    engine.llm = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(num_experts=6)))
+    engine.llm = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(
+        to_dict=lambda: {"num_experts": 6})))
     prompt, sampled = 4, [7, 8, 9]
     outs = [CompletionOutput(index=i, text="", token_ids=sampled, cumulative_logprob=None, logprobs=None,
                              routed_experts=np.arange(rows * 4).reshape(rows, 2, 2) % 6, finish_reason="stop")
             for i, rows in enumerate((prompt + 3 - 1, prompt + 3))]
-    routes = engine._native({c.index: c.routed_experts for c in outs})
+    routes = asyncio.run(engine._take_routes("r1", {c.index: c.routed_experts for c in outs}))
     assert engine.routing == (2, 2, 6) and routes[0].dtype == np.uint8
     tokens, finish = {0: sampled, 1: sampled, 2: sampled}, {0: "stop", 1: "stop", 2: "abort"}
     got = checked("r1", routes, prompt, tokens, finish, True, FINISH_REASONS)
