@@ -31,8 +31,10 @@ left out and a run's value is the median of the rest. Every configuration runs o
 round, in a fresh shuffled order each round, so drift on a shared machine hits them
 all; the table shows the median over rounds and its ratio to the group's baseline
 (ratio = value / baseline value: above 1 is faster for tokens/s, below 1 is less
-blocking for checkpoints). Every process gets ``learner.threads: 1`` and
-``OMP_NUM_THREADS=1``, so 1-rank and 2-rank rows compare. A configuration that fails
+blocking for checkpoints); beside it, each configuration's peak memory (the learner
+process's peak resident set, the kernel's ``ru_maxrss``, median over rounds). Every
+process gets ``learner.threads: 1`` and ``OMP_NUM_THREADS=1``, so 1-rank and 2-rank rows
+compare. A configuration that fails
 (an unknown config key on this checkout, an error in the learner) is printed as failed
 with the error's last line; the others still run.
 
@@ -201,7 +203,7 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         try:
-            rc = proc.wait(args.run_timeout)
+            rc, peak_kib = wait_with_peak(proc, args.run_timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)  # this run's own process group (torchrun and its ranks)
             proc.wait()
@@ -220,7 +222,23 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
         return {"error": f"no {group.metric} in metrics.jsonl after step 1", "seconds": seconds}
     value = statistics.mean(values) if group.metric == BLOCKING else statistics.median(values)
     return {"value": value, "values": values, "tokens_per_second": statistics.median(m[TOKENS] for m in steps),
-            "seconds": seconds}
+            "seconds": seconds, "peak_mib": peak_kib / 1024}
+
+
+def wait_with_peak(proc: subprocess.Popen, timeout: float) -> tuple[int, int]:
+    """Wait for ``proc`` as ``Popen.wait`` does, and return its exit code with its peak resident
+    set in KiB: the kernel's own high-water mark (``ru_maxrss`` from ``wait4``), the largest of
+    the process and the children it waited for (a torchrun's ranks), so no short peak between
+    two samples is missed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.2)
 
 
 def summarize(group: Group) -> dict:
@@ -232,7 +250,9 @@ def summarize(group: Group) -> dict:
                      "note": row.note, "runs": row.runs, "median": statistics.median(ok) if ok else None,
                      "range": [min(ok), max(ok)] if ok else None,
                      "tokens_per_second": statistics.median(r["tokens_per_second"] for r in row.runs if "value" in r)
-                     if ok else None, "error": errors[-1] if errors and not ok else None})
+                     if ok else None,
+                     "peak_mib": statistics.median(r["peak_mib"] for r in row.runs if "value" in r) if ok else None,
+                     "error": errors[-1] if errors and not ok else None})
         if errors and ok:
             rows[-1]["note"] = f"{len(errors)} of {len(row.runs)} runs failed: {errors[-1]}"
     base = rows[0]["median"]
@@ -247,14 +267,16 @@ def print_tables(results: list[dict], header: str) -> None:
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     speed = [g for g in results if g["metric"] == TOKENS]
     if speed:
-        print("\n| group | configuration | tokens/s (median) | rounds' range | ratio vs baseline | note |")
-        print("|---|---|---:|---:|---:|---|")
+        print("\n| group | configuration | tokens/s (median) | rounds' range | ratio vs baseline | peak memory MiB "
+              "| note |")
+        print("|---|---|---:|---:|---:|---:|---|")
         for g in speed:
             for i, r in enumerate(g["rows"]):
                 note = f"FAILED: {r['error']}" if r["error"] else r["note"]
                 spread = f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else "-"
                 print(f"| {g['name'] if i == 0 else ''} | {r['label']}{' (baseline)' if i == 0 else ''} | "
-                      f"{fmt(r['median'], ',.0f')} | {spread} | {fmt(r['ratio'], '.3f')} | {note} |")
+                      f"{fmt(r['median'], ',.0f')} | {spread} | {fmt(r['ratio'], '.3f')} | "
+                      f"{fmt(r.get('peak_mib'), ',.0f')} | {note} |")
     for g in (g for g in results if g["metric"] == BLOCKING):
         print(f"\n{g['title']}: seconds a checkpoint step spent blocked on it (mean over checkpoint steps, "
               "median over rounds)")
@@ -506,10 +528,11 @@ def section(report: dict, header: str):
     speed = [g for g in report["groups"] if g["metric"] == TOKENS]
     if speed:
         sec.table("Training tokens/s (median over interleaved rounds)",
-                  ["group", "configuration", "tokens/s", "rounds' range", "vs group baseline", "note"],
+                  ["group", "configuration", "tokens/s", "rounds' range", "vs group baseline", "peak memory MiB",
+                   "note"],
                   [[g["name"] if i == 0 else "", r["label"] + (" (baseline)" if i == 0 else ""), r["median"],
                     f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else None, r["ratio"],
-                    f"FAILED: {r['error']}" if r["error"] else r["note"]]
+                    r.get("peak_mib"), f"FAILED: {r['error']}" if r["error"] else r["note"]]
                    for g in speed for i, r in enumerate(g["rows"])], note=header)
         fig, ((ax,),) = figure(width=max(5.5, 0.45 * sum(len(g["rows"]) for g in speed)))
         x, labels = 0, []

@@ -304,12 +304,12 @@ class LoraSection(Section):
     """``learner.lora``: train a LoRA adapter (peft) on a frozen base instead of every weight
     (learner/lora.py). Workers then load the base once and receive only the adapter at each
     version. Rule of thumb for the learning rate: about 10x the full fine-tune's (Thinking
-    Machines' LoRA-without-regret; tinker-cookbook), e.g. 2e-4 where a full fine-tune of the same
-    model uses 2e-5."""
+    Machines' LoRA-without-regret; tinker-cookbook), e.g. 5e-4 where a full fine-tune of the same
+    model uses 5e-5 (the SmolLM2 recipe)."""
 
     rank: int = Field(0, ge=0, le=256, description="the adapter's rank r; 0 = off (a full fine-tune). RL needs "
                       "little capacity: 8-32 is what the anchors use. Set learner.lr about 10x a full "
-                      "fine-tune's (e.g. 2e-4 for SmolLM2, whose full recipe uses 2e-5)")
+                      "fine-tune's (e.g. 5e-4 for SmolLM2, whose full recipe uses 5e-5)")
     alpha: float = Field(16.0, gt=0, description="the adapter's scale is alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (0 for RL: the "
                            "learner's log-probs must be the served policy's)")

@@ -5,6 +5,7 @@ for both and a ratio that is their quotient."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,6 +28,8 @@ def test_the_learner_benchmark_runs_two_configurations_and_reports_their_ratio(t
     assert [fp32["name"], bf16["name"]] == ["fp32", "bf16"]
     for row in (fp32, bf16):
         assert row["error"] is None and row["median"] > 0 and len(row["runs"]) == 1
+        # the learner process's own peak: torch and a model are loaded, and it is no bigger than this machine
+        assert 200 < row["peak_mib"] < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
     assert fp32["ratio"] == 1.0
     assert bf16["ratio"] == pytest.approx(bf16["median"] / fp32["median"])
     assert "| dtype | fp32 (baseline) |" in proc.stdout and "ratio vs baseline" in proc.stdout

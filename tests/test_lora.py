@@ -252,6 +252,15 @@ def test_the_grouped_cpu_lora_kernels_compute_what_vllms_per_token_ones_do():
         ops["bgmv_expand"](h, b, want, indices, True)
         lora_ops.bgmv_expand(h, b, got, indices, True)
         assert torch.allclose(got, want, atol=1e-5)
+    # a bf16 engine's expand takes the shrink's fp32 sums: they are multiplied in fp32 and rounded once (a CPU
+    # without native bf16 runs a bf16 matmul through torch's slow path); vLLM's own rounds them to bf16 first
+    bb, one = b.bfloat16(), torch.zeros(10, dtype=torch.long)
+    got = torch.zeros(10, 48, dtype=torch.bfloat16)
+    lora_ops.bgmv_expand(h, bb, got, one, False)
+    assert torch.equal(got, (h @ bb[0, 0].float().T).bfloat16())
+    want = torch.zeros(10, 48, dtype=torch.bfloat16)
+    ops["bgmv_expand"](h, bb, want, one, False)
+    assert torch.allclose(got.float(), want.float(), rtol=5e-2, atol=5e-2) and not torch.equal(got, want)
 
 
 def test_lora_refuses_at_launch_what_it_cannot_serve():
