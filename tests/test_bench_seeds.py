@@ -115,9 +115,11 @@ def test_the_real_recipes_check_fails_a_run_whose_final_evaluation_is_missing_or
     assert check(bad, settings)
 
 
-def test_quick_real_rollout_reads_the_real_parts_quick_run_and_trains_nothing(tmp_path):
-    """CI's quick bench runs one SmolLM2 run (the `real` part's) and `real-rollout` renders from it."""
-    cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), "--finding", "real-rollout", "--quick",
+@pytest.mark.parametrize("finding,arm", [("real-rollout", "bf16"), ("real-lora", "int8/full")])
+def test_quick_real_findings_read_the_real_parts_quick_run_and_train_nothing(tmp_path, finding, arm):
+    """CI's quick bench runs one SmolLM2 run (the `real` part's) and `real-rollout` and
+    `real-lora` render from it."""
+    cmd = [sys.executable, str(ROOT / "bench" / "seeds.py"), "--finding", finding, "--quick",
            "--out", str(tmp_path / "out"), "--json-dir", str(tmp_path / "results")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "reads real's quick run" in proc.stderr  # nothing to read: says what to run
@@ -127,6 +129,6 @@ def test_quick_real_rollout_reads_the_real_parts_quick_run_and_trains_nothing(tm
                                                            "settings": {"steps": 2, "eval.size": 8}}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not (tmp_path / "out" / "real-rollout").exists()  # no run trained
-    (table,) = json.loads((tmp_path / "results" / "real-rollout.json").read_text())["tables"]
-    assert [r[:2] for r in table["rows"]] == [["bf16", 0]] and "nothing trained" in table["note"]
+    assert not (tmp_path / "out" / finding).exists()  # no run trained
+    (table,) = json.loads((tmp_path / "results" / f"{finding}.json").read_text())["tables"]
+    assert [r[:2] for r in table["rows"]] == [[arm, 0]] and "nothing trained" in table["note"]

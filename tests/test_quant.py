@@ -366,3 +366,30 @@ def test_the_layer_sample_spreads_over_the_model_and_covers_a_small_one():
 
     assert sampled(32, 4) == [0, 10, 21, 31] and sampled(32, 1) == [0] and sampled(32, 40) == list(range(32))
     assert sampled(2, 4) == [0, 1]  # a toy's two layers, both
+
+
+def test_the_output_error_is_estimated_on_a_spread_of_tokens_and_ranks_as_the_full_one(monkeypatch):
+    """quant/monitor.py ``input_stats``: the output error's two extra matmuls per linear run on at
+    most ``ERROR_TOKENS`` inputs, spread over all of them (on every probe token they tripled the
+    simulated forward of a real model), while clipping still counts every input."""
+    import torch.nn.functional as F
+
+    from quant import monitor as m
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g)
+    profile = type("P", (), {"static": False, "input_scales": {"lin": 0.01}})()
+    rows = []
+    real_linear = F.linear
+    monkeypatch.setattr(m.F, "linear", lambda x, w, *a: rows.append(x.shape[0]) or real_linear(x, w, *a))
+    errors = []
+    for noise in (0.01, 0.05):  # a worse-quantized weight must rank worse, as on every token
+        x = torch.randn(4000, 96, generator=g) * torch.linspace(0.5, 3.0, 4000)[:, None]
+        wq = w + noise * torch.randn(w.shape, generator=g)
+        got = m.input_stats(x, m.fake_quant(x, profile, "lin"), w, wq, profile, "lin")
+        full = ((real_linear(m.fake_quant(x, profile, "lin"), wq) - real_linear(x, w)).norm()
+                / real_linear(x, w).norm())
+        assert got["inputs"] == x.numel() and got["clipped"] == int((x.abs() > 127 * 0.01).sum())
+        assert got["output_error"] == pytest.approx(float(full), rel=0.1)
+        errors.append(got["output_error"])
+    assert rows and max(rows) <= m.ERROR_TOKENS and errors[1] > 2 * errors[0]
