@@ -75,8 +75,8 @@ def fake_quant(x: torch.Tensor, profile: QuantProfile, linear: str) -> torch.Ten
 
 
 # Tokens the output error is computed on (evenly spaced over the valid ones): it only ranks the linears to
-# name the worst, and on every probe token its two extra matmuls per linear tripled the
-# simulated forward (SmolLM2, 32 probe rows: the monitors took 50-58 s of a 66-92 s step on one core).
+# name the worst, and on every probe token its two extra matmuls per linear cost a third of the monitors
+# (SmolLM2, 32 probe rows, one core: 43-46 s a monitored update, 32 s with this; the two forwards are the rest).
 ERROR_TOKENS = 256
 
 

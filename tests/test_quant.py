@@ -370,8 +370,8 @@ def test_the_layer_sample_spreads_over_the_model_and_covers_a_small_one():
 
 def test_the_output_error_is_estimated_on_a_spread_of_tokens_and_ranks_as_the_full_one(monkeypatch):
     """quant/monitor.py ``input_stats``: the output error's two extra matmuls per linear run on at
-    most ``ERROR_TOKENS`` inputs, spread over all of them (on every probe token they tripled the
-    simulated forward of a real model), while clipping still counts every input."""
+    most ``ERROR_TOKENS`` inputs, spread over all of them (on every probe token they were a third of
+    a real model's monitoring), while clipping still counts every input."""
     import torch.nn.functional as F
 
     from quant import monitor as m
