@@ -17,6 +17,8 @@ engine process while it decodes (docs/quantization.md has what it showed here). 
 flags decide the kernels (AVX2 only, AVX512-VNNI, AMX, native bf16), so the report names them.
 
     python -P bench/decode_speed.py                          # fp32, bf16, int8, each with and without LoRA
+                                                             # (bf16 takes over 10 minutes on a CPU without
+                                                             # native bf16: every linear in torch's fallback)
     python -P bench/decode_speed.py --engines int8,int8+lora --batches 64
 """
 
