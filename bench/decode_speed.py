@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -103,19 +101,6 @@ def random_adapter(model_dir: str, out: Path) -> Path:
     return out
 
 
-def run_engine(spec: dict, workdir: Path) -> dict[str, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
-    spec_file = workdir / f"spec-{spec['name'].replace('+', '-')}.json"
-    spec_file.write_text(json.dumps(spec))
-    proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-P", __file__, "--engine", str(spec_file)],
-                          stderr=None, env=env, timeout=3600)
-    out = Path(str(spec_file) + ".out")
-    if proc.returncode or not out.exists():
-        raise RuntimeError(f"the {spec['name']} engine failed (exit {proc.returncode})")
-    return json.loads(out.read_text())
-
-
 def report(rows: dict[str, dict[str, float]], batches: list[int], tokens: int):
     from launch.results import Section
 
@@ -144,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     from transformers import AutoTokenizer
 
+    from bench.real_quant import run_engine
     from launch.demo import resolve_model, resolve_quant_profile
     from rlpipe.config import load_config
 
@@ -162,8 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
         for name in engines:
             precision, _, extra = name.partition("+")
             spec = {"name": name, "precision": precision, "model": model, "profile": profile, "prompt": list(prompt),
-                    "tokens": args.tokens, "batches": batches, "adapter": str(adapter) if extra == "lora" else ""}
-            rows[name] = run_engine(spec, workdir)
+                    "tokens": args.tokens, "batches": batches, "adapter": str(adapter) if extra == "lora" else "",
+                    "workdir": str(workdir)}
+            rows[name] = run_engine(spec, __file__, name.replace("+", "-"))
+            print(f"[decode-speed] {name}: " + ", ".join(f"batch {b} {v:.1f}" for b, v in rows[name].items())
+                  + " tokens/s", file=sys.stderr, flush=True)
     sec = report(rows, batches, args.tokens)
     for t in sec.tables:
         print(json.dumps(t, default=float))

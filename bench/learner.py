@@ -244,14 +244,13 @@ def wait_with_peak(proc: subprocess.Popen, timeout: float) -> tuple[int, int]:
 def summarize(group: Group) -> dict:
     rows = []
     for row in group.rows:
-        ok = [r["value"] for r in row.runs if "value" in r]
+        done = [r for r in row.runs if "value" in r]
+        ok = [r["value"] for r in done]
         errors = [r["error"] for r in row.runs if "error" in r]
+        median = {k: statistics.median(r[k] for r in done) if done else None for k in ("tokens_per_second", "peak_mib")}
         rows.append({"name": row.name, "label": row.label, "settings": row.settings, "ranks": row.ranks,
                      "note": row.note, "runs": row.runs, "median": statistics.median(ok) if ok else None,
-                     "range": [min(ok), max(ok)] if ok else None,
-                     "tokens_per_second": statistics.median(r["tokens_per_second"] for r in row.runs if "value" in r)
-                     if ok else None,
-                     "peak_mib": statistics.median(r["peak_mib"] for r in row.runs if "value" in r) if ok else None,
+                     "range": [min(ok), max(ok)] if ok else None, **median,
                      "error": errors[-1] if errors and not ok else None})
         if errors and ok:
             rows[-1]["note"] = f"{len(errors)} of {len(row.runs)} runs failed: {errors[-1]}"
@@ -276,7 +275,7 @@ def print_tables(results: list[dict], header: str) -> None:
                 spread = f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else "-"
                 print(f"| {g['name'] if i == 0 else ''} | {r['label']}{' (baseline)' if i == 0 else ''} | "
                       f"{fmt(r['median'], ',.0f')} | {spread} | {fmt(r['ratio'], '.3f')} | "
-                      f"{fmt(r.get('peak_mib'), ',.0f')} | {note} |")
+                      f"{fmt(r['peak_mib'], ',.0f')} | {note} |")
     for g in (g for g in results if g["metric"] == BLOCKING):
         print(f"\n{g['title']}: seconds a checkpoint step spent blocked on it (mean over checkpoint steps, "
               "median over rounds)")
@@ -532,7 +531,7 @@ def section(report: dict, header: str):
                    "note"],
                   [[g["name"] if i == 0 else "", r["label"] + (" (baseline)" if i == 0 else ""), r["median"],
                     f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else None, r["ratio"],
-                    r.get("peak_mib"), f"FAILED: {r['error']}" if r["error"] else r["note"]]
+                    r["peak_mib"], f"FAILED: {r['error']}" if r["error"] else r["note"]]
                    for g in speed for i, r in enumerate(g["rows"])], note=header)
         fig, ((ax,),) = figure(width=max(5.5, 0.45 * sum(len(g["rows"]) for g in speed)))
         x, labels = 0, []

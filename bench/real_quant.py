@@ -190,17 +190,20 @@ def engine_answers(spec: dict) -> dict:
             "greedy": [r.outputs[0].text for r in greedy]}
 
 
-def run_engine(spec: dict) -> dict:
-    """``engine_answers`` in a fresh process on one core (vLLM keeps global state per process)."""
+def run_engine(spec: dict, script: str = __file__, name: str = "") -> dict:
+    """``script --engine SPEC`` (here: ``engine_answers``) in a fresh process on one core, one
+    thread (vLLM keeps global state per process); its JSON answer. bench/decode_speed.py runs
+    its engines through this too."""
+    name = name or spec["precision"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
-    spec_file = Path(spec["workdir"]) / f"spec-{spec['precision']}.json"
+    spec_file = Path(spec["workdir"]) / f"spec-{name}.json"
     spec_file.write_text(json.dumps(spec))
-    proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-P", __file__, "--engine", str(spec_file)],
+    proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-P", script, "--engine", str(spec_file)],
                           capture_output=True, text=True, env=env, timeout=3600)
     out = Path(str(spec_file) + ".out")
     if proc.returncode or not out.exists():
-        raise RuntimeError(f"{spec['precision']} engine failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{name} engine failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 

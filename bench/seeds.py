@@ -169,6 +169,29 @@ def recipe(path: str) -> dict:
     return flat(yaml.safe_load((ROOT / path).read_text()))
 
 
+def lora_arms(lr: float) -> dict[str, dict]:
+    """The LoRA findings' arms: a full fine-tune with int8 rollout at the run's learning rate, and a
+    rank-8 adapter at ``lr`` on the frozen int8 base, the learner on that base as served or on the
+    checkpoint's own (``learner.served_weights`` false)."""
+    lora = {"rollout.precision": "int8", "learner.lora.rank": 8, "learner.lr": lr}
+    return {"int8/full": {"rollout.precision": "int8"}, "int8/lora": lora,
+            "int8/lora/fp32-base": {**lora, "learner.served_weights": False}}
+
+
+def lora_columns(after_mismatch: dict[str, Stat] | None = None) -> dict[str, Stat]:
+    """The LoRA findings' mismatch and sync columns, ``after_mismatch``'s between the two."""
+    return {"steps": len,
+            "KL (k3) step 1": first("mismatch_k3_kl", 1),
+            "KL (k3, all)": mean_of("mismatch_k3_kl"),
+            "KL (k3) last 5": final("mismatch_k3_kl"),
+            "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
+            **(after_mismatch or {}),
+            "bytes per sync": mean_of("weight_sync_sent_bytes"),
+            "a whole version's bytes": mean_of("weight_sync_full_bytes"),
+            "sync seconds": mean_of("weight_sync_seconds"),
+            "learner tokens/s": mean_of("learner_tokens_per_second")}
+
+
 @dataclass
 class Finding:
     title: str
@@ -343,21 +366,10 @@ FINDINGS: dict[str, Finding] = {
     "lora": Finding(
         title="LoRA on a frozen int8 base (issue 35): the mismatch, the sync and the learner, against a full "
               "fine-tune with int8 rollout, on the toy task",
-        arms={"int8/full": {"rollout.precision": "int8"},
-              "int8/lora": {"rollout.precision": "int8", "learner.lora.rank": 8, "learner.lr": 3e-3},
-              "int8/lora/fp32-base": {"rollout.precision": "int8", "learner.lora.rank": 8, "learner.lr": 3e-3,
-                                      "learner.served_weights": False}},
+        arms=lora_arms(3e-3),
         defaults={"steps": 40, "queue.max_lag": 0, "learner.is_mode": "none"},
         curves=["mismatch_k3_kl", "reward_mean", "weight_sync_sent_bytes", "learner_tokens_per_second"],
-        columns={"steps": len,
-                 "KL (k3) step 1": first("mismatch_k3_kl", 1),
-                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
-                 "KL (k3) last 5": final("mismatch_k3_kl"),
-                 "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
-                 "bytes per sync": mean_of("weight_sync_sent_bytes"),
-                 "a whole version's bytes": mean_of("weight_sync_full_bytes"),
-                 "sync seconds": mean_of("weight_sync_seconds"),
-                 "learner tokens/s": mean_of("learner_tokens_per_second"),
+        columns={**lora_columns(),
                  "reward start": first("reward_mean"),
                  "reward end": final("reward_mean"),
                  "RL seconds": last("time")},
@@ -385,25 +397,13 @@ FINDINGS: dict[str, Finding] = {
     "real-lora": Finding(
         title="LoRA on a frozen int8 base on the real model (issue 35): SmolLM2's mismatch, sync and learner, "
               "against a full fine-tune with int8 rollout",
-        arms={"int8/full": {"rollout.precision": "int8"},
-              "int8/lora": {"rollout.precision": "int8", "learner.lora.rank": 8, "learner.lr": 5e-4},
-              "int8/lora/fp32-base": {"rollout.precision": "int8", "learner.lora.rank": 8, "learner.lr": 5e-4,
-                                      "learner.served_weights": False}},
+        arms=lora_arms(5e-4),
         # the recipe with one worker on its own core (the learner on the other), no evaluation: these arms are
         # compared by their mismatch and sync, which 10 steps show (the int8 monitor's drift was 10 steps too)
         defaults={**recipe("configs/smollm2-math.yaml"), "steps": 10, "queue.max_lag": 0, "learner.is_mode": "none",
                   "eval.every": 0, "eval.base_at_rest": False, "workers": 1, "rollout.cpus": "0"},
         curves=["mismatch_k3_kl", "quant_kl_vs_bf16", "weight_sync_sent_bytes", "learner_tokens_per_second"],
-        columns={"steps": len,
-                 "KL (k3) step 1": first("mismatch_k3_kl", 1),
-                 "KL (k3, all)": mean_of("mismatch_k3_kl"),
-                 "KL (k3) last 5": final("mismatch_k3_kl"),
-                 "|log ppl diff|": mean_of("mismatch_log_ppl_abs_diff"),
-                 "int8 vs bf16 KL (probe) last": last("quant_kl_vs_bf16"),
-                 "bytes per sync": mean_of("weight_sync_sent_bytes"),
-                 "a whole version's bytes": mean_of("weight_sync_full_bytes"),
-                 "sync seconds": mean_of("weight_sync_seconds"),
-                 "learner tokens/s": mean_of("learner_tokens_per_second"),
+        columns={**lora_columns({"int8 vs bf16 KL (probe) last": last("quant_kl_vs_bf16")}),
                  "groups sampled per trained": mean_of("groups_sampled_per_trained"),
                  "RL seconds": last("time")},
         notes=["The SmolLM2 recipe (configs/smollm2-math.yaml: 2 groups with a reward spread a step, 8 answers "
