@@ -436,6 +436,34 @@ FINDINGS: dict[str, Finding] = {
                "with the adapter against 31 (1.56x)."],
         quick_arms=["int8/full"],
         quick_from="real"),
+    "real-lora-40": Finding(
+        title="LoRA on the real model over the whole recipe (issue 35): held-out accuracy and 40 steps of mismatch, "
+              "LoRA on the int8 and fp32 bases against a full fine-tune with int8 rollout",
+        arms={"int8/lora": lora_arms(5e-4)["int8/lora"], "int8/full": lora_arms(5e-4)["int8/full"],
+              "fp32/lora": {"learner.lora.rank": 8, "learner.lr": 5e-4}},
+        # the recipe as it is (2 workers, 40 steps, held-out evaluation at the start and the end): only the
+        # precision and the adapter differ
+        defaults=recipe("configs/smollm2-math.yaml"),
+        curves=["reward_mean", "eval:pass_at_1", "mismatch_k3_kl", "quant_kl_vs_bf16", "entropy"],
+        columns={"held-out pass@1 start": held_out("first"),
+                 "held-out pass@1 end": held_out("last"),
+                 "95% interval end": held_out_interval("last"),
+                 "change (points)": held_out_gain,
+                 **lora_columns({"int8 vs bf16 KL (probe) last": last("quant_kl_vs_bf16")}),
+                 "reward start": first("reward_mean"),
+                 "reward end": final("reward_mean"),
+                 "RL seconds": last("time")},
+        notes=["The SmolLM2 recipe (configs/smollm2-math.yaml) as it is, 40 steps on 2 workers with the held-out "
+               "evaluation (455 SingleEq rows, greedy) at the start and the end, in three arms: `int8/lora`, a "
+               "rank-8 adapter (alpha 16, every linear of the decoder) at lr 5e-4 on the frozen int8 base, the "
+               "learner on that base as the engines serve it; `int8/full`, a full fine-tune at the recipe's 5e-5 "
+               "with int8 rollout; `fp32/lora`, the adapter on the recipe's fp32 base (bf16 stands in for fp32 on "
+               "a CPU with native bf16; here bf16 has no fast path: docs/quantization.md). The recipe's own full "
+               "fine-tune in fp32 is the `real` section. The recipe corrects the mismatch as it always does, so "
+               "the KL columns are the rollout's against the learner before correction, policy lag included."],
+        quick_arms=["int8/lora"],
+        quick_from="real",
+        check=evaluated_start_and_end),
     "real": Finding(
         title="GRPO on a real model: SmolLM2-135M-Instruct on MAWPS, held-out accuracy",
         arms={"grpo": {}},
