@@ -119,17 +119,16 @@ def moe_precision_problem(cfg: RunConfig) -> str | None:
             "quant.fp8.quantize_on=learner, which keeps the experts in bf16")
 
 
-def lora_problems(cfg: RunConfig, transport: str) -> list[str]:
+def lora_problems(cfg: RunConfig) -> list[str]:
     """Why ``learner.lora`` cannot run with the rest of the run (learner/lora.py): the learner
-    trains on one base as served, and versions travel as adapter directories over gloo."""
+    trains on one base as served. (Versions travel as adapters over gloo: the transport's
+    own resolution refuses nccl and ipc, weight_sync/transport_choice.py.)"""
     if not cfg.learner.lora.rank:
         return []
     problems = []
     if len(cfg.rollout.precisions) != 1:
         problems.append(f"learner.lora: the frozen base is served in one precision; the fleet mixes "
                         f"{', '.join(cfg.rollout.precisions)} (rollout.fleet)")
-    if transport != "gloo":
-        problems.append(f"learner.lora: adapters travel over gloo only; sync.transport resolves to {transport}")
     if cfg.rollout.routing_replay:
         problems.append("learner.lora: not with rollout.routing_replay yet (the adapter-off reference "
                         "does not replay routes)")
@@ -171,7 +170,7 @@ def validate_run(cfg: RunConfig) -> None:
     except ConfigError as e:
         problems.append(str(e))
         transport = "gloo"
-    problems += lora_problems(cfg, transport)
+    problems += lora_problems(cfg)
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems
 

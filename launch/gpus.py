@@ -93,17 +93,22 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
                           f"for {cfg.worker_slots} workers; {hint}")
     names = tuple(v.strip() for v in visible.split(",")) if visible.strip() else ()
     return GpuPlan(tuple(learner), tuple(slices), names[:n_devices] if len(names) >= n_devices else (),
-                   plan_transport(cfg.sync.transport, n_devices, learner[0], slices[:cfg.worker_slots]))
+                   plan_transport(cfg.sync.transport, n_devices, learner[0], slices[:cfg.worker_slots],
+                                  adapters=cfg.learner.lora.rank > 0))
 
 
-def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list[tuple[int, ...]]) -> str:
+def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list[tuple[int, ...]],
+                   adapters: bool = False) -> str:
     """The transport every role of the run uses, decided once here (the children get it in
     their environment, so a learner and its workers never resolve ``auto`` apart). Learner
     rank 0 sends every update. NCCL cannot place two ranks on one GPU, so it reaches only
     workers off rank 0's GPU; CUDA IPC only those on it. A run has one transport, so
     ``auto`` is nccl when no worker shares rank 0's GPU, ipc when every one does, and gloo
-    for a fleet of both; ``nccl`` or ``ipc`` that cannot reach a worker is refused."""
-    transport = _resolve(requested, n_devices)
+    for a fleet of both; ``nccl`` or ``ipc`` that cannot reach a worker is refused. Under
+    ``learner.lora`` (``adapters``) gloo reaches every worker, and is the transport."""
+    transport = _resolve(requested, n_devices, adapters)
+    if adapters:
+        return transport
     shared = [i for i, s in enumerate(slices) if sender_gpu in s]
     apart = [i for i, s in enumerate(slices) if sender_gpu not in s]
     if requested == "auto" and transport == "nccl" and shared:
@@ -118,10 +123,10 @@ def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list
     return transport
 
 
-def _resolve(requested: str, n_devices: int) -> str:
+def _resolve(requested: str, n_devices: int, adapters: bool = False) -> str:
     from weight_sync.transport_choice import resolve_for_config  # torch, imported once a plan is made
 
-    return resolve_for_config(requested, n_devices)
+    return resolve_for_config(requested, n_devices, adapters)
 
 
 def launch_plan(cfg: RunConfig) -> GpuPlan:

@@ -499,7 +499,7 @@ class SyncConfig(Section):
         "auto", description="how versions travel: gloo (staged in host memory, any device), nccl (GPU to GPU, "
         "weight_sync/nccl.py), ipc (CUDA IPC to engines on the learner's first GPU, weight_sync/ipc.py); "
         "auto = where CUDA is present, nccl when the learner's first GPU is no worker's, ipc when it is every "
-        "worker's, else gloo")
+        "worker's, else gloo; under learner.lora, gloo (a version is its adapter: nccl and ipc are refused)")
 
 
 class Int8Quant(Section):

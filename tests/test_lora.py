@@ -12,12 +12,13 @@ import torch
 
 from learner.lora import BaseView, served_weights, trainable
 from quant.int8 import int8_tensors, served_base, smooth_groups, smoothed_adapter
-from rlpipe.config import build_config
+from rlpipe.config import ConfigError, build_config
 from tests.conftest import free_run_id
 from tests.test_learner import base_model, for_run, synthetic_groups  # noqa: F401 (a fixture)
 from weight_sync.adapters import adapter_incompatibility, read_adapter, wire_config, wire_tensors, write_adapter
 from weight_sync.manifest import Manifest, incompatibility, plan_buckets
 from weight_sync.names import checkpoint_shapes
+from weight_sync.transport_choice import resolve_transport
 
 
 def smoothing_for(params: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -267,11 +268,31 @@ def test_lora_refuses_at_launch_what_it_cannot_serve():
     from launch.checks import lora_problems
 
     cfg = build_config({}, environ={}, **{"learner.lora.rank": 8})
-    assert lora_problems(cfg, "gloo") == []
-    assert "gloo only" in lora_problems(cfg, "nccl")[0]
+    assert lora_problems(cfg) == []
+    mixed = build_config({}, environ={}, workers=2, **{"learner.lora.rank": 8, "rollout.fleet": ["bf16", "int8"]})
+    assert "one precision" in lora_problems(mixed)[0]
     replay = build_config({}, environ={}, **{"learner.lora.rank": 8, "rollout.routing_replay": True})
-    assert "routing_replay" in lora_problems(replay, "gloo")[0]
-    assert lora_problems(build_config({}, environ={}), "ipc") == []  # a full fine-tune: nothing to say
+    assert "routing_replay" in lora_problems(replay)[0]
+
+
+def test_adapters_travel_over_gloo_on_a_gpu_node_and_nccl_or_ipc_is_refused_naming_why():
+    """On GPUs ``sync.transport: auto`` is nccl or ipc for full versions; under learner.lora a
+    version is an adapter, and every role must resolve gloo (the workers load it into a LoRA
+    slot, which vLLM's transfer engines cannot write)."""
+    from launch.gpus import plan_gpus
+
+    lora = {"learner.lora.rank": 8}
+    apart = {"learner.gpus": "0", "rollout.gpus": "1"}  # auto: nccl for a full fine-tune
+    shared = {"learner.gpus": "0", "rollout.gpus": "0"}  # auto: ipc
+    for gpus in (apart, shared):
+        assert plan_gpus(build_config({}, environ={}, workers=1, **gpus), 2).transport != "gloo"
+        assert plan_gpus(build_config({}, environ={}, workers=1, **gpus, **lora), 2).transport == "gloo"
+    for transport in ("nccl", "ipc"):
+        cfg = build_config({}, environ={}, workers=1, **apart, **lora, **{"sync.transport": transport})
+        with pytest.raises(ConfigError, match=f"sync.transport: {transport} .* under learner.lora a version is its "
+                                              f"adapter, which travels over gloo"):
+            plan_gpus(cfg, 2)
+    assert resolve_transport("auto", 8, adapters=True) == "gloo"  # a role resolving alone agrees
 
 
 def test_a_lora_step_under_activation_checkpointing_is_the_plain_step(lora_learner, base_model):

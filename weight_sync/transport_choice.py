@@ -6,6 +6,8 @@ rollout engine's (:func:`receiver_for`, :func:`transfer_backend`).
 - ``gloo``: the weights travel in the gloo group's buckets (weight_sync/sender.py), and
   the engine stages them in its worker process (weight_sync/stager.py): no data plane,
   no receiver in the server's process, no vLLM transfer engine.
+- under ``learner.lora``, gloo whatever the machine: a version is an adapter
+  (:func:`resolve_transport`).
 - ``nccl`` (weight_sync/nccl.py) and ``ipc`` (weight_sync/ipc.py): gloo stays the control
   plane; the learner broadcasts with :class:`~weight_sync.nccl.NcclBroadcast` or
   :class:`~weight_sync.ipc.IpcBroadcast`, and the engine receives with
@@ -33,13 +35,25 @@ TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
 DEVICE_TRANSPORTS = ("nccl", "ipc")  # vLLM's weight-transfer engines (weight_sync/device_updates.py), CUDA only
 
 
-def resolve_transport(requested: str, cuda_devices: int) -> str:
+def resolve_transport(requested: str, cuda_devices: int, adapters: bool = False) -> str:
     """The transport a process uses for ``sync.transport``: ``auto`` is NCCL where CUDA is
     present and gloo (staged in host memory) where it is not (a launch that knows where
     every role runs refines it: launch.gpus.plan_transport). Raises ValueError, naming
-    the key, for a transport this machine cannot run."""
+    the key, for a transport this machine cannot run.
+
+    ``adapters`` (``learner.lora``): a version is an adapter, and ``auto`` is gloo on every
+    machine. The base never travels (each worker loads it once), and an adapter is small
+    (4.9 MB at rank 8 on SmolLM2), so the gloo buckets that carry every transport's headers
+    carry it too; vLLM's transfer engines behind nccl and ipc write into the base's weights,
+    not into LoRA slots, so those two are refused, naming why."""
     if requested not in TRANSPORTS:
         raise ValueError(f"sync.transport: {requested!r} is not one of {', '.join(TRANSPORTS)}")
+    if adapters and requested in DEVICE_TRANSPORTS:
+        raise ValueError(f"sync.transport: {requested} loads whole versions into the engines' base weights "
+                         f"(vLLM's transfer engine), and under learner.lora a version is its adapter, which "
+                         f"travels over gloo with the versions' headers; use auto or gloo")
+    if adapters:
+        return "gloo"
     if requested == "auto":
         return "nccl" if cuda_devices else "gloo"
     if requested in DEVICE_TRANSPORTS and not cuda_devices:
@@ -49,10 +63,10 @@ def resolve_transport(requested: str, cuda_devices: int) -> str:
     return requested
 
 
-def resolve_for_config(requested: str, n_devices: int) -> str:
+def resolve_for_config(requested: str, n_devices: int, adapters: bool = False) -> str:
     """:func:`resolve_transport`, refusing with the ConfigError a launch reports."""
     try:
-        return resolve_transport(requested, n_devices)
+        return resolve_transport(requested, n_devices, adapters)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -65,7 +79,7 @@ def cuda_devices() -> int:
 def role_transport(cfg: RunConfig) -> str:
     """The transport this role uses: ``sync.transport`` resolved on this machine (a role that
     ``rlpipe demo`` or ``up`` started gets their resolution in its environment)."""
-    return resolve_for_config(cfg.sync.transport, cuda_devices())
+    return resolve_for_config(cfg.sync.transport, cuda_devices(), adapters=cfg.learner.lora.rank > 0)
 
 
 def broadcast_for(transport: str, bucket_bytes: int, timeout_s: float) -> NcclBroadcast | IpcBroadcast | None:
