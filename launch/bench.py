@@ -79,9 +79,10 @@ PARTS = (
          ("--finding", "lora"), ("--finding", "lora", "--quick"), ("lora",), "--json-dir"),
     Part("real", "GRPO on SmolLM2-135M-Instruct, held-out accuracy", "bench/seeds.py",
          ("--finding", "real"), ("--finding", "real", "--quick"), ("real",), "--json-dir"),
-    Part("real-lora", "LoRA on a frozen int8 base against a full fine-tune with int8 rollout (SmolLM2)",
-         "bench/seeds.py", ("--finding", "real-lora"), ("--finding", "real-lora", "--quick"), ("real-lora",),
-         "--json-dir"),
+    Part("real-lora", "LoRA on a frozen int8 base against a full fine-tune with int8 rollout (SmolLM2): 10 steps "
+         "of mismatch and sync, then the whole recipe's held-out accuracy", "bench/seeds.py",
+         ("--finding", "real-lora,real-lora-40"), ("--finding", "real-lora,real-lora-40", "--quick"),
+         ("real-lora", "real-lora-40"), "--json-dir"),
     Part("real-int8", "int8 calibration on SmolLM2: the monitors per layer, the engines' mismatch on real answers",
          "bench/real_quant.py", (), ("--quick",), ("real-int8",)),
     Part("real-rollout", "seeds 000 and 002 on SmolLM2: bf16, fp16, int8 and int8+TIS rollout", "bench/seeds.py",
@@ -97,7 +98,8 @@ PARTS = (
 # The report's order, the seeds' own (000 precision, 001 surge, 002 int8); the parts run int8's first, because
 # --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
 ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
-         "delta_sync", "lora", "moe", "real", "real-lora", "real-int8", "real-rollout", "soak", "gpu"]
+         "delta_sync", "lora", "moe", "real", "real-lora", "real-lora-40", "real-int8", "real-rollout",
+         "soak", "gpu"]
 # --quick's lane of parts that start a cluster (Redis, workers, a learner): lanes()
 CLUSTER_LANE = ("async", "int8", "delta_sync", "precision", "surge", "moe", "lora", "real", "real-lora",
                 "real-rollout")

@@ -115,7 +115,8 @@ def test_the_real_recipes_check_fails_a_run_whose_final_evaluation_is_missing_or
     assert check(bad, settings)
 
 
-@pytest.mark.parametrize("finding,arm", [("real-rollout", "bf16"), ("real-lora", "int8/full")])
+@pytest.mark.parametrize("finding,arm", [("real-rollout", "bf16"), ("real-lora", "int8/full"),
+                                         ("real-lora-40", "int8/lora")])
 def test_quick_real_findings_read_the_real_parts_quick_run_and_train_nothing(tmp_path, finding, arm):
     """CI's quick bench runs one SmolLM2 run (the `real` part's) and `real-rollout` and
     `real-lora` render from it."""
