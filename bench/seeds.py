@@ -143,6 +143,20 @@ def evaluated_start_and_end(rows, settings: dict) -> list[str]:
     return problems
 
 
+def held_out_sign_test(key: str = "rows_right") -> Stat:
+    """The first and last held-out evaluations compared row by row (launch/demo.py ``sign_test``):
+    ``gained/lost, p``, the rows the last got right that the first did not and the reverse."""
+    def stat(rows):
+        from launch.demo import sign_test
+
+        evals = sorted(getattr(rows, "evals", []), key=lambda e: e["version"])
+        if len(evals) < 2 or key not in evals[0]:
+            return None
+        _, _, gained, lost, p = sign_test(evals[0], evals[-1], key)
+        return f"{gained}/{lost}, p = {p:.2g}"
+    return stat
+
+
 def held_out_interval(which: str) -> Stat:
     def stat(rows):
         low, high = held_out(which, "pass_at_1_low")(rows), held_out(which, "pass_at_1_high")(rows)
@@ -450,7 +464,13 @@ FINDINGS: dict[str, Finding] = {
                  "held-out pass@1 end": held_out("last"),
                  "95% interval end": held_out_interval("last"),
                  "change (points)": held_out_gain,
+                 "gained/lost, sign test": held_out_sign_test(),
+                 "lenient start": held_out("first", "pass_at_1_lenient"),
+                 "lenient end": held_out("last", "pass_at_1_lenient"),
+                 "lenient gained/lost": held_out_sign_test("rows_right_lenient"),
                  **lora_columns({"int8 vs bf16 KL (probe) last": last("quant_kl_vs_bf16")}),
+                 "entropy start": first("entropy"),
+                 "entropy end": final("entropy"),
                  "reward start": first("reward_mean"),
                  "reward end": final("reward_mean"),
                  "RL seconds": last("time")},
@@ -458,7 +478,7 @@ FINDINGS: dict[str, Finding] = {
                "evaluation (455 SingleEq rows, greedy) at the start and the end, in three arms: `int8/lora`, a "
                "rank-8 adapter (alpha 16, every linear of the decoder) at lr 5e-4 on the frozen int8 base, the "
                "learner on that base as the engines serve it; `int8/full`, a full fine-tune at the recipe's 5e-5 "
-               "with int8 rollout; `fp32/lora`, the adapter on the recipe's fp32 base (bf16 stands in for fp32 on "
+               "with int8 rollout; `fp32/lora`, the adapter on the recipe's fp32 base (fp32 stands in for bf16, the issue's arm, which is faster on "
                "a CPU with native bf16; here bf16 has no fast path: docs/quantization.md). The recipe's own full "
                "fine-tune in fp32 is the `real` section. The recipe corrects the mismatch as it always does, so "
                "the KL columns are the rollout's against the learner before correction, policy lag included."],

@@ -244,15 +244,22 @@ def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bo
         bar.close()
 
 
-def paired_change(first: dict, last: dict, key: str = "rows_right") -> str:
-    """Two evaluations of the same rows compared row by row: the rows gained and lost, and
-    the exact two-sided sign test (McNemar's) on them: how likely a change at least this
-    one-sided is if the two versions were equally good."""
+def sign_test(first: dict, last: dict, key: str = "rows_right") -> tuple[set, set, int, int, float]:
+    """Two evaluations of the same rows compared row by row: the rows each got right
+    (``key``), the rows gained and lost, and the exact two-sided sign test (McNemar's) on
+    them: how likely a change at least this one-sided is if the two versions were equally good."""
     rows = set(first["rows_evaluated"]) & set(last["rows_evaluated"])
     before, after = set(first[key]) & rows, set(last[key]) & rows
     gained, lost = len(after - before), len(before - after)
     n, k = gained + lost, min(gained, lost)
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return before, after, gained, lost, p
+
+
+def paired_change(first: dict, last: dict, key: str = "rows_right") -> str:
+    """:func:`sign_test`, in words."""
+    rows = set(first["rows_evaluated"]) & set(last["rows_evaluated"])
+    before, after, gained, lost, p = sign_test(first, last, key)
     return (f"{len(before)}/{len(rows)} -> {len(after)}/{len(rows)} "
             f"({100 * (len(after) - len(before)) / max(len(rows), 1):+.1f} points): {gained} rows gained, "
             f"{lost} lost, sign test p = {p:.3g}")

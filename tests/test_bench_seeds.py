@@ -133,3 +133,16 @@ def test_quick_real_findings_read_the_real_parts_quick_run_and_train_nothing(tmp
     assert not (tmp_path / "out" / finding).exists()  # no run trained
     (table,) = json.loads((tmp_path / "results" / f"{finding}.json").read_text())["tables"]
     assert [r[:2] for r in table["rows"]] == [[arm, 0]] and "nothing trained" in table["note"]
+
+
+def test_the_held_out_sign_test_counts_rows_gained_and_lost_on_the_rows_both_evaluated():
+    """The paired comparison of a run's first and last evaluations (McNemar's exact test)."""
+    from bench.seeds import Rows, held_out_sign_test
+
+    rows = Rows()
+    rows.evals = [{"version": 0, "rows_evaluated": list(range(10)), "rows_right": [0, 1]},
+                  {"version": 4, "rows_evaluated": list(range(12)), "rows_right": [1, 2, 3, 4, 5, 6, 11]}]
+    assert held_out_sign_test()(rows) == "5/1, p = 0.22"  # row 11 is not in both; 2*(1+6)/64
+    rows.evals[1]["rows_right"] = [0, 1, 2, 3, 4, 5, 6]
+    assert held_out_sign_test()(rows) == "5/0, p = 0.062"  # 2/32
+    assert held_out_sign_test("rows_right_lenient")(rows) is None and held_out_sign_test()(Rows()) is None
