@@ -56,6 +56,27 @@ def environment_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def tool_problems(cfg: RunConfig) -> list[str]:
+    """An in-turn tool (``task.tool``) that does not import, or that meets a setting it cannot
+    run with: multi-turn episodes (their environment answers between turns instead) or the toy's
+    task (its answers are one number, with no equation to pause in)."""
+    if not cfg.task.tool:
+        return ["eval.without_tool: only with task.tool"] if cfg.eval.without_tool else []
+    from rollout_service.inline_tools import load_tool
+
+    problems = []
+    try:
+        load_tool(cfg.task.tool)
+    except ConfigError as e:
+        problems.append(str(e))
+    if cfg.task.environment:
+        problems.append("task.tool: an in-turn tool writes into single-turn answers; with task.environment the "
+                        "environment answers between turns instead (set one of the two)")
+    if cfg.task.type == "arith":
+        problems.append("task.tool: only for task.type 'math' or 'remote'")
+    return problems
+
+
 def served_problem(path: str | None) -> str | None:
     """Why the learner's weights of the model at ``path`` would not load into the workers'
     engine (else every worker refuses every update and the run waits at step 0), or None.
@@ -180,6 +201,7 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append(why)
     if cfg.task.environment:
         problems += environment_problems(cfg)
+    problems += tool_problems(cfg)
     if cfg.model.toy_tool_calls and cfg.task.environment != "calculator":
         problems.append("model.toy_tool_calls: the toy would be taught to call a calculator that only "
                         "task.environment: calculator answers")

@@ -37,10 +37,13 @@ log = logging.getLogger(__name__)
 # those of them a result may lack (from a worker before them) and the one that may be null
 # (no sampled answers), and the lists of row numbers of the held-out set.
 PROPORTIONS = ("pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_lenient", "pass_at_1_lenient_low",
-               "pass_at_1_lenient_high", "mean_at_k")
-OPTIONAL = ("pass_at_1_lenient", "pass_at_1_lenient_low", "pass_at_1_lenient_high")
+               "pass_at_1_lenient_high", "mean_at_k", "pass_at_1_without_tool", "pass_at_1_without_tool_low",
+               "pass_at_1_without_tool_high")
+OPTIONAL = ("pass_at_1_lenient", "pass_at_1_lenient_low", "pass_at_1_lenient_high", "pass_at_1_without_tool",
+            "pass_at_1_without_tool_low", "pass_at_1_without_tool_high")
 NULLABLE = ("mean_at_k",)
-ROW_LISTS = ("rows_evaluated", "rows_right", "rows_right_lenient")
+ROW_LISTS = ("rows_evaluated", "rows_right", "rows_right_lenient", "rows_right_without_tool")
+COUNTS = ("tool_calls", "rows_using_tool")  # task.tool's: values written, rows whose greedy answer used it
 
 
 def _number(result: dict, key: str, low: float, high: float, kind: type | tuple = (int, float)):
@@ -86,6 +89,9 @@ def check_result(raw: bytes | None, cfg: RunConfig, asked_at: Callable[[int], in
         if not isinstance(value, list) or len(value) > rows or any(
                 isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < ec.size for i in value):
             raise Rejected(f"{key}: not a list of at most {rows} row numbers below eval.size {ec.size}")
+    for key in COUNTS:
+        if key in result:
+            _number(result, key, 0, math.inf, int)
     _number(result, "seconds", 0, math.inf)
     if not isinstance(result.get("worker"), str):
         raise Rejected("worker: not a string")

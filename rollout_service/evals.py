@@ -37,6 +37,7 @@ from rlpipe.queue import Keys
 from rlpipe.side_streams import dead_letter
 from rollout_service import eval_cache
 from rollout_service.engine import RolloutEngine
+from rollout_service.inline_tools import answer_with_tool, load_tool
 from rollout_service.tasks import PromptEncoder, Task, any_number_matches, eval_task_config, make_task
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class EvalRunner:
         self.stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.errors: dict[str, str] = {}  # request -> why its last evaluation here failed
+        self.tool = load_tool(cfg.task.tool) if cfg.task.tool else None  # answers written with it (task.tool)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="eval")
@@ -207,7 +209,8 @@ class EvalRunner:
         rows = [self.task.prompt(i) for i in range(min(ec.size, self.task.size))]
         sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} if ec.samples else {}
         settings = {"max_tokens": s.max_tokens, "samples": ec.samples, "max_model_len": self.cfg.rollout.max_model_len,
-                    "seed": EVAL_SEED, **sampling}
+                    "seed": EVAL_SEED, **sampling,
+                    **({"tool": self.cfg.task.tool, "without_tool": ec.without_tool} if self.tool else {})}
         return eval_cache.base_key(self.engine.model_dir, self.engine.profile,
                                    [(self.encode(p.text), p.answer) for p in rows], settings)
 
@@ -219,27 +222,29 @@ class EvalRunner:
         max_len = self.cfg.rollout.max_model_len
         t0 = time.monotonic()
 
-        async def row(i: int) -> tuple[float, list[float], int, bool] | None:
+        async def row(i: int) -> tuple[float, list[float], int, bool, dict] | None:
             async with gate:
                 prompt = self.task.prompt(i)
                 ids = self.encode(prompt.text)
                 if len(ids) + s.max_tokens > max_len:
                     return None
-                greedy, _, _ = await self.engine.generate(ids, n=1, temperature=0.0, max_tokens=s.max_tokens)
-                sampled = []
+                answers, calls = await self._answers(ids, 1, None, temperature=0.0)
                 if ec.samples:
-                    sampled, _, _ = await self.engine.generate(
-                        ids, n=ec.samples, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                        max_tokens=s.max_tokens, seed=(EVAL_SEED + i) % 2**31)
-                texts = [self.encode.tokenizer.decode(res.tokens, skip_special_tokens=True)
-                         for res in greedy + sampled]
+                    answers += (await self._answers(ids, ec.samples, (EVAL_SEED + i) % 2**31,
+                                                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))[0]
+                if self.tool is not None and ec.without_tool:
+                    plain, _, _ = await self.engine.generate(ids, n=1, temperature=0.0, max_tokens=s.max_tokens)
+                    answers.append(plain[0].tokens)
+                texts = [self.encode.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in answers]
                 scores = [reward for reward, _ in await self.task.score(prompt, texts)]
-                return scores[0], scores[1:], i, scores[0] > 0 or any_number_matches(prompt.answer, texts[0])
+                plain = scores.pop() if self.tool is not None and ec.without_tool else None
+                extra = {"calls": calls[0] if calls else 0, "plain": plain}
+                return scores[0], scores[1:], i, scores[0] > 0 or any_number_matches(prompt.answer, texts[0]), extra
 
         rows = [r for r in await asyncio.gather(*(row(i) for i in range(min(ec.size, self.task.size))))
                 if r is not None]
         greedy = [g for g, *_ in rows]
-        lenient = [float(ok) for *_, ok in rows]
+        lenient = [float(ok) for *_, ok, _ in rows]
         sampled = [sum(k) / len(k) for _, k, *_ in rows if k]
         low, high = wilson_interval(sum(greedy), len(greedy))
         low_l, high_l = wilson_interval(sum(lenient), len(lenient))
@@ -250,8 +255,34 @@ class EvalRunner:
             "pass_at_1_lenient": sum(lenient) / len(lenient) if lenient else 0.0,
             "pass_at_1_lenient_low": low_l, "pass_at_1_lenient_high": high_l,
             # which rows were right (strict, lenient): a paired test against another version's
-            "rows_evaluated": [i for *_, i, _ in rows], "rows_right": [i for g, _, i, _ in rows if g > 0],
-            "rows_right_lenient": [i for *_, i, ok in rows if ok],
+            "rows_evaluated": [i for _, _, i, _, _ in rows], "rows_right": [i for g, _, i, _, _ in rows if g > 0],
+            "rows_right_lenient": [i for _, _, i, ok, _ in rows if ok],
             "k": ec.samples, "mean_at_k": sum(sampled) / len(sampled) if sampled else None,
             "seconds": time.monotonic() - t0,
+            **(self._tool_fields(rows) if self.tool is not None else {}),
         }
+
+    def _tool_fields(self, rows: list) -> dict:
+        """With ``task.tool``: how often the greedy answers used it and, with ``eval.without_tool``,
+        the same rows answered without it (the skill that stays)."""
+        fields = {"tool": self.cfg.task.tool, "tool_calls": sum(x["calls"] for *_, x in rows),
+                  "rows_using_tool": sum(1 for *_, x in rows if x["calls"])}
+        if self.cfg.eval.without_tool:
+            plain = [x["plain"] for *_, x in rows]
+            low, high = wilson_interval(sum(plain), len(plain))
+            fields.update({"pass_at_1_without_tool": sum(plain) / len(plain) if plain else 0.0,
+                           "pass_at_1_without_tool_low": low, "pass_at_1_without_tool_high": high,
+                           "rows_right_without_tool": [i for _, _, i, _, x in rows if x["plain"] > 0]})
+        return fields
+
+    async def _answers(self, ids: list[int], n: int, seed: int | None, **sampling) -> tuple[list, list[int]]:
+        """``n`` answers' tokens to ``ids`` (with ``task.tool``, written with it: each answer its own
+        request, its seed ``seed + i``) and how many values the tool wrote in each."""
+        max_tokens = self.cfg.sampling.max_tokens
+        if self.tool is None:
+            results, _, _ = await self.engine.generate(ids, n=n, max_tokens=max_tokens, seed=seed, **sampling)
+            return [r.tokens for r in results], [0] * n
+        answers = await asyncio.gather(*(
+            answer_with_tool(self.engine, self.encode.tokenizer, ids, self.tool(), max_tokens,
+                             None if seed is None else (seed + i) % 2**31, **sampling) for i in range(n)))
+        return [a.tokens for a in answers], [a.calls for a in answers]

@@ -33,6 +33,7 @@ from rlpipe.queue import RedisUnavailable, RestartWatch, TrajectoryQueue
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.episodes import EpisodeRunner
+from rollout_service.inline_tools import answer_with_tool, load_tool
 from rollout_service.metrics import RolloutMetrics
 from rollout_service.tasks import BadRewardResult, PromptEncoder, RewardError, RewardUnavailable, Task
 from weight_sync.follower import Checkpoint, Synced, WeightFollower
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 STALL_FLOOR_S = 600.0
 MIN_TOKENS_PER_S = 10.0
 STUCK_EXIT_S = 300.0
+TOOL_SEED_STRIDE = 7919  # the seeds of a group's answers with a tool: apart by more than their pauses
 
 
 def group_seed(run_seed: int, index: int) -> int:
@@ -198,6 +200,8 @@ class RolloutLoop:
         self.encode = PromptEncoder(cfg.task, tokenizer, cfg.model.path or "the model")  # text -> the engine's ids
         # task.environment: each sample is a multi-turn episode (rollout_service/episodes.py)
         self.episodes = EpisodeRunner(cfg, tokenizer, engine, metrics) if cfg.task.environment else None
+        # task.tool: each answer is written with an in-turn tool (rollout_service/inline_tools.py)
+        self.tool = load_tool(cfg.task.tool) if cfg.task.tool else None
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
         self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.worker.ApiShare)
@@ -398,6 +402,8 @@ class RolloutLoop:
             return None
         seed = group_seed(self.cfg.seed, group.index)
         t0 = time.perf_counter()
+        if self.tool is not None:
+            return await self._generate_with_tool(group, prompt, prompt_ids, seed, t0)
         results, v0, v1 = await self.engine.generate(
             prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             max_tokens=s.max_tokens, seed=seed)
@@ -408,6 +414,25 @@ class RolloutLoop:
         scores = await self.task.score(prompt, texts)
         samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info, routes=res.routes)
                    for res, (reward, info) in zip(results, scores)]
+        return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
+
+    async def _generate_with_tool(self, group: _Group, prompt, prompt_ids: list[int], seed: int,
+                                  t0: float) -> GroupRecord:
+        """``sampling.n`` answers written with ``task.tool`` (rollout_service/inline_tools.py), each its own
+        request and seed, scored by the task on the whole message (the tool's values in it)."""
+        s = self.cfg.sampling
+        answers = await asyncio.gather(*(
+            answer_with_tool(self.engine, self.tokenizer, prompt_ids, self.tool(), s.max_tokens,
+                             (seed + TOOL_SEED_STRIDE * i) % 2**31, temperature=s.temperature, top_p=s.top_p,
+                             top_k=s.top_k) for i in range(s.n)))
+        gen_seconds = time.perf_counter() - t0
+        group.phase = "scoring"
+        v0, v1 = min(a.v0 for a in answers), max(a.v1 for a in answers)
+        scores = await self.task.score(prompt, [self.tokenizer.decode(a.tokens, skip_special_tokens=True)
+                                                for a in answers])
+        samples = [Sample(a.tokens, a.logprobs, a.finish_reason, reward, a.versions if (a.versions != v0).any() else None,
+                          {**(info or {}), "tool_calls": a.calls}, mask=a.mask)
+                   for a, (reward, info) in zip(answers, scores)]
         return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
 
     async def _generate_episodes(self, group: _Group, prompt) -> GroupRecord:
