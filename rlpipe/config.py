@@ -20,13 +20,18 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from rlpipe.datasets import check_dataset, is_file
+from rlpipe.machine import auto_precision
 from rlpipe.precisions import SPECS, Precision, WireKind
 
 # docs/design.md 'Loss'; learner/loss.py says what each one does.
 IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
                  "bypass"]
 IS_MODES: tuple[str, ...] = get_args(IsMode)
-TrainDtype = Literal["fp32", "bf16", "fp16"]
+# 'auto': the fastest of this machine (rlpipe/machine.py), resolved where the config is read, so the
+# config the launcher writes for every role names what was chosen.
+TrainDtype = Annotated[Literal["fp32", "bf16", "fp16"],
+                       BeforeValidator(lambda v: auto_precision()[1] if v == "auto" else v)]
+RolloutPrecision = Annotated[Precision, BeforeValidator(lambda v: auto_precision()[0] if v == "auto" else v)]
 CPU_LIST = r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$"  # "0", "0-3", "0,2-3" (taskset -c notation); "" = not set
 # Cores or GPUs, as CPU_LIST; a lone number (YAML's `cpus: 0`, `--set learner.gpus=1`) is that one.
 DeviceList = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
@@ -101,6 +106,11 @@ class TaskConfig(Section):
                              "environment 'package.module:Class' (rollout_service/environments.py); each of the "
                              "n samples of a prompt is an episode driven through a session; '' = single-turn")
     environment_timeout_s: float = Field(10.0, gt=0, description="the limit on one environment step")
+    tool: str = Field("", pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)?$",
+                      description="math/remote: an in-turn tool that writes into the model's own answer: "
+                      "'calculator' (generation pauses at '=', and the value of the arithmetic before it is "
+                      "written after it: docs/agents.md) or a Python tool 'package.module:Class' "
+                      "(rollout_service/inline_tools.py); its tokens are kept but never trained; '' = none")
     chat_template: bool = Field(False, description="math/remote: wrap the prompt text (after template) as the user "
                                 "turn in the tokenizer's chat template, with the generation prompt (instruct models)")
     system_prompt: str = Field("", description="with chat_template: a system turn before the user turn; '' = none")
@@ -176,7 +186,10 @@ class HttpTimeouts(Section):
 
 
 class RolloutConfig(HttpTimeouts):
-    precision: Precision = Field("bf16", description="this worker's precision (every worker's without a fleet)")
+    precision: RolloutPrecision = Field("bf16", description="this worker's precision (every worker's without a fleet); "
+                                 "'auto' = the fastest of this machine (rlpipe/machine.py: bf16 on a CPU with "
+                                 "native bf16 or a GPU, else fp32), resolved when the config is read",
+                                 json_schema_extra={"enum": [*SPECS, "auto"]})
     fleet: list[Precision] = Field([], description="a mixed fleet: the launcher runs worker i in precision "
                                    "fleet[i % len(fleet)], and the learner syncs each precision on its own")
     max_inflight_groups: int = Field(16, ge=1, description="groups one worker generates at once in its engine "
@@ -320,7 +333,9 @@ class LoraSection(Section):
 class LearnerConfig(HttpTimeouts):
     """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
-    dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32")
+    dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32; 'auto' = "
+                              "the fastest of this machine (rlpipe/machine.py), resolved when the config is read",
+                              json_schema_extra={"enum": ["fp32", "bf16", "fp16", "auto"]})
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
     served_weights: bool = Field(True, description="bf16/fp16 rollout: the learner's forwards use the weights "
                                  "rounded as the engines hold them (the fp32 master still takes the updates)")
@@ -642,6 +657,8 @@ class EvalConfig(Section):
                                "(what a paired test against the base model needs)")
     final_wait_s: float = Field(600.0, ge=0, description="how long the learner waits at the end of the run "
                                 "for the last evaluation (workers keep serving meanwhile)")
+    without_tool: bool = Field(False, description="with task.tool: each row is also answered greedily without "
+                               "the tool, so the summary shows whether any of the skill stays without it")
 
     @model_validator(mode="after")
     def _needs_dataset(self) -> EvalConfig:

@@ -1,0 +1,103 @@
+"""What this machine computes fastest: the table behind ``precision: auto``.
+
+``rollout.precision: auto`` and ``learner.dtype: auto`` resolve here, once, where the config is
+read (the launcher writes the resolved config every role reads). The choice is a row of
+:data:`CHOICES`, the first whose CPU flags this machine has; each row says why, from
+measurements of SmolLM2-135M on one core (docs/quantization.md "Which precision auto picks"):
+
+- native bf16 (``amx_bf16`` or ``avx512_bf16``, e.g. Intel Sapphire Rapids): vLLM's bf16 decode
+  was 2.5x fp32's at batch 64 and the learner's bf16 step 1.47x fp32's. int8 W8A8 decoded 1.21x
+  bf16 there without an adapter, but 0.69x with one, and it adds a quantization mismatch, so it
+  stays a choice made by name (``--precision int8``);
+- anything else (AVX2 alone, e.g. AMD EPYC Milan): fp32. Without native bf16, vLLM's bf16 linears
+  fall back to torch (1.1 GFLOP/s against fp32's 34.5 on one core), and int8 without VNNI
+  decoded 0.73x fp32.
+
+A CUDA device picks bf16 (compute capability 8.0 and up) or fp16. Kept free of heavy imports:
+the config reads it; torch is imported only where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Choice:
+    flags: tuple[str, ...]  # any one of them selects the row; () = every CPU
+    rollout: str
+    learner: str
+    why: str
+
+
+CHOICES: tuple[Choice, ...] = (
+    Choice(("amx_bf16", "avx512_bf16"), "bf16", "bf16",
+           "native bf16 ({flag}): bf16 decodes about 2.5x and steps about 1.5x fp32"),
+    Choice((), "fp32", "fp32",
+           "no native bf16 ({flags}): bf16 falls back to slow kernels, and fp32 is the fastest"),
+)
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line); empty where unreadable."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def simd_summary(flags: set[str]) -> str:
+    """The flags that choose the kernels, as ``lscpu`` names them (for a summary's line)."""
+    known = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx512f", "avx_vnni", "avx2")
+    return ", ".join(f for f in known if f in flags) or "none of avx2/avx512/amx"
+
+
+def choose(flags: set[str]) -> tuple[Choice, str]:
+    """The row for a CPU with ``flags`` and its reason, in words."""
+    for row in CHOICES:
+        hit = next((f for f in row.flags if f in flags), None)
+        if hit or not row.flags:
+            return row, row.why.format(flag=hit, flags=simd_summary(flags))
+    raise AssertionError("CHOICES ends with a row for every CPU")
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    if not any(Path("/dev").glob("nvidia[0-9]*")) or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no usable GPU: the CPU's row
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def auto_precision() -> tuple[str, str, str]:
+    """``(rollout precision, learner dtype, why)`` for this machine."""
+    capability = _cuda_capability()
+    if capability is not None:
+        dtype = "bf16" if capability >= (8, 0) else "fp16"
+        return dtype, dtype, f"a CUDA device of compute capability {capability[0]}.{capability[1]}"
+    row, why = choose(cpu_flags())
+    return row.rollout, row.learner, why
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and the flags that choose the kernels, for a summary or a bench table."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+    return f"{name}, {os.cpu_count()} cores ({simd_summary(cpu_flags(cpuinfo))})"
