@@ -28,6 +28,17 @@ from rlpipe.config import ConfigError, load_config, parse_yaml
 LEARNER_RANKS_HELP = "run the learner as N data-parallel ranks under torchrun (sets learner.ranks)"
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above zero (``--timeout -5`` is refused, not a run that stops at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+    return value
+
+
 def _config_args(p):
     p.add_argument("--config", help="YAML config file (RLPIPE_<SECTION>__<KEY> env vars override it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -39,13 +50,15 @@ def _demo_args(p):
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--workers", type=int)
-    p.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8; a comma-separated "
+    p.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8, or auto (this machine's fastest); a comma-separated "
                    "list makes a mixed fleet (e.g. int8,bf16: half the workers each)")
     p.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
     p.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
     p.add_argument("--run-id")
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
+    p.add_argument("--timeout", type=positive_seconds, default=None,
+                   help="stop the run after this many seconds, with the summary so far (default: no limit; the "
+                   "run ends when its steps are done)")
 
 
 def _rollout_args(p):
@@ -191,6 +204,8 @@ def _run_demo(args, cfg) -> int:
     except (ConfigError, FileNotFoundError) as e:
         return _error(e, 2)
     print(format_summary(summary))
+    if summary.get("stopped"):
+        print(f"rlpipe: {summary['stopped']}", file=sys.stderr)
     return 0 if summary.get("completed") else 130 if summary.get("interrupted") else 1
 
 

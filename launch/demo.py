@@ -22,11 +22,12 @@ from pathlib import Path
 
 from launch.checks import check_model_path, validate_run
 from launch.gpus import launch_plan
-from launch.launcher import Launcher, learner_env, make_run_dir, signals_held, worker_env
+from launch.launcher import ChildFailed, Launcher, learner_env, make_run_dir, signals_held, worker_env
 from launch.redis_server import EmbeddedRedis
 from launch.role_setup import parse_cpus
 from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, dump_config, secret_env, without_secrets
+from rlpipe.machine import auto_precision, cpu_name
 from rlpipe.paths import BUILTIN_NAMES
 from rlpipe.queue import Keys, TrajectoryQueue, connect
 
@@ -174,9 +175,11 @@ def role_envs(cfg: RunConfig) -> tuple[list[dict[str, str]], dict[str, str]]:
             {**learner_env(cfg), **gpus.learner_env()})
 
 
-def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, progress: bool = True) -> dict:
+def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float | None = None, progress: bool = True) -> dict:
     """The run's summary (also in ``summary.json``); ``interrupted`` in it after a Ctrl-C or
-    SIGTERM, which stop the run in order (launch.launcher) and still summarize it."""
+    SIGTERM, which stop the run in order (launch.launcher) and still summarize it. A role that
+    exits with an error, or ``timeout_s`` passing (None: no limit), stops the run the same way,
+    and ``stopped`` in the summary says which, in one line."""
     t_start = time.time()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     cfg, run_dir, redis_server = prepare_run(cfg, runs_dir, say)
@@ -185,6 +188,7 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
     r = connect(cfg.redis_url)
     keys = Keys(cfg.run_id)
     learner_done = interrupted = False
+    stopped = None
     try:
         worker_envs, learner_vars = role_envs(cfg)
         for i in range(cfg.workers):
@@ -198,10 +202,15 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float = 1200, pr
     except KeyboardInterrupt:
         interrupted = True
         say("\ninterrupted: the learner finishes its step and checkpoints, then every process stops")
+    except (ChildFailed, TimeoutError) as e:
+        stopped = str(e)
+        say(f"\nrlpipe: {stopped}; stopping every process" + (f"\n{e.tail}" if isinstance(e, ChildFailed) else ""))
     finally:
         with signals_held(say):
             launcher.stop_all()
             summary = _summarize(cfg, run_dir, t_start, learner_done, interrupted)
+            if stopped:
+                summary["stopped"] = stopped
             if redis_server:
                 redis_server.stop()
     return summary
@@ -237,7 +246,7 @@ def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bo
                 bar.set_description(f"starting ({up}/{cfg.workers} workers up)")
             if state.get("status") == "done":
                 return True
-            if time.time() - t_start > timeout_s:
+            if timeout_s is not None and time.time() - t_start > timeout_s:
                 raise TimeoutError(f"demo did not finish within {timeout_s:.0f}s (step {step}/{cfg.steps})")
             time.sleep(0.5)
     finally:
@@ -292,6 +301,9 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         "run_id": cfg.run_id,
         "seed": cfg.seed,
         "precision": ",".join(cfg.rollout.fleet) or cfg.rollout.precision,
+        "learner_dtype": cfg.learner.dtype + (f", LoRA rank {cfg.learner.lora.rank}" if cfg.learner.lora.rank else ""),
+        "machine": cpu_name(),
+        "auto_picks": "rollout {}, learner {}: {}".format(*auto_precision()),
         "is_mode": cfg.learner.is_mode,
         "completed": learner_done,
         "interrupted": interrupted,
@@ -347,8 +359,15 @@ def _eval_summary(evals: list[dict]) -> dict:
                                                           f"{e['pass_at_1_lenient_high']:.3f}]")
             if e.get("mean_at_k") is not None:
                 summary[f"eval_mean@{e['k']}_{name}"] = e["mean_at_k"]
+            if "rows_using_tool" in e:  # task.tool: the greedy answers that used it, and the same rows without it
+                summary[f"eval_rows_using_tool_{name}"] = f"{e['rows_using_tool']}/{e['rows']} ({e['tool_calls']} values)"
+            if "pass_at_1_without_tool" in e:
+                summary[f"eval_pass@1_without_tool_{name}"] = (f"{e['pass_at_1_without_tool']:.3f} "
+                                                               f"[{e['pass_at_1_without_tool_low']:.3f}, "
+                                                               f"{e['pass_at_1_without_tool_high']:.3f}]")
         summary["eval_dataset"] = f"{first['dataset']} ({first['rows']} rows)"
-        for name, key in (("strict", "rows_right"), ("lenient", "rows_right_lenient")):
+        for name, key in (("strict", "rows_right"), ("lenient", "rows_right_lenient"),
+                          ("without_tool", "rows_right_without_tool")):
             if key in first and key in last and first is not last:
                 summary[f"eval_paired_{name}"] = paired_change(first, last, key)
     return summary

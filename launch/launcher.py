@@ -66,7 +66,12 @@ LOG_TAIL_LINES = 20  # how much of a failed role's log a launcher shows
 
 
 class ChildFailed(RuntimeError):
-    pass
+    """A role exited with an error: one line naming it, its exit code and its log (``tail``:
+    the log's last lines, for a caller that shows more)."""
+
+    def __init__(self, role: str, code: int, log: Path, tail: str):
+        super().__init__(f"{role} exited with code {code}; its log: {log}")
+        self.role, self.code, self.log, self.tail = role, code, log, tail
 
 
 def make_run_dir(runs_dir: str | Path, run_id: str) -> Path:
@@ -120,8 +125,7 @@ class Launcher:
         for name, proc in self.procs.items():
             code = proc.poll()
             if code not in (None, 0):
-                tail = self.log_tail(name)
-                raise ChildFailed(f"{name} exited with code {code}; last log lines:\n{tail}")
+                raise ChildFailed(name, code, self.log_dir / f"{name}.log", self.log_tail(name))
 
     def log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_dir / f"{name}.log", lines)
