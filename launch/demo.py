@@ -332,6 +332,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         summary["quant_recalibrations_total"] = rows[-1].get("quant_recalibrations_total", 0)
     evals = read_jsonl(run_dir / "metrics.jsonl", kind="eval")
     summary.update(_eval_summary(evals))
+    if evals:
+        summary["eval_of"] = _what_was_evaluated(cfg)
     if cfg.rollout.fleet:  # each precision's reward and mismatch, side by side
         summary.update(_fleet_summary(cfg, rows, k))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -342,6 +344,18 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
                                        title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",
                                        evals=evals))
     return summary
+
+
+def _what_was_evaluated(cfg: RunConfig) -> str:
+    """Whether the held-out numbers are those of the model a user keeps: an fp32 engine serves
+    the weights ``rlpipe export`` writes (the adapter applied unmerged: the same sums, rounded
+    once more); any other precision serves a rounded or quantized copy, which starts below the
+    model the user gave."""
+    precision = ",".join(cfg.rollout.fleet) or cfg.rollout.precision
+    if precision == "fp32":
+        return "the exported model against the model given: fp32 engines serve the unquantized weights"
+    return (f"the served {precision} policy against the {precision} base, not the exported model: evaluate "
+            "`rlpipe export`'s output and the model given in fp32 for the gain a user keeps")
 
 
 def _eval_summary(evals: list[dict]) -> dict:

@@ -236,7 +236,9 @@ class EvalRunner:
                     plain, _, _ = await self.engine.generate(ids, n=1, temperature=0.0, max_tokens=s.max_tokens)
                     answers.append(plain[0].tokens)
                 texts = [self.encode.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in answers]
-                scores = [reward for reward, _ in await self.task.score(prompt, texts)]
+                # A held-out score is a proportion: a reward outside [0, 1] (a user's reward may pay more for
+                # a better answer) counts as 1 or 0, else its mean and Wilson interval are no proportion at all.
+                scores = [min(max(float(reward), 0.0), 1.0) for reward, _ in await self.task.score(prompt, texts)]
                 plain = scores.pop() if self.tool is not None and ec.without_tool else None
                 extra = {"calls": calls[0] if calls else 0, "plain": plain}
                 return scores[0], scores[1:], i, scores[0] > 0 or any_number_matches(prompt.answer, texts[0]), extra

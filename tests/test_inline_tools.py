@@ -64,7 +64,7 @@ class ScriptedEngine:
     def __init__(self, script: list[str]):
         self.script, self.calls, self.version = list(script), [], 3
 
-    async def generate(self, ids, n, max_tokens, seed, stop, **sampling):
+    async def generate(self, ids, n, max_tokens, seed=None, stop=None, **sampling):
         self.calls.append((list(ids), stop, max_tokens, seed))
         text = self.script.pop(0)
         tokens = [ord(c) for c in text][:max_tokens]
@@ -135,3 +135,50 @@ def test_a_launch_refuses_a_tool_it_cannot_run():
     no_tool = build_config({"task": {"type": "math", "dataset": "mawps:singleop"}, "eval": {"without_tool": True}},
                            environ={})
     assert tool_problems(no_tool) == ["eval.without_tool: only with task.tool"]
+
+
+class EchoTask:
+    """Rows whose answer is 180; a response scores ``reward`` when its last number is 180."""
+
+    size = 2
+
+    def __init__(self, reward: float = 1.0):
+        self.reward = reward
+
+    def prompt(self, i):
+        return SimpleNamespace(text=f"Q{i}", answer="180", prompt_id=str(i))
+
+    async def score(self, prompt, texts):
+        return [(self.reward if t.rstrip(".").split()[-1:] == ["180"] else 0.0, None) for t in texts]
+
+
+class Encoder:
+    tokenizer = CharTokenizer()
+
+    def __call__(self, text):
+        return [ord(c) for c in text]
+
+
+def evaluated(script: list[str], reward: float = 1.0, **task) -> dict:
+    from rlpipe.config import build_config
+    from rollout_service.evals import EvalRunner
+
+    cfg = build_config({"task": {"type": "math", "dataset": "mawps:singleop", **task},
+                        "eval": {"every": 1, "dataset": "mawps:singleeq", "samples": 0, "size": 2, "concurrency": 1,
+                                 "without_tool": bool(task)}, "sampling": {"max_tokens": 64},
+                        "rollout": {"max_model_len": 512}}, environ={})
+    runner = EvalRunner(cfg, "w0", ScriptedEngine(script), None, EchoTask(reward), Encoder())
+    return run(runner._score_rows())
+
+
+def test_held_out_answers_are_written_with_the_tool_and_again_without_it():
+    # Row 0: with the tool 45 * 4 = 180 (right); without it the model's own 190 (wrong). Row 1: wrong both ways.
+    res = evaluated(["45 * 4 =", " in all, 180.", "45 * 4 = 190.", "I do not know.", "no."], tool="calculator")
+    assert res["pass_at_1"] == 0.5 and res["rows_right"] == [0]
+    assert res["pass_at_1_without_tool"] == 0.0 and res["rows_right_without_tool"] == []
+    assert res["tool_calls"] == 1 and res["rows_using_tool"] == 1
+
+
+def test_a_reward_above_one_counts_as_one_held_out_answer_right():
+    res = evaluated(["180.", "7."], reward=3.0)  # Wilson's interval of a proportion above 1 raised ValueError
+    assert res["pass_at_1"] == 0.5 and 0 <= res["pass_at_1_low"] <= 0.5 <= res["pass_at_1_high"] <= 1
