@@ -385,7 +385,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# rlpipe's top-level packages: bound first, so that a folder of the same name in the working
+# directory never stands in for one (launcher.ROLE_ENV's PYTHONSAFEPATH, and _working_dir_last).
+PACKAGES = ("launch", "learner", "quant", "rlpipe", "rollout_service", "weight_sync")
+
+
+def _working_dir_last() -> None:
+    """Import rlpipe's packages, then let the working directory's modules (a user's reward, an
+    environment) import from the end of the path: a role starts with PYTHONSAFEPATH, which keeps
+    the working directory off the front of it."""
+    import importlib
+
+    for name in PACKAGES:
+        importlib.import_module(name)
+    if os.environ.get("PYTHONSAFEPATH") and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def main(argv: list[str] | None = None) -> int:
+    _working_dir_last()
     args = _parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what a learner of several ranks hands torchrun
     try:

@@ -56,6 +56,11 @@ ROLE_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
+    # The working directory is not put first on a role's import path, where a folder of the user's
+    # named like one of rlpipe's packages (launch/, learner/) would be imported instead of rlpipe's;
+    # launch/cli.py puts it last, once rlpipe's packages are imported (a user's reward module there
+    # still imports).
+    "PYTHONSAFEPATH": "1",
 }
 
 

@@ -190,3 +190,29 @@ def test_a_run_writes_no_password_and_its_files_are_private(tmp_path, monkeypatc
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and umask == "0077"
     for name in ("config.yaml", "commands.txt", "logs/learner.log"):
         assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600, name
+
+
+def test_a_folder_named_like_rlpipes_packages_in_the_working_directory_changes_nothing(tmp_path):
+    """A role starts as `python -m launch.cli` in the user's directory; with PYTHONSAFEPATH (the
+    launcher's role environment) their own launch/ or learner/ folder is not imported instead of
+    rlpipe's, and their own reward module there still imports."""
+    import subprocess
+    import sys
+
+    from launch.launcher import ROLE_ENV
+
+    for package in ("launch", "learner"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("raise SystemExit('the user folder was imported')\n")
+    (tmp_path / "my_rewards.py").write_text("def reward(*a):\n    return 1.0\n")
+    probe = ("import sys; from launch import cli; cli._working_dir_last(); import learner.loss, my_rewards; "
+             "print(cli.__file__, learner.loss.__file__, my_rewards.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONSAFEPATH": ROLE_ENV["PYTHONSAFEPATH"]})
+    assert out.returncode == 0, out.stderr[-2000:]
+    cli_file, loss_file, reward_file = out.stdout.split()
+    assert not cli_file.startswith(str(tmp_path)) and not loss_file.startswith(str(tmp_path))
+    assert reward_file.startswith(str(tmp_path))
+    shadowed = subprocess.run([sys.executable, "-c", "import launch"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})
+    assert "the user folder was imported" in shadowed.stderr  # what it guards against
