@@ -188,7 +188,8 @@ def lora_arms(lr: float) -> dict[str, dict]:
     rank-8 adapter at ``lr`` on the frozen int8 base, the learner on that base as served or on the
     checkpoint's own (``learner.served_weights`` false)."""
     lora = {"rollout.precision": "int8", "learner.lora.rank": 8, "learner.lr": lr}
-    return {"int8/full": {"rollout.precision": "int8"}, "int8/lora": lora,
+    full = {"rollout.precision": "int8", "learner.lora.rank": 0, "learner.lr": 5e-5}  # a full fine-tune's own lr
+    return {"int8/full": full, "int8/lora": lora,
             "int8/lora/fp32-base": {**lora, "learner.served_weights": False}}
 
 
