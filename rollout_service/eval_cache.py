@@ -32,6 +32,9 @@ FORMAT = 1  # bump when the result's fields or the scoring change
 REUSED_FIELDS = ("rows", "skipped_rows", "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_lenient",
                  "pass_at_1_lenient_low", "pass_at_1_lenient_high", "rows_evaluated", "rows_right",
                  "rows_right_lenient", "k", "mean_at_k", "seconds")
+# A result's fields that only some settings have (task.tool's, eval.without_tool's): kept and reused when there.
+OPTIONAL_FIELDS = ("tool", "tool_calls", "rows_using_tool", "pass_at_1_without_tool", "pass_at_1_without_tool_low",
+                   "pass_at_1_without_tool_high", "rows_right_without_tool")
 
 
 def _vllm_version() -> str:
@@ -63,7 +66,7 @@ def load(key: str) -> dict | None:
         return None
     if not isinstance(stored, dict) or any(f not in stored for f in REUSED_FIELDS):
         return None
-    return {f: stored[f] for f in REUSED_FIELDS}
+    return {f: stored[f] for f in REUSED_FIELDS + OPTIONAL_FIELDS if f in stored}
 
 
 def store(key: str, result: dict) -> None:
@@ -72,7 +75,7 @@ def store(key: str, result: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({f: result[f] for f in REUSED_FIELDS}))
+        tmp.write_text(json.dumps({f: result[f] for f in REUSED_FIELDS + OPTIONAL_FIELDS if f in result}))
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache costs the next run the evaluation, nothing else
         log.warning("eval: could not keep the base model's result (%s)", e)

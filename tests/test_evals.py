@@ -317,6 +317,10 @@ def test_the_base_models_result_is_kept_under_a_key_of_everything_its_answers_de
     fields = {f: 0.25 if f.startswith("pass") else [] if f.startswith("rows_") else 1 for f in eval_cache.REUSED_FIELDS}
     eval_cache.store(key, {**fields, "worker": "w0", "version": 0})
     assert eval_cache.load(key) == fields  # only the row's own fields, not who evaluated it when
+    with_tool = {**fields, "tool": "calculator", "tool_calls": 3, "rows_using_tool": 2, "pass_at_1_without_tool": 0.1,
+                 "pass_at_1_without_tool_low": 0.0, "pass_at_1_without_tool_high": 0.3, "rows_right_without_tool": [1]}
+    eval_cache.store(key, {**with_tool, "worker": "w0"})
+    assert eval_cache.load(key) == with_tool  # a run with task.tool reuses its answers without the tool too
     path = tmp_path / "cache" / "evals" / f"{key}.json"
     path.write_text('{"pass_at_1": 0.5}')  # not a whole result: evaluated again, not trusted
     assert eval_cache.load(key) is None
