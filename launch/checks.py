@@ -156,6 +156,32 @@ def lora_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def data_problems(cfg: RunConfig) -> list[str]:
+    """The task's rows, its reward and the held-out rows, read and imported as the workers will
+    (before any engine starts, so a missing file or a reward that does not import is one line
+    naming its key, not a worker's traceback minutes later)."""
+    if cfg.task.type == "arith":
+        return []
+    from rlpipe.datasets import load_rows
+    from rollout_service.tasks import make_task
+
+    problems = []
+    try:
+        make_task(cfg.task)  # every row, task.template and task.instruction applied, task.reward imported
+    except ConfigError as e:
+        problems.append(str(e))
+    except (OSError, ValueError) as e:
+        key = "task.reward" if cfg.task.reward and "reward" in str(e) else "task.dataset"
+        problems.append(f"{key}: {' '.join(str(e).split())}" if not str(e).startswith(key) else str(e))
+    if cfg.eval.dataset:
+        t = cfg.task
+        try:
+            load_rows(cfg.eval.dataset, t.prompt_field, t.answer_field, t.id_field, need_answer=True)
+        except (OSError, ValueError) as e:
+            problems.append(f"eval.dataset: {' '.join(str(e).split())}")
+    return problems
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
     problems = []
@@ -211,9 +237,11 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append(f"model.toy_tool_calls: only a toy model is warm-started, and model.path is {path}")
     if cfg.eval.every and cfg.task.type == "arith":
         problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
+    data = data_problems(cfg)
+    problems += data
     if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
         problems.append("eval.dataset: the same as task.dataset; evaluate on held-out rows (e.g. gsm8k:test)")
-    elif cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared:
+    elif cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared and not data:
         from rlpipe.datasets import check_disjoint, load_rows
 
         t = cfg.task  # both sets are read with the task's fields, as the workers read them (a name has its own)

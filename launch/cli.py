@@ -393,12 +393,13 @@ PACKAGES = ("launch", "learner", "quant", "rlpipe", "rollout_service", "weight_s
 def _working_dir_last() -> None:
     """Import rlpipe's packages, then let the working directory's modules (a user's reward, an
     environment) import from the end of the path: a role starts with PYTHONSAFEPATH, which keeps
-    the working directory off the front of it."""
+    the working directory off the front of it, and the ``rlpipe`` command's path starts with its
+    own directory instead."""
     import importlib
 
     for name in PACKAGES:
         importlib.import_module(name)
-    if os.environ.get("PYTHONSAFEPATH") and os.getcwd() not in sys.path:
+    if os.getcwd() not in sys.path:  # also the launcher's: the checks import a user's reward as the roles will
         sys.path.append(os.getcwd())
 
 

@@ -216,3 +216,20 @@ def test_a_folder_named_like_rlpipes_packages_in_the_working_directory_changes_n
     shadowed = subprocess.run([sys.executable, "-c", "import launch"], cwd=tmp_path, capture_output=True, text=True,
                               timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})
     assert "the user folder was imported" in shadowed.stderr  # what it guards against
+
+
+def test_a_missing_dataset_or_reward_is_named_before_any_engine_starts(tmp_path, model_dir):
+    """Read and imported at launch as the workers would: one line naming the key, exit 2 (a worker
+    used to fail minutes later, and the demo ended in a traceback)."""
+    math = ["--set", f"model.path={model_dir}", "--set", "task.type=math", "--runs-dir", str(tmp_path / "runs")]
+    assert_usage_error(*rlpipe("demo", *math, "--set", "task.dataset=missing.jsonl", cwd=tmp_path),
+                       "task.dataset", "missing.jsonl")
+    assert_usage_error(*rlpipe("demo", *math, "--set", "task.dataset=mawps:singleop", "--set",
+                               "task.reward=nomodule:fn", cwd=tmp_path), "task.reward", "nomodule")
+    assert_usage_error(*rlpipe("demo", *math, "--set", "task.dataset=mawps:singleop", "--set", "eval.every=5",
+                               "--set", "eval.dataset=nothere.jsonl", cwd=tmp_path), "eval.dataset", "nothere.jsonl")
+    (tmp_path / "my_reward.py").write_text("def fn(prompt, response, answer, row):\n    return 1.0\n")
+    code, err = rlpipe("demo", *math, "--set", "task.dataset=missing.jsonl", "--set", "task.reward=my_reward:fn",
+                       cwd=tmp_path)  # the user's reward in their directory imports; the missing file is what is named
+    assert_usage_error(code, err, "task.dataset")
+    assert "task.reward" not in err
