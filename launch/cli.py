@@ -166,7 +166,7 @@ def check_launch(cfg, command: str) -> None:
     if command == "learner":
         check_exposure(cfg.learner.host, "learner.host", cfg.allow_unauthenticated)
         check_sync_exposure(cfg.sync.host)
-    if command in ("demo", "up", "calibrate", "build-model", "rollout", "learner"):
+    if command in ("demo", "check", "up", "calibrate", "build-model", "rollout", "learner"):
         check_model_path(cfg.model.path, builds_toy=command not in ("rollout", "learner"))
     if command == "learner" and "WORLD_SIZE" not in os.environ:
         # demo and up check these at launch; a learner started on its own (Kubernetes, Slurm) too
@@ -357,8 +357,36 @@ def _run_control(args, cfg) -> int:
 # arguments include --config (_config_args) gets its config loaded and checked (check_launch)
 # before it runs; the others get cfg None. The run functions import what they need, so
 # parsing, --help and config errors stay instant.
+def _run_check(args, cfg) -> int:
+    """A dry run: every launch check ``rlpipe demo`` makes (the config, the model, the data, the reward,
+    the cores and GPUs), then the resolved config and the plan, with nothing started."""
+    import yaml
+
+    from launch.checks import validate_run
+    from launch.gpus import launch_plan
+    from launch.demo import check_cpus
+    from rlpipe.config import without_secrets
+    from rlpipe.machine import auto_precision, cpu_name
+
+    try:
+        validate_run(cfg)
+        check_cpus(cfg)
+        plan = launch_plan(cfg)
+    except ConfigError as e:
+        return _error(e, 2)
+    print(yaml.safe_dump(without_secrets(cfg).model_dump(mode="json"), sort_keys=False), end="")
+    print(f"# machine: {cpu_name()}; auto picks rollout {auto_precision()[0]}, learner {auto_precision()[1]}")
+    print(f"# plan: {cfg.workers} rollout workers ({', '.join(cfg.rollout.worker_precision(i) for i in range(cfg.workers))}), "
+          f"a learner of {cfg.learner.ranks} rank(s); "
+          + (f"GPUs: learner {plan.learner}, workers {plan.workers}" if plan.learner or plan.workers else "CPU only"))
+    print("rlpipe check: every check passed; nothing was started", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {
     "demo": ("run a whole RL job locally on the toy task", _demo_args, _run_demo),
+    "check": ("check a run as `rlpipe demo` would, print its resolved config and plan, and start nothing", _demo_args,
+              _run_check),
     "rollout": ("run one rollout worker", _rollout_args, _run_rollout),
     "learner": ("run the learner", _config_args, _run_learner),
     "calibrate": ("int8 rollout: one SmoothQuant calibration of the base model (nvidia-modelopt); writes the "
@@ -378,7 +406,10 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     p = argparse.ArgumentParser(prog="rlpipe", description="asynchronous RL for LLMs with quantized vLLM rollout")
+    p.add_argument("--version", action="version", version=f"rlpipe {version('rlpipe')}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, (text, add_arguments, _) in COMMANDS.items():
         add_arguments(sub.add_parser(name, help=text))

@@ -233,3 +233,21 @@ def test_a_missing_dataset_or_reward_is_named_before_any_engine_starts(tmp_path,
                        cwd=tmp_path)  # the user's reward in their directory imports; the missing file is what is named
     assert_usage_error(code, err, "task.dataset")
     assert "task.reward" not in err
+
+
+def test_check_is_a_dry_run_that_names_mistakes_and_prints_the_resolved_config(tmp_path, model_dir):
+    code, err = rlpipe("check", "--set", f"model.path={model_dir}", "--set", "task.type=math", "--set",
+                       "task.dataset=missing.jsonl", cwd=tmp_path)
+    assert_usage_error(code, err, "task.dataset", "missing.jsonl")
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "check", "--set", "rollout.precision=auto", "--set",
+                          "steps=3"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import yaml
+
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["steps"] == 3 and resolved["rollout"]["precision"] in ("fp32", "bf16")  # auto, resolved
+    assert "# plan: 2 rollout workers" in out.stdout and "nothing was started" in out.stderr
+    assert not (tmp_path / "runs").exists()
+    version = subprocess.run([sys.executable, "-m", "launch.cli", "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("rlpipe ")
