@@ -131,7 +131,11 @@ def test_the_moe_toy_demo_trains_with_routing_replay_and_its_engine_routes_as_th
     rows = read_jsonl(tmp_path / "moe" / "metrics.jsonl")
     assert summary["completed"] and summary["groups_dead"] == 0 and len(rows) == 3
     print([(r["routing_agreement"], r["mismatch_kl_fresh"], r["staleness_max"]) for r in rows])
-    assert all(r["routing_agreement"] > 0.99 and len(r["routing_agreement_by_layer"]) == 2 for r in rows)
+    # Nearly every one, not every one: the toy's random router has near-tied logits, and the engine's router and
+    # the learner's sum in different orders (which order depends on the CPU's kernels), so a tie may fall either
+    # way. On the 2-core AVX2 EPYC 2% of step 1's (token, layer) pairs did, the same on main before and after
+    # this bound was set; replay that stopped working would agree on about 1 in num_experts / top_k.
+    assert all(r["routing_agreement"] > 0.97 and len(r["routing_agreement_by_layer"]) == 2 for r in rows)
     # the groups sampled by the weights trained (a group may span an update: max_lag bounds whole versions)
     assert all(abs(r["mismatch_kl_fresh"]) < 1e-5 for r in rows)
     # an episode's turns span more time, so more of them an update: its largest gap is then the lag's
