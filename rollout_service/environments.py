@@ -168,17 +168,24 @@ class RetryEnv:
 BUILT_IN = {"calculator": CalculatorEnv, "retry": RetryEnv}
 
 
-def load_environment(path: str):
-    """The environment factory named by ``path`` (``"package.module:Class"``, or
-    a built-in's name, :data:`BUILT_IN`): called with a prompt row's answer, it returns a
-    fresh environment for one episode. A failed import is a ConfigError naming the path."""
-    if path in BUILT_IN:
-        return BUILT_IN[path]
+def load_factory(path: str, built_in: dict, key: str):
+    """The class or function ``path`` names: a built-in's name (a key of ``built_in``) or
+    ``"package.module:Name"``; a failed import, or a name that is not callable, is a ConfigError
+    naming the config ``key``."""
+    if path in built_in:
+        return built_in[path]
     module, _, name = path.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)
     except Exception as e:
-        raise ConfigError(f"task.environment: cannot import {path!r}: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"{key}: cannot import {path!r}: {type(e).__name__}: {e}") from e
     if not callable(factory):
-        raise ConfigError(f"task.environment: {path!r} is a {type(factory).__name__}, not a class or function")
+        raise ConfigError(f"{key}: {path!r} is a {type(factory).__name__}, not a class or function")
     return factory
+
+
+def load_environment(path: str):
+    """The environment factory named by ``path`` (``"package.module:Class"``, or
+    a built-in's name, :data:`BUILT_IN`): called with a prompt row's answer, it returns a
+    fresh environment for one episode. A failed import is a ConfigError naming the path."""
+    return load_factory(path, BUILT_IN, "task.environment")

@@ -21,14 +21,12 @@ user's loads by import path, ``"package.module:Class"`` (called with no argument
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from rlpipe.config import ConfigError
-from rollout_service.environments import calculate
+from rollout_service.environments import calculate, load_factory
 
 # The arithmetic an expression may hold: digits, a decimal point, + - * /, brackets, spaces, and
 # commas that group thousands (1,200).
@@ -106,16 +104,7 @@ BUILT_IN = {"calculator": InlineCalculator}
 def load_tool(path: str):
     """The tool factory ``task.tool`` names (a built-in's name or ``"package.module:Class"``), or
     a ConfigError naming the key."""
-    if path in BUILT_IN:
-        return BUILT_IN[path]
-    module, _, name = path.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), name)
-    except Exception as e:
-        raise ConfigError(f"task.tool: cannot import {path!r}: {type(e).__name__}: {e}") from e
-    if not callable(factory):
-        raise ConfigError(f"task.tool: {path!r} is a {type(factory).__name__}, not a class or function")
-    return factory
+    return load_factory(path, BUILT_IN, "task.tool")
 
 
 @dataclass
