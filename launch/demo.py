@@ -308,6 +308,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
         "completed": learner_done,
         "interrupted": interrupted,
         "steps": len(rows),
+        **({"train_budget": _budget_line(cfg, len(rows), learner_done)} if cfg.train_budget_s else {}),
         "final_version": rows[-1]["learner_version"] if rows else 0,
         "wall_seconds": round(time.time() - t_start, 1),
         "rl_seconds": round(rows[-1]["time"], 1) if rows else 0.0,
@@ -344,6 +345,13 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
                                        title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",
                                        evals=evals))
     return summary
+
+
+def _budget_line(cfg: RunConfig, steps: int, done: bool) -> str:
+    """What ``train_budget_s`` did: ended training before ``steps``, or left it to them."""
+    if done and steps < cfg.steps:
+        return f"{cfg.train_budget_s:.0f} s spent after {steps} of {cfg.steps} steps: training ended there"
+    return f"{cfg.train_budget_s:.0f} s, not spent: {steps} of {cfg.steps} steps"
 
 
 def _what_was_evaluated(cfg: RunConfig) -> str:

@@ -1,4 +1,5 @@
-"""Learning-rate schedules for the learner, configured by ``learner.schedule`` (ScheduleConfig).
+"""The learner's schedules: its learning rate over the steps (``learner.schedule``,
+ScheduleConfig), and when a time budget ends training (``train_budget_s``, :class:`TrainBudget`).
 
 The learner asks for the LR of the next step with ``next_lr()`` (step 1 on a fresh
 schedule, or the step after a restored one), and after each step ``t`` calls
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 
 from rlpipe.config import ScheduleConfig
@@ -120,3 +122,27 @@ class LRSchedule:
         self.smoothed = deque(d["smoothed"], maxlen=self.cfg.surge_window)
         self.surge_step, self.halvings = d["surge_step"], int(d["halvings"])
         self.decay_period = self.cfg.decay_period or d["decay_period"]
+
+
+class TrainBudget:
+    """``train_budget_s``: training ends after this many seconds from the first step, as if
+    the steps were done, so that one recipe fits its hour on a slow CPU and trains more
+    steps on a fast one. 0: no budget. Measured with ``time.perf_counter`` from ``start``."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.started, self.reached = seconds, None, False
+
+    def start(self, now: float) -> None:
+        """The first step begins (later calls change nothing)."""
+        if self.started is None:
+            self.started = now
+
+    def spent(self, step: int, steps: int) -> bool:
+        """Whether the budget is spent; the first time it is, logs at which step."""
+        if self.reached:
+            return True
+        if not self.seconds or self.started is None or time.perf_counter() - self.started < self.seconds:
+            return False
+        log.info("train_budget_s %.0f s spent at step %d of %d: finishing as if done", self.seconds, step, steps)
+        self.reached = True
+        return True

@@ -44,7 +44,7 @@ from learner.policy import LossScaler, compile_layers, enable_activation_checkpo
 from learner.reference import load_reference
 from learner.routing import install as install_routing
 from learner.routing import replay_problem, routing_shape
-from learner.schedule import LRSchedule, apply_lr
+from learner.schedule import LRSchedule, TrainBudget, apply_lr
 from learner.step import PPOStep
 from rlpipe import registry
 from rlpipe.admission import RunCheck
@@ -134,6 +134,7 @@ class Learner:
                           "snapshot": self.checkpoints.snapshot, "shards": self.checkpoints.write_shards,
                           "restore": self._restore_newer}
         self.schedule = LRSchedule(lc.schedule, lc.lr, cfg.steps)
+        self.budget = TrainBudget(cfg.train_budget_s)  # rank 0 decides; the others are released as after a stop
         self.fleet_sizer = FleetSizer(cfg.autoscale)
         self.fleet_advice: dict = {}  # the rule's last output, published for `rlpipe up --autoscale`
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
@@ -191,7 +192,7 @@ class Learner:
                 self._set_status("evaluating")  # while eval.base_at_rest waits for it
                 self.evals.start(self.version, self.step)
             self._set_status("running")
-        while self.step < self.cfg.steps:
+        while self.step < self.cfg.steps and not (self.ranks.is_main and self.budget.spent(self.step, self.cfg.steps)):
             t_wait = time.perf_counter()
             entries = self.collect() if self.ranks.is_main else None
             if self.ranks.is_main and entries is None:  # asked to stop (the others go after the last checkpoint)
@@ -204,6 +205,7 @@ class Learner:
             self._crash_point("collected")
             self._crash_on_poison(records)
             t0 = time.perf_counter()
+            self.budget.start(t0)
             step_metrics = self.ppo.train_step(records)
             time.sleep(injected_delay(STEP_DELAY_ENV))
             train_s = time.perf_counter() - t0
@@ -231,15 +233,20 @@ class Learner:
             if self.ledger.unacked:  # stopped between checkpoints
                 self.checkpoint()
             self._finish_checkpoint()
-            if self.step >= self.cfg.steps:
+            if self.finished:
                 self._set_status("evaluating")
                 self.evals.finish(self.version, self.step)
-            self._set_status("done" if self.step >= self.cfg.steps else "stopped")
-            self.metrics.done.set(float(self.step >= self.cfg.steps))
+            self._set_status("done" if self.finished else "stopped")
+            self.metrics.done.set(float(self.finished))
             self.fleet.drop()
             self.lease.release()
         self.ranks.release(self._commands)
         self.checkpoints.close()
+
+    @property
+    def finished(self) -> bool:
+        """The run's training is over: every step trained, or ``train_budget_s`` spent."""
+        return self.step >= self.cfg.steps or self.budget.reached
 
     def request_stop(self) -> None:
         """Finish the step in hand, checkpoint, acknowledge, and return from ``run``."""

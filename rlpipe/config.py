@@ -683,6 +683,11 @@ class RunConfig(Section):
                       "model's build")
     steps: int = Field(100, ge=1, description="learner steps the run trains; the learner then finishes "
                        "(learner.on_done)")
+    train_budget_s: float = Field(0.0, ge=0, description="seconds of training from the learner's first step "
+                                  "after which it finishes as if its steps were done (last checkpoint, final "
+                                  "evaluation), whichever comes first: a recipe that fits an hour on a slow CPU "
+                                  "and trains more steps on a fast one; 0 = steps alone. The learning-rate "
+                                  "schedule still spans `steps`; a restarted learner starts its budget again")
     workers: int = Field(2, ge=1, description="rollout workers `rlpipe demo`/`up` start (the starting size "
                          "under autoscale)")
     redis_url: str = Field("", description="redis://[:password@]host:port/db; '' = the launcher starts a "

@@ -307,6 +307,24 @@ def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_mode
              what="the lease thread to end")
 
 
+def test_a_spent_time_budget_finishes_the_run_as_if_its_steps_were_done(redis_server, toy_model_path, tmp_path,
+                                                                          base_model):
+    from learner.metrics import read_jsonl
+
+    learner = make_learner(redis_server, toy_model_path, tmp_path, steps=4, workers=1, train_budget_s=0.001, **{
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1, "sampling.n": 4})
+    for rec in for_run(synthetic_groups(base_model, 8, seed=9), learner.cfg):
+        learner.queue.push(rec)
+    learner.run()
+    # the first step outlasts a millisecond: the run ends after it, done (not stopped), checkpointed, acknowledged
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1 and learner.step == 1 and learner.finished
+    assert learner_status(learner)["status"] == "done" and learner.last_checkpoint["step"] == 1
+    assert learner.queue.counters()["trained"] == 2 and learner.queue.pending() == 0
+    unlimited = make_learner(redis_server, toy_model_path, tmp_path / "b", steps=1, workers=1, **{
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1, "sampling.n": 4})
+    assert not unlimited.budget.spent(0, 1) and not unlimited.finished
+
+
 def test_a_learner_run_serves_metrics_promtool_accepts_each_series_labelled_with_its_run(
         redis_server, toy_model_path, tmp_path, base_model):
     import httpx
