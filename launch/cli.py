@@ -97,6 +97,16 @@ def _export_args(p):
     p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest complete one)")
 
 
+def _eval_args(p):
+    _config_args(p)
+    p.add_argument("models", nargs="+", metavar="MODEL",
+                   help="a model directory, a run directory (its newest checkpoint, exported) or a checkpoint "
+                   "directory; the first is judged, each other one is paired against it (e.g. the base model)")
+    p.add_argument("--precision", help="the engine's precision (default: the config's rollout precision where it "
+                   "is fp32, bf16 or fp16, else this machine's fastest of those: the model unquantized)")
+    p.add_argument("--out", help="also write the report here as JSON")
+
+
 def _up_args(p):
     _config_args(p)
     p.add_argument("--workers", type=int)
@@ -166,7 +176,7 @@ def check_launch(cfg, command: str) -> None:
     if command == "learner":
         check_exposure(cfg.learner.host, "learner.host", cfg.allow_unauthenticated)
         check_sync_exposure(cfg.sync.host)
-    if command in ("demo", "check", "up", "calibrate", "build-model", "rollout", "learner"):
+    if command in ("demo", "check", "up", "calibrate", "build-model", "rollout", "learner", "eval"):
         check_model_path(cfg.model.path, builds_toy=command not in ("rollout", "learner"))
     if command == "learner" and "WORLD_SIZE" not in os.environ:
         # demo and up check these at launch; a learner started on its own (Kubernetes, Slurm) too
@@ -335,6 +345,30 @@ def _run_export(args, cfg) -> int:
     return 0
 
 
+def _run_eval(args, cfg) -> int:
+    """Held-out accuracy of each MODEL as the run's summary scores it, the first paired against the others."""
+    import json
+
+    from launch.demo import format_summary
+    from launch.evaluate import compare
+
+    try:
+        report = compare(cfg, args.models, cfg.rollout.precision if args.precision else None,
+                         say=lambda m: print(m, file=sys.stderr))
+    except ConfigError as e:
+        return _error(e, 2)
+    for i, m in enumerate(report["models"]):
+        lines = {"model": m["model"], "precision": report["precision"], "dataset": report["dataset"],
+                 **{k: v for k, v in m.items() if k not in ("model", "result", "paired")},
+                 **{f"paired_{k}": v for k, v in m.get("paired", {}).items()}}
+        print(format_summary(lines, "rlpipe eval" + (" (judged)" if i == 0 and len(report["models"]) > 1 else "")))
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def _run_control(args, cfg) -> int:
     """status, restart, scale: act on a running `rlpipe up` through its run directory."""
     from launch import up
@@ -396,6 +430,8 @@ COMMANDS = {
     "plot": ("draw metrics.png for a run directory", _plot_args, _run_plot),
     "export": ("write a run's checkpoint (LoRA merged into its base) as a Hugging Face model directory that "
                "transformers and vLLM load without rlpipe", _export_args, _run_export),
+    "eval": ("held-out accuracy of model directories, runs or checkpoints as a run's summary scores it, the "
+             "first paired row by row against the others", _eval_args, _run_eval),
     "up": ("run the learner and workers on this machine, restarted when they crash, as the Kubernetes "
            "manifests run them", _up_args, _run_up),
     "status": ("print the roles, versions, lag, queue and sync of a running `rlpipe up`", _status_args, _run_control),

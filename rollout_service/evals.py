@@ -185,13 +185,13 @@ class EvalRunner:
         while self.engine.version < requested_version and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         t0, v0 = time.monotonic(), self.engine.version
-        key = await asyncio.to_thread(self._base_key) if self._reusable(requested_version) else None
+        key = await asyncio.to_thread(self.base_key) if self._reusable(requested_version) else None
         fields = eval_cache.load(key) if key else None
         reused = fields is not None
         if reused:
             log.info("eval: the base model's result on %s reused (eval.reuse_base, key %s)", self.cfg.eval.dataset, key)
         else:
-            fields = await self._score_rows()
+            fields = await self.score_rows()
             if key and self.engine.version == v0:  # no update landed meanwhile: the base model's own
                 await asyncio.to_thread(eval_cache.store, key, fields)
         return {"dataset": self.cfg.eval.dataset, "requested_version": requested_version, "step": step,
@@ -204,7 +204,7 @@ class EvalRunner:
         return (self.cfg.eval.reuse_base and requested_version == 0 and self.engine.version == 0
                 and self.engine.weights_source in ("base", "learner"))
 
-    def _base_key(self) -> str:
+    def base_key(self) -> str:
         ec, s = self.cfg.eval, self.cfg.sampling
         rows = [self.task.prompt(i) for i in range(min(ec.size, self.task.size))]
         sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} if ec.samples else {}
@@ -214,7 +214,7 @@ class EvalRunner:
         return eval_cache.base_key(self.engine.model_dir, self.engine.profile,
                                    [(self.encode(p.text), p.answer) for p in rows], settings)
 
-    async def _score_rows(self) -> dict:
+    async def score_rows(self) -> dict:
         """Every row's greedy answer (and ``eval.samples`` sampled ones), scored: the result's
         proportions, intervals and the rows right."""
         ec, s = self.cfg.eval, self.cfg.sampling

@@ -168,7 +168,7 @@ def evaluated(script: list[str], reward: float = 1.0, **task) -> dict:
                                  "without_tool": bool(task)}, "sampling": {"max_tokens": 64},
                         "rollout": {"max_model_len": 512}}, environ={})
     runner = EvalRunner(cfg, "w0", ScriptedEngine(script), None, EchoTask(reward), Encoder())
-    return run(runner._score_rows())
+    return run(runner.score_rows())
 
 
 def test_held_out_answers_are_written_with_the_tool_and_again_without_it():
