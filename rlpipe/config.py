@@ -659,6 +659,10 @@ class EvalConfig(Section):
                                 "for the last evaluation (workers keep serving meanwhile)")
     without_tool: bool = Field(False, description="with task.tool: each row is also answered greedily without "
                                "the tool, so the summary shows whether any of the skill stays without it")
+    exported: bool = Field(False, description="`rlpipe demo`, at the end of a completed run: export its last "
+                           "checkpoint (an adapter merged), score it and the model given on the same rows with an "
+                           "unquantized engine (rlpipe eval), paired: the gain a user keeps, beside the served "
+                           "policy's")
 
     @model_validator(mode="after")
     def _needs_dataset(self) -> EvalConfig:
