@@ -11,7 +11,8 @@ end of the run it waits up to ``eval.final_wait_s`` for the final version's resu
 
 A result is logged only if it is one of this run's (:func:`check_result`: of a version the
 learner asked for, on the configured dataset, proportions finite and within [0, 1], rows
-within ``eval.size``); any other entry, or one delivered ``queue.max_deliveries`` times
+within ``eval.size``) and the first answer to its request (``eval:answered``: a copy of a real
+result, with a forged score or not, is not); any other entry, or one delivered ``queue.max_deliveries`` times
 without being logged, is dead-lettered with the reason and never stops the learner
 (rlpipe/side_streams.py).
 """
@@ -140,6 +141,7 @@ class Evals:
                 if times > self.cfg.queue.max_deliveries:
                     raise Rejected(f"delivered {times - 1} times and never logged (it stopped the learner each time?)")
                 result = check_result(fields.get(b"result"), self.cfg, self.asked_at)
+                self._first_answer(result["requested_version"], entry_id)
             except Rejected as e:
                 dead_letter(self.r, stream, entry_id, fields, str(e))
             else:
@@ -153,6 +155,17 @@ class Evals:
             self.r.set(self.keys.eval_logged, entry_id)
         self.results += out
         return out
+
+    def _first_answer(self, version: int, entry_id: str) -> None:
+        """Claim ``version``'s one answer for ``entry_id`` (``eval:answered``), or :class:`Rejected`
+        if another entry answered it: a copy of a real result, its score changed or not, is never
+        logged. The same entry read again (a learner that stopped before it noted the entry as
+        logged) keeps its claim."""
+        if not self.r.hsetnx(self.keys.eval_answered, str(version), entry_id):
+            first = self.r.hget(self.keys.eval_answered, str(version))
+            if first is not None and first.decode() != entry_id:
+                raise Rejected(f"requested_version: version {version} was answered already (entry "
+                               f"{first.decode()}); one result per request")
 
     def asked_at(self, version: int) -> int | None:
         """The step the learner asked for an evaluation of ``version`` at (``eval:requested``), or None."""

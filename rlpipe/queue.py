@@ -91,6 +91,7 @@ class Keys:
         self.eval_results = self.prefix + "eval:results"
         self.eval_requested = self.prefix + "eval:requested"
         self.eval_logged = self.prefix + "eval:logged"
+        self.eval_answered = self.prefix + "eval:answered"  # version -> the results entry logged for it
 
     def leases(self, worker_id: str) -> str:
         return f"{self.prefix}prompts:leases:{worker_id}"

@@ -185,6 +185,22 @@ def test_entries_of_the_results_stream_that_are_not_this_runs_results_are_dead_l
     assert evals.poll(step=2) == []
 
 
+def test_a_copy_of_a_real_result_with_its_score_forged_is_dead_lettered_and_the_next_version_still_logs(r, tmp_path):
+    cfg = eval_config()
+    keys = Keys(cfg.run_id)
+    evals = Evals(cfg, r, keys, LearnerMetrics(tmp_path / "metrics.jsonl", run_name=cfg.run_id))
+    evals.request(0, 0)
+    real = r.xadd(keys.eval_results, {"result": json.dumps(result(0, 0.125))}).decode()
+    copy = r.xadd(keys.eval_results, {"result": json.dumps(result(0, 0.99))}).decode()
+    assert [(res["version"], res["pass_at_1"]) for res in evals.poll(step=1)] == [(0, 0.125)]
+    assert f"version 0 was answered already (entry {real})" in dead_letters(r, keys.eval_results)[copy]
+    evals._first_answer(0, real)  # the same entry read again after a restart keeps its claim
+    evals.request(2, 2)  # the steady state: the next request's answer is logged
+    r.xadd(keys.eval_results, {"result": json.dumps(result(2, 0.25))})
+    assert [(res["version"], res["pass_at_1"]) for res in evals.poll(step=3)] == [(2, 0.25)]
+    assert [e["pass_at_1"] for e in read_jsonl(tmp_path / "metrics.jsonl", kind="eval")] == [0.125, 0.25]
+
+
 def test_a_result_that_stops_the_learner_each_time_is_dead_lettered_after_its_delivery_limit(r, tmp_path, monkeypatch):
     """One that passes the checks but kills the learner while it is logged (any bug in
     logging it) is read again by the restarted learner: after ``queue.max_deliveries``
