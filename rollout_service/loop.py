@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # a new process frees threads that never end.
 STALL_FLOOR_S = 600.0
 MIN_TOKENS_PER_S = 10.0
-STUCK_EXIT_S = 300.0
+STUCK_EXIT_S = 30.0  # then the supervisor (rlpipe up, a Kubernetes pod) restarts it within the minute
 TOOL_SEED_STRIDE = 7919  # the seeds of a group's answers with a tool: apart by more than their pauses
 
 

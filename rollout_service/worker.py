@@ -195,7 +195,15 @@ class Worker:
             self.stopping = asyncio.ensure_future(self.loop.stop())
 
     def ready(self) -> bool:
-        return self.started and not self.draining and self.engine.synced and not self.engine.errored
+        """Takes work: started, not draining, weights of a known version, the engine alive, and the
+        reward's or environment's calls not stuck (a worker that refuses every reward call must not
+        be sent sessions or counted as serving; after STUCK_EXIT_S it exits for its supervisor)."""
+        return (self.started and not self.draining and self.engine.synced and not self.engine.errored
+                and not self.calls_stuck())
+
+    def calls_stuck(self) -> str | None:
+        """Why the rollout loop's reward or environment takes no calls now, or None."""
+        return self.loop.watch.calls_stuck() if self.loop is not None else None
 
     def health(self) -> dict:
         """The process is alive, its engine has not died and its rollout loop is not stuck
@@ -208,7 +216,9 @@ class Worker:
     def readiness(self) -> dict:
         """Engine up, weights of a known version, not draining (``ready`` says whether)."""
         if not self.ready():
-            return {"ready": False, "version": self.engine.version, "draining": self.draining}
+            stuck = self.calls_stuck()
+            return {"ready": False, "version": self.engine.version, "draining": self.draining,
+                    **({"calls_stuck": stuck} if stuck else {})}
         return {"ready": True, "version": self.engine.version}
 
     def prometheus(self) -> bytes:

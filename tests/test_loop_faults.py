@@ -156,14 +156,18 @@ def test_hung_reward_calls_are_abandoned_and_the_loop_goes_on_then_says_it_is_st
         assert len(records) >= 2 * MAX_ABANDONED  # most groups came while the hung calls piled up
         why = loop.watch.stuck()
         assert f"{MAX_ABANDONED} calls still running past task.reward_timeout_s" in why
-        worker = SimpleNamespace(engine=loop.engine, id="w0", loop=loop, draining=False)
+        worker = SimpleNamespace(engine=loop.engine, id="w0", loop=loop, draining=False, started=True)
+        worker.calls_stuck, worker.ready = (lambda: Worker.calls_stuck(worker)), (lambda: Worker.ready(worker))
+        loop.engine.synced = True
         assert Worker.health(worker) == {"status": f"rollout loop stuck: {why}", "worker_id": "w0"}
+        assert Worker.readiness(worker)["ready"] is False and Worker.readiness(worker)["calls_stuck"] == why
     finally:
         release.set()
     deadline = time.monotonic() + 5
     while loop.watch.calls_stuck() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert loop.watch.stuck() is None and Worker.health(worker)["status"] == "ok"
+    assert Worker.readiness(worker)["ready"] is True  # ready again once the hung calls ended
     assert loop.queue.leased("w0") == set()
 
 
