@@ -784,6 +784,16 @@ def _written_path(tree: Any, loc: tuple) -> list:
     return path
 
 
+def _yaml_hint(err: dict, where: str) -> str:
+    """A string field given what YAML read as another type (``--set run_id=2026-12-01`` is a date,
+    ``task.system_prompt=no`` a boolean): say so, and how to keep it text."""
+    value = err.get("input")
+    if err.get("type") != "string_type" or value is None or isinstance(value, (dict, list)):
+        return ""
+    return (f" (the value was read as YAML, which made it a {type(value).__name__}: quote it to keep it text, "
+            f"e.g. --set '{where}=\"...\"', or the same quotes in the file)")
+
+
 def build_config(data: dict | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> RunConfig:
     """Validate ``data`` merged with env overrides and dotted ``overrides`` (``learner.lr=...``)."""
     tree = _merge(data or {}, env_overrides(environ))
@@ -795,7 +805,7 @@ def build_config(data: dict | None = None, environ: dict[str, str] | None = None
         problems = []
         for err in e.errors():
             where = ".".join(str(p) for p in _written_path(tree, err["loc"])) or "(root)"
-            problems.append(f"{where}: {err['msg']}")
+            problems.append(f"{where}: {err['msg']}{_yaml_hint(err, where)}")
         raise ConfigError("invalid config: " + "; ".join(problems)) from None
 
 

@@ -56,6 +56,9 @@ def test_config_files_and_values_that_do_not_parse_are_named(tmp_path):
     latin.write_bytes("seed: 1  # Müller\n".encode("latin-1"))
     assert_usage_error(*rlpipe("demo", "--config", str(latin)), str(latin), "UTF-8")
     assert_usage_error(*rlpipe("demo", "--config", str(tmp_path)), str(tmp_path))  # a directory
+    # YAML reads these as a date and a boolean: the message says so and how to quote them
+    assert_usage_error(*rlpipe("check", "--set", "run_id=2026-12-01"), "run_id", "a date: quote it")
+    assert_usage_error(*rlpipe("check", "--set", "task.system_prompt=no"), "task.system_prompt", "a bool")
 
 
 def test_a_model_path_that_is_no_model_is_named_before_anything_starts(tmp_path):
