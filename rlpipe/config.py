@@ -750,18 +750,35 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict:
-    """``RLPIPE_LEARNER__LR=1e-4`` -> ``{"learner": {"lr": 1e-4}}`` (values parsed as YAML).
+# RLPIPE_* variables that are not config keys: secrets, the cache, and what launchers and tests hand a role.
+OTHER_ENV = frozenset({
+    "RLPIPE_API_TOKEN", "RLPIPE_SYNC_TOKEN", "RLPIPE_VERIFIER_TOKEN", "RLPIPE_REDIS_PASSWORD",
+    "RLPIPE_REDIS_PASSWORD_FILE", "RLPIPE_CACHE", "RLPIPE_LOG_LEVEL", "RLPIPE_CPU_AFFINITY", "RLPIPE_NICE",
+    "RLPIPE_PARENT_PID", "RLPIPE_REQUIRE_OPS_TOOLS", "RLPIPE_CRASH_AT", "RLPIPE_CRASH_ON_PROMPT",
+    "RLPIPE_STEP_DELAY_FILE", "RLPIPE_GROUP_DELAY_FILE", "RLPIPE_FUZZ_RANDOM", "RLPIPE_FUZZ_EXAMPLES",
+    "RLPIPE_CHAOS_SEED", "RLPIPE_ALL_FAMILIES"})
 
-    Only names with a ``__`` are config keys, so variables such as ``RLPIPE_CACHE`` or
-    ``RLPIPE_API_TOKEN`` are left to the code that reads them.
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict:
+    """``RLPIPE_LEARNER__LR=1e-4`` -> ``{"learner": {"lr": 1e-4}}``, and a top-level key by its name
+    alone (``RLPIPE_STEPS=40``); values parsed as YAML.
+
+    Variables rlpipe reads for itself (:data:`OTHER_ENV`: ``RLPIPE_CACHE``, ``RLPIPE_API_TOKEN``, ...)
+    are left to the code that reads them; any other ``RLPIPE_*`` name is a mistake rlpipe would
+    otherwise ignore in silence, and is refused naming it.
     """
     environ = os.environ if environ is None else environ
+    top = {name for name, field in RunConfig.model_fields.items()
+           if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))}
     out: dict = {}
     for name, raw in environ.items():
-        if name.startswith("RLPIPE_") and "__" in name:
-            path = [p.lower() for p in name[len("RLPIPE_") :].split("__")]
-            _set_path(out, path, parse_yaml(raw, name) if raw != "" else "")
+        if not name.startswith("RLPIPE_") or name in OTHER_ENV:
+            continue
+        path = [p.lower() for p in name[len("RLPIPE_") :].split("__")]
+        if len(path) == 1 and path[0] not in top:
+            raise ConfigError(f"{name}: not a config key (RLPIPE_<SECTION>__<KEY>, or a top-level key such as "
+                              f"RLPIPE_STEPS) nor a variable rlpipe reads; unset it or fix its name")
+        _set_path(out, path, parse_yaml(raw, name) if raw != "" else "")
     return out
 
 
