@@ -210,6 +210,8 @@ def run_demo(cfg: RunConfig, runs_dir: str = "runs", timeout_s: float | None = N
             launcher.stop_all()
             summary = _summarize(cfg, run_dir, t_start, learner_done, interrupted)
             if learner_done and cfg.eval.exported:  # the workers are gone: the cores are the evaluation's
+                from launch.evaluate import score_exported
+
                 summary.update(score_exported(cfg, run_dir, say))
                 (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if stopped:
@@ -348,31 +350,6 @@ def _summarize(cfg: RunConfig, run_dir: Path, t_start: float, learner_done: bool
                                        title=f"{cfg.run_id}: {summary['precision']}, {cfg.learner.is_mode}",
                                        evals=evals))
     return summary
-
-
-def score_exported(cfg: RunConfig, run_dir: Path, say) -> dict:
-    """``eval.exported``: the run's last checkpoint exported (``rlpipe export``) to
-    ``<run_dir>/exported`` and scored, with the model given, on an unquantized engine (launch/evaluate.py):
-    the summary's lines of the gain a user keeps. A failure here is a line, never a lost summary."""
-    from launch.evaluate import compare
-    from launch.export import export
-
-    out = run_dir / "exported"
-    say(f"scoring the exported model ({out}) and the model given, unquantized")
-    try:
-        if not out.exists():
-            export(run_dir, out)
-        report = compare(cfg, [str(out), cfg.model.path], say=say)
-    except Exception as e:  # noqa: BLE001 - the run's own summary stands; this line says what failed
-        return {"eval_exported_error": f"{type(e).__name__}: {e}"}
-    exported, given = report["models"]
-    lines = {"eval_exported_of": f"{out} ({exported['result']['rows']} rows) against the model given "
-                                 f"({cfg.model.path}), both at {report['precision']}",
-             "eval_given_pass@1": given["pass@1"], "eval_exported_pass@1": exported["pass@1"]}
-    if "pass@1_without_tool" in exported:
-        lines["eval_exported_pass@1_without_tool"] = exported["pass@1_without_tool"]
-    lines.update({f"eval_exported_paired_{k}": v for k, v in given["paired"].items()})
-    return lines
 
 
 def _budget_line(cfg: RunConfig, steps: int, done: bool) -> str:

@@ -11,6 +11,7 @@ started here at an unquantized precision, and pairs them row by row (launch/demo
 
 A model is a Hugging Face model directory, a run directory (its newest complete checkpoint) or a
 checkpoint directory; a checkpoint is exported first (launch/export.py) into a scratch directory.
+``eval.exported`` (:func:`score_exported`) is the same at the end of a demo, on its last checkpoint.
 A result is kept in the evaluation cache (rollout_service/eval_cache.py), keyed by the weights'
 contents, the rows and the settings, so the model a user gave is scored once across runs.
 """
@@ -25,10 +26,11 @@ from pathlib import Path
 
 from rlpipe.config import ConfigError, RunConfig
 from rlpipe.machine import auto_precision
+from rlpipe.precisions import SPECS
 
 log = logging.getLogger(__name__)
 
-UNQUANTIZED = ("fp32", "bf16", "fp16")
+UNQUANTIZED = tuple(name for name, spec in SPECS.items() if not spec.scheme)  # plain casts: fp32, bf16, fp16
 
 
 def unquantized_precision(cfg: RunConfig) -> str:
@@ -109,9 +111,7 @@ def compare(cfg: RunConfig, models: list[str], precision: str | None = None, say
     if not cfg.eval.dataset and cfg.task.type != "arith":
         raise ConfigError("eval.dataset: not set; rlpipe eval scores the held-out set a run's summary names "
                           "(e.g. --set eval.dataset=mawps:singleeq)")
-    precision = precision or unquantized_precision(cfg)
-    if precision not in UNQUANTIZED + ("int8", "fp8"):
-        raise ConfigError(f"--precision: {precision!r} is not one of fp32, bf16, fp16, int8, fp8")
+    precision = precision or unquantized_precision(cfg)  # a given one is the config's: validated there
     report = {"dataset": cfg.eval.dataset, "precision": precision, "models": []}
     with tempfile.TemporaryDirectory(prefix="rlpipe-eval-") as scratch:
         for spec in models:
@@ -127,6 +127,30 @@ def compare(cfg: RunConfig, models: list[str], precision: str | None = None, say
         if "rows_right_without_tool" in first and "rows_right_without_tool" in base:
             other["paired"]["without_tool"] = paired_change(base, first, "rows_right_without_tool")
     return report
+
+
+def score_exported(cfg: RunConfig, run_dir: Path, say) -> dict:
+    """``eval.exported``: the run's last checkpoint exported (``rlpipe export``) to
+    ``<run_dir>/exported`` and scored, with the model given, on an unquantized engine (launch/evaluate.py):
+    the summary's lines of the gain a user keeps. A failure here is a line, never a lost summary."""
+    from launch.export import export
+
+    out = run_dir / "exported"
+    say(f"scoring the exported model ({out}) and the model given, unquantized")
+    try:
+        if not out.exists():
+            export(run_dir, out)
+        report = compare(cfg, [str(out), cfg.model.path], say=say)
+    except Exception as e:  # noqa: BLE001 - the run's own summary stands; this line says what failed
+        return {"eval_exported_error": f"{type(e).__name__}: {e}"}
+    exported, given = report["models"]
+    lines = {"eval_exported_of": f"{out} ({exported['result']['rows']} rows) against the model given "
+                                 f"({cfg.model.path}), both at {report['precision']}",
+             "eval_given_pass@1": given["pass@1"], "eval_exported_pass@1": exported["pass@1"]}
+    if "pass@1_without_tool" in exported:
+        lines["eval_exported_pass@1_without_tool"] = exported["pass@1_without_tool"]
+    lines.update({f"eval_exported_paired_{k}": v for k, v in given["paired"].items()})
+    return lines
 
 
 def summary_lines(e: dict) -> dict:

@@ -43,7 +43,7 @@ def test_a_model_that_is_not_there_is_one_line_naming_it(tmp_path, cache, capsys
 
 def test_a_runs_last_checkpoint_is_exported_and_scored_against_the_model_given(redis_server, toy_model_path, tmp_path,
                                                                                cache):
-    from launch.demo import score_exported
+    from launch.evaluate import score_exported
     from tests.test_learner import for_run, make_learner, synthetic_groups
     from learner.policy import load_policy
 
