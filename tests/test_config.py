@@ -149,3 +149,39 @@ def test_role_cpus_give_each_role_its_cores_and_must_exist():
         check_cpus(build_config({}, environ={}, **{"learner.cpus": "100000"}))
     with pytest.raises(ConfigError, match="rollout.cpus"):
         build_config({}, environ={}, **{"rollout.cpus": "first"})
+
+
+def test_every_rlpipe_variable_the_code_or_its_files_name_is_read_not_refused():
+    """``env_overrides`` refuses an RLPIPE_* name that is neither a config key nor in OTHER_ENV. A variable
+    added in code (or a manifest, script or doc) but not to that list would make rlpipe refuse its own
+    variable; this reads every RLPIPE_* name in the tree and parses each as the config would."""
+    import re
+    from pathlib import Path
+
+    from rlpipe.config import OTHER_ENV, env_overrides
+
+    root = Path(__file__).resolve().parent.parent
+    names: set[str] = set()
+    for folder in ("rlpipe", "learner", "launch", "rollout_service", "weight_sync", "quant", "bench", "scripts",
+                   "deploy", "docs", "configs"):
+        for path in (root / folder).rglob("*"):
+            if path.is_file() and path.suffix in {".py", ".sh", ".yaml", ".yml", ".md", ""}:
+                names |= set(re.findall(r"\bRLPIPE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
+    assert {"RLPIPE_CRASH_AT", "RLPIPE_API_TOKEN", "RLPIPE_LEARNER__LR"} <= names  # the scan sees the tree
+    from pydantic import BaseModel
+
+    from rlpipe.config import RunConfig
+
+    def is_key(path: list[str]) -> bool:
+        model = RunConfig
+        for part in path:
+            field = model.model_fields.get(part) if isinstance(model, type) else None
+            if field is None:
+                return False
+            model = field.annotation
+        return not (isinstance(model, type) and issubclass(model, BaseModel))  # a value, not a whole section
+
+    strays = [n for n in sorted(names - OTHER_ENV) if not is_key([p.lower() for p in n[len("RLPIPE_"):].split("__")])]
+    assert not strays, f"named in the tree but neither a config key nor in rlpipe.config.OTHER_ENV: {strays}"
+    with pytest.raises(ConfigError, match="RLPIPE_NOT_A_THING"):  # and one that is neither is refused
+        env_overrides({"RLPIPE_NOT_A_THING": "1"})

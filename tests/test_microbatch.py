@@ -65,9 +65,13 @@ def test_a_step_in_token_budget_microbatches_equals_the_padded_step(redis_server
     a = padded.ppo.train_step(records)
     torch.manual_seed(0)
     b = parts.ppo.train_step(records)
-    moved = (params_vector(padded.model) - before).abs().max().item()
-    diff = (params_vector(padded.model) - params_vector(parts.model)).abs().max().item()
-    assert moved > 1e-4, "the step did not train"
-    assert diff < 1e-5 * max(1.0, moved * 100), (diff, moved)
+    moved = params_vector(padded.model) - before
+    diff = params_vector(padded.model) - params_vector(parts.model)
+    assert moved.abs().max().item() > 1e-4, "the step did not train"
+    # Norm-wise, not element-wise: Adam's first update is g / (|g| + eps), so an element whose gradient is
+    # near zero moves by up to lr on reduction-order noise alone, and that noise differs by CPU kind
+    # (AVX2 against AVX-512 kernels sum in another order). Summed over the update it stays ~1e-6 of it;
+    # a microbatch weighted wrongly changes the direction by far more than 1e-3.
+    assert diff.norm().item() < 1e-3 * moved.norm().item(), (diff.norm().item(), moved.norm().item())
     for key in ("learner_loss", "learner_grad_norm", "mismatch_kl", "entropy", "ppo_clip_fraction", "ppo_ratio_mean"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
