@@ -45,17 +45,30 @@ def _config_args(p):
                    help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
 
 
+def _run_shape_args(p):
+    p.add_argument("--steps", type=int, help="learner steps to train (sets steps; train_budget_s may end it first)")
+    p.add_argument("--workers", type=int, help="rollout workers to start (sets workers)")
+
+
+def _run_place_args(p):
+    p.add_argument("--run-id", help="the run's name: its directory under --runs-dir and its Redis keys (default: "
+                   "the start time and the seed, e.g. 20261202-141500-s0)")
+    p.add_argument("--runs-dir", default="runs", help="where run directories live (default: runs)")
+
+
+def _seed_arg(p):
+    p.add_argument("--seed", type=int, help="the run's seed: sampling, prompt order and the learner (sets seed)")
+
+
 def _demo_args(p):
     _config_args(p)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--workers", type=int)
+    _run_shape_args(p)
+    _seed_arg(p)
     p.add_argument("--precision", help="rollout precision: fp32, bf16, fp16, fp8, int8, or auto (this machine's fastest); a comma-separated "
                    "list makes a mixed fleet (e.g. int8,bf16: half the workers each)")
     p.add_argument("--is-mode", help="mismatch correction, e.g. token_tis or none")
     p.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
-    p.add_argument("--run-id")
-    p.add_argument("--runs-dir", default="runs")
+    _run_place_args(p)
     p.add_argument("--timeout", type=positive_seconds, default=None,
                    help="stop the run after this many seconds, with the summary so far (default: no limit; the "
                    "run ends when its steps are done)")
@@ -63,8 +76,8 @@ def _demo_args(p):
 
 def _rollout_args(p):
     _config_args(p)
-    p.add_argument("--worker-id", required=True)
-    p.add_argument("--port", type=int)
+    p.add_argument("--worker-id", required=True, help="this worker's name in the fleet (its Redis keys and logs)")
+    p.add_argument("--port", type=int, help="the HTTP port to serve on (default: rollout.port; 0, any free port)")
     p.add_argument("--precision", help="this worker's precision (overrides rollout.precision)")
     p.add_argument("--address-file", help="write host:port here once bound")
 
@@ -76,7 +89,7 @@ def _calibrate_args(p):
 
 def _build_model_args(p):
     _config_args(p)
-    p.add_argument("--seed", type=int)
+    _seed_arg(p)
 
 
 def _bench_args(p):
@@ -87,7 +100,7 @@ def _bench_args(p):
 
 
 def _plot_args(p):
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its metrics.jsonl)")
 
 
 def _export_args(p):
@@ -109,28 +122,26 @@ def _eval_args(p):
 
 def _up_args(p):
     _config_args(p)
-    p.add_argument("--workers", type=int)
-    p.add_argument("--steps", type=int)
+    _run_shape_args(p)
     p.add_argument("--learner-ranks", type=int, help=LEARNER_RANKS_HELP)
     p.add_argument("--autoscale", metavar="MIN:MAX", help="size the rollout fleet to the learner's "
                    "fleet_desired_workers within MIN..MAX workers (rlpipe/autoscale.py); starts MIN unless --workers")
-    p.add_argument("--run-id")
-    p.add_argument("--runs-dir", default="runs")
+    _run_place_args(p)
 
 
 def _status_args(p):
     p.add_argument("--run-dir", help="the run's directory (default: the newest running `up` under --runs-dir)")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help="where run directories live (default: runs)")
 
 
 def _restart_args(p):
-    p.add_argument("role", choices=["learner", "rollout"])
+    p.add_argument("role", choices=["learner", "rollout"], help="which role's processes")
     _status_args(p)
 
 
 def _scale_args(p):
     _restart_args(p)
-    p.add_argument("replicas", type=int)
+    p.add_argument("replicas", type=int, help="how many processes of the role to run")
 
 
 def _overrides(args) -> dict:

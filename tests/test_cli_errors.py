@@ -257,3 +257,18 @@ def test_check_is_a_dry_run_that_names_mistakes_and_prints_the_resolved_config(t
     version = subprocess.run([sys.executable, "-m", "launch.cli", "--version"], capture_output=True, text=True,
                              timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("rlpipe ")
+
+
+def test_every_command_and_every_flag_of_the_cli_says_what_it_does():
+    """``rlpipe <command> --help`` is a user's first reference: no flag is listed bare."""
+    import argparse
+
+    from launch.cli import _parser
+
+    top = _parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(commands.choices) >= 10
+    bare = [f"{name} {a.option_strings or a.dest}" for name, sub in commands.choices.items() for a in sub._actions
+            if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert not bare, bare
+    assert all(c.help for c in commands._choices_actions)
