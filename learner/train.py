@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from functools import partial
 from pathlib import Path
@@ -34,14 +33,16 @@ from learner import checkpoint
 from learner.batch import collate
 from learner.channels import Collectives, FleetSync
 from learner.checkpoint import RunCounters
-from learner.checkpointer import Checkpointer, checkpoint_roles, lineage_meta, load_trainer_state, trainer_state
+from learner.checkpointer import Checkpointer, checkpoint_roles
 from learner.dist import Ranks
+from learner.durability import Durability
 from learner.evals import Evals
 from learner.ledger import Ledger
 from learner.lora import trainable, training_policy
 from learner.metrics import LearnerMetrics
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, token_logprobs
 from learner.reference import load_reference
+from learner.retokenize import Retokenizer
 from learner.routing import install as install_routing
 from learner.routing import replay_problem, routing_shape
 from learner.schedule import LRSchedule, TrainBudget, apply_lr
@@ -51,19 +52,12 @@ from rlpipe.admission import RunCheck
 from rlpipe.autoscale import FleetSizer
 from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig, sharded_quant_problem, without_secrets
-from rlpipe.faults import STEP_DELAY_ENV, injected_delay
+from rlpipe.faults import STEP_DELAY_ENV, crash_at, crash_on_poison, injected_delay
 from rlpipe.proc import process_age_s
-from rlpipe.queue import Entry, IndexSet, TrajectoryQueue, connect
+from rlpipe.queue import Entry, TrajectoryQueue, connect
 
 log = logging.getLogger(__name__)
 
-# Fault injection for the exactly-once tests: RLPIPE_CRASH_AT=<point>:<step> SIGKILLs the
-# learner at that point of that step (points: collected, trained, synced, checkpoint_written,
-# checkpointed). Unset in normal runs.
-CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
-# For the poison tests: a group whose prompt_id is this SIGKILLs the learner whenever it is
-# forwarded, as a record that crashes the process would. Unset in normal runs.
-CRASH_ON_PROMPT = os.environ.get("RLPIPE_CRASH_ON_PROMPT", "")
 
 
 def acquire_lease(r, keys, ttl_s: float, run_id: str) -> registry.LearnerLease:
@@ -83,7 +77,7 @@ def acquire_lease(r, keys, ttl_s: float, run_id: str) -> registry.LearnerLease:
     return lease
 
 
-class Learner:
+class Learner(Durability):
     @property
     def step(self) -> int:
         return self.run_counters.step
@@ -138,6 +132,7 @@ class Learner:
         self.fleet_sizer = FleetSizer(cfg.autoscale)
         self.fleet_advice: dict = {}  # the rule's last output, published for `rlpipe up --autoscale`
         self.scaler = LossScaler(lc.dtype, lc.loss_scale_init, self.device.type)
+        self.retokenizer = Retokenizer(str(cfg.model.path)) if lc.retokenize else None
         run_dir = Path(cfg.run_dir) if cfg.run_dir and self.ranks.is_main else None
         self.metrics = LearnerMetrics(run_dir / "metrics.jsonl" if run_dir else None, lc.trackers, cfg.run_id,
                                       without_secrets(cfg).model_dump(mode="json"),  # trackers write it down
@@ -202,11 +197,11 @@ class Learner:
             if work is None:  # released by rank 0
                 break
             records, self.run_counters.version = work
-            self._crash_point("collected")
-            self._crash_on_poison(records)
+            crash_at(f"collected:{self.step}")
+            crash_on_poison({r.prompt_id for r in records})
             t0 = time.perf_counter()
             self.budget.start(t0)
-            step_metrics = self.ppo.train_step(records)
+            step_metrics = self.train(records)
             time.sleep(injected_delay(STEP_DELAY_ENV))
             train_s = time.perf_counter() - t0
             self.run_counters.step += 1
@@ -217,9 +212,9 @@ class Learner:
             self.ledger.trained(entries)
             step_metrics["dropped_stale_step"], self.ledger.dropped_this_step = self.ledger.dropped_this_step, 0
             step_metrics.update(self.ledger.sampling_metrics(entries))
-            self._crash_point("trained")
+            crash_at(f"trained:{self.step}")
             step_metrics.update(self.fleet.sync(self.model, self.version, self.step))
-            self._crash_point("synced")
+            crash_at(f"synced:{self.step}")
             if self.evals.due(self.step) and self.step < self.cfg.steps:
                 self.evals.request(self.version, self.step)  # the workers have this version now
             self.evals.poll(self.step)
@@ -243,6 +238,15 @@ class Learner:
         self.ranks.release(self._commands)
         self.checkpoints.close()
 
+    def train(self, records) -> dict:
+        """One PPO step on ``records``: under ``learner.retokenize`` (a comparison arm) on their answers' text
+        tokenized again (learner/retokenize.py), counting the tokens that changed."""
+        if self.retokenizer is None:
+            return self.ppo.train_step(records)
+        m = self.ppo.train_step([self.retokenizer(r) for r in records])
+        m["retokenized_changed_tokens"], self.retokenizer.changed = self.retokenizer.changed, 0
+        return m
+
     @property
     def finished(self) -> bool:
         """The run's training is over: every step trained, or ``train_budget_s`` spent."""
@@ -258,11 +262,6 @@ class Learner:
         return self.ledger.collect(self.cfg.learner.groups_per_step, lambda: self.stop_requested,
                                    self._between_reads, self._make_durable)
 
-    def _make_durable(self) -> None:
-        if self.ledger.unacked:
-            self.checkpoint()
-        self._finish_checkpoint()
-
     def _try_alone(self, entry: Entry) -> None:
         """A forward of one group on its own (the ledger's poison check): if this kills the
         learner, the group alone is to blame. Under FSDP rank 0 cannot forward alone (each
@@ -270,30 +269,11 @@ class Learner:
         record takes the innocent groups pending beside it to the dead letters too."""
         if self.ranks.sharded:
             return
-        self._crash_on_poison([entry.record])
+        crash_on_poison({entry.record.prompt_id})
         with torch.no_grad():
             token_logprobs(self.model, collate([entry.record], torch.zeros(1, len(entry.record.samples)),
                                                self.version).to(self.device))
         log.info("entry %s, delivered more than once, went through a forward alone", entry.entry_id)
-
-    # -- checkpoints --------------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """Checkpoint the state after this step (learner/checkpointer.py); once it is durable,
-        acknowledge every entry it covers. With ``learner.async_checkpoint`` the write runs in
-        the background and the acknowledgements follow at a later step boundary
-        (:meth:`_finish_checkpoint`). Either way nothing is acknowledged before it is durable,
-        so a learner killed mid-write restarts from the previous checkpoint and trains the
-        rest again."""
-        self._finish_checkpoint()  # one write at a time, in order (its wait counts itself)
-        state = trainer_state(self.schedule, self.scaler, self.run_counters, self.ledger)
-        lora_base = str(self.cfg.model.path) if self.cfg.learner.lora.rank else ""  # what a LoRA checkpoint goes on
-        meta = lineage_meta(self.version, self.run_counters, lora_base)
-        # What quantized workers load to catch up: this version's tensors, as last sent.
-        rollout = self.fleet.rollout_tensors(self.model, self.version)
-        self.ledger.checkpoint_started()
-        self.checkpoints.start(self.step, self.version, state, meta, rollout, partial(self._before_publish, self.step))
-        if not self.checkpoints.background:
-            self._finish_checkpoint()
 
     def _gather(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Rank 0 under FSDP: the named parameters whole, gathered with every rank (weight sync, one bucket)."""
@@ -304,63 +284,6 @@ class Learner:
         """Rank 0 under FSDP: the policy on a batch with every rank (int8's monitors, on a layer sample)."""
         self.ranks.command("probe", input_ids, attention_mask)
         self.ranks.probe(self.model, input_ids, attention_mask)
-
-    def _finish_checkpoint(self, block: bool = True) -> None:
-        """Once the checkpoint being written is durable: acknowledge what it covers."""
-        try:
-            done = self.checkpoints.durable(block)  # a failed write raises: the learner stops, its supervisor restarts it
-        except Exception:
-            # A paused learner's write may fail because its successor cleared the half-written
-            # directory: then the loss of the lease is the error to report (exit 3), not the disk.
-            self.queue.fence.check()
-            raise
-        if done is None:
-            return
-        path, started = done
-        self._crash_point("checkpointed", started["step"])
-        self.ledger.durable()
-        self.last_checkpoint = {"path": str(path), "step": started["step"], "version": started["version"],
-                                "seconds": time.perf_counter() - started["started"], "time": time.time()}
-        log.info("checkpoint %s durable (%.2fs after the step)", path.name, self.last_checkpoint["seconds"])
-
-    def _restore_newer(self, path: str) -> None:
-        """Every rank, once rank 0 holds the lease: the weights and state of a checkpoint
-        written since this learner restored at start (learner/checkpointer.py ``newer``)."""
-        self._restore(Path(path), weights=True)
-        apply_lr(self.opt, self.schedule.next_lr())
-
-    def _restore(self, path: Path, weights: bool = False) -> None:
-        state = self.checkpoints.load(path, weights)
-        load_trainer_state(state, self.schedule, self.scaler, self.run_counters)
-        if self.ranks.is_main:
-            self.ledger.trained_before_restart = set(state["unacked_group_ids"])
-            self.ledger.trained_indices = IndexSet(state.get("prompt_indices", {}).get("trained", b""))
-        self.last_checkpoint = {"path": str(path), "step": self.step, "version": self.version, "restored": True}
-        if self.ranks.is_main:
-            # The workers' versions too: the learner hash may be older than they are (restored, cleaned).
-            published = registry.published_version(self.r, self.keys)
-            if published > self.version:
-                # Workers may hold weights of versions this checkpoint never saw: the restored
-                # weights get a new, higher version so versions only ever grow (and their
-                # records stay within the version range the reader admits).
-                self.run_counters.version = published + 1
-        log.info("resumed from %s: step %d, version %d", path.name, self.step, self.version)
-
-    def _crash_point(self, point: str, step: int | None = None) -> None:
-        if CRASH_AT == f"{point}:{self.step if step is None else step}":
-            log.warning("RLPIPE_CRASH_AT=%s: killing myself", CRASH_AT)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _before_publish(self, step: int) -> None:
-        """Just before a written checkpoint is renamed into place (maybe in the background
-        writer, after a pause): a learner that lost its lease must not put one there."""
-        self._crash_point("checkpoint_written", step)
-        self.queue.fence.check()
-
-    def _crash_on_poison(self, records) -> None:
-        if CRASH_ON_PROMPT and any(r.prompt_id == CRASH_ON_PROMPT for r in records):
-            log.warning("RLPIPE_CRASH_ON_PROMPT=%s is in this batch: killing myself", CRASH_ON_PROMPT)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _between_reads(self) -> None:
         """While waiting for groups (twice a second at most): publish the state, re-issue dead

@@ -14,22 +14,16 @@ the worker leaves the generation and rejoins, which brings it a full version).
 
 from __future__ import annotations
 
-import os
-import signal
 
 import torch
 
 from rlpipe.auth import sync_token
+from rlpipe.faults import crash_at
 from weight_sync.delta import apply_version, bucket_checksums, payload_sizes
 from weight_sync.delta_codec import DeltaMismatch
 from weight_sync.gate import GateClient
 from weight_sync.manifest import HEADER_LEN, Manifest, chunks, header_tensor, unpack_bucket
 from weight_sync.transport import GlooGroup, SyncError, check_in
-
-# Fault injection for the tests: RLPIPE_CRASH_AT=receiving:<version>:<k> SIGKILLs the
-# receiving process (a worker's engine) as it is about to receive bucket k of that
-# version (its first chunk). Unset in normal runs.
-CRASH_AT = os.environ.get("RLPIPE_CRASH_AT", "")
 
 AHEAD = 4  # chunks of a whole version posted ahead of the one waited on (the sender packs into a ring of 4)
 
@@ -107,8 +101,8 @@ class WeightReceiver:
             for j in range(len(views)):  # up to AHEAD chunks posted before waiting on chunk j
                 while len(works) < min(j + AHEAD, len(views)):
                     k = len(works)
-                    if spans[k].start == 0 and CRASH_AT == f"receiving:{version}:{spans[k].bucket}":
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    if spans[k].start == 0:  # a test may kill this engine here (rlpipe/faults.py)
+                        crash_at(f"receiving:{version}:{spans[k].bucket}")
                     works.append(group.recv(views[k], 0, k + 1))
                 group.wait(works[j])
             if manifest.delta:
