@@ -367,8 +367,9 @@ def _what_was_evaluated(cfg: RunConfig) -> str:
     precision = ",".join(cfg.rollout.fleet) or cfg.rollout.precision
     if precision == "fp32":
         return "the exported model against the model given: fp32 engines serve the unquantized weights"
-    return (f"the served {precision} policy against the {precision} base, not the exported model: evaluate "
-            "`rlpipe export`'s output and the model given in fp32 for the gain a user keeps")
+    kept = ("the eval_exported_* lines below score the exported model against the model given" if cfg.eval.exported
+            else "evaluate `rlpipe export`'s output against the model given (`rlpipe eval`) for the gain a user keeps")
+    return f"the served {precision} policy against the {precision} base, not the exported model: {kept}"
 
 
 def _eval_summary(evals: list[dict]) -> dict:
