@@ -87,6 +87,9 @@ PARTS = (
          "bench/real_quant.py", (), ("--quick",), ("real-int8",)),
     Part("real-rollout", "seeds 000 and 002 on SmolLM2: bf16, fp16, int8 and int8+TIS rollout", "bench/seeds.py",
          ("--finding", "real-rollout"), ("--finding", "real-rollout", "--quick"), ("real-rollout",), "--json-dir"),
+    Part("tool-tokens", "tool episodes on SmolLM2, token-exact against re-tokenized: what changes, the "
+         "engine-learner mismatch at the tool's boundary", "bench/tool_tokens.py", (), ("--prompts", "2", "--n", "2"),
+         ("tool-tokens",)),
     Part("soak", "soak tests: the long experiments left out of CI's suite (pytest -m soak)", "bench/soak.py",
          (), ("--quick",), ("soak",)),
     # without CUDA the full run is the smoke too, and its section says the numbers are meaningless
@@ -99,7 +102,7 @@ PARTS = (
 # --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
 ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
          "delta_sync", "lora", "moe", "real", "real-lora", "real-lora-40", "real-int8", "real-rollout",
-         "soak", "gpu"]
+         "tool-tokens", "soak", "gpu"]
 # --quick's lane of parts that start a cluster (Redis, workers, a learner): lanes()
 CLUSTER_LANE = ("async", "int8", "delta_sync", "precision", "surge", "moe", "lora", "real", "real-lora",
                 "real-rollout")

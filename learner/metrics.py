@@ -85,6 +85,8 @@ _TRAIN = {
     "kl_ref": "mean per-token KL estimate of the policy against the frozen reference model (learner.kl_coef > 0)",
     "kl_loss": "KL penalty of the step: its loss term (kl_in loss) or mean reward penalty per sample (kl_in reward)",
     "mismatch_kl": "k1 estimate of KL(rollout || training policy) per token (can dip below 0)",
+    "retokenized_changed_tokens": "learner.retokenize only: tokens of the step's re-tokenized answers that are not "
+                                  "the sampled ids",
     "mismatch_kl_fresh": "mismatch_kl over the groups sampled by the current version only (no policy lag)",
     "mismatch_seq_kl": "k1 estimate of KL(rollout || training policy) per sequence",
     "mismatch_k3_kl": "k3 estimate of KL(rollout || training policy) per token (never negative)",

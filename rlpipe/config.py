@@ -374,6 +374,9 @@ class LearnerConfig(HttpTimeouts):
                             "corrects the loss: token_tis truncates it per token at is_cap; the others (seq_tis, "
                             "*_mis, geo_mask, icepop, ablations) are in learner/loss.py")
     is_cap: float = Field(2.0, gt=0, description="C: the truncation (tis) or rejection (mis) threshold")
+    retokenize: bool = Field(False, description="a comparison arm, off by default: train on each answer's text "
+                             "tokenized again, as a trainer that keeps episodes as text does, instead of the ids the "
+                             "engine sampled (learner/retokenize.py; bench/tool_tokens.py measures the difference)")
     geo_low: float = Field(0.5, gt=0, description="geo_mask: lowest geometric-mean ratio kept")
     geo_high: float = Field(2.0, gt=0, description="geo_mask: highest geometric-mean ratio kept")
     # 2.0: the band [0.5, 2.0] slime runs IcePop with (--tis-clip-low 0.5 --tis-clip 2.0, its

@@ -480,3 +480,18 @@ def test_a_groups_prompt_forwarded_once_gives_the_plain_paths_logprobs_and_gradi
     assert torch.allclose(lp_s[on], lp_p[on], atol=1e-5) and torch.allclose(ent_s[on], ent_p[on], atol=1e-5)
     assert g_p.abs().max() > 0
     assert (g_s - g_p).abs().max() <= 1e-4 * g_p.abs().max(), ((g_s - g_p).abs().max(), g_p.abs().max())
+
+
+def test_the_retokenize_arm_trains_the_answers_text_tokenized_again(redis_server, toy_model_path, tmp_path,
+                                                                     base_model):
+    """learner.retokenize: the step trains the re-tokenized rows and counts what changed (the toy's tokenizer
+    reads one character a token, so its answers come back as the same ids; tests/test_retokenize.py has
+    answers that change)."""
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.retokenize": True,
+                                                                       "learner.ppo_epochs": 1})
+    records = synthetic_groups(base_model, 4, seed=7)
+    before = params_vector(learner.model)
+    m = learner.train(records)
+    assert m["retokenized_changed_tokens"] == 0 and not torch.equal(params_vector(learner.model), before)
+    plain = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.ppo_epochs": 1})
+    assert "retokenized_changed_tokens" not in plain.train(records)
