@@ -15,7 +15,7 @@ It reports how many answers and tokens change, where (at the tool's boundary or 
 the changed tokens are under the policy, and the mismatch between the engine's and the learner's
 log-probs on the tokens right after the tool's text against all other sampled tokens.
 
-    python -P bench/tool_tokens.py                       # 48 prompts x 8 answers, the recipe's settings
+    python -P bench/tool_tokens.py                       # 32 prompts x 8 answers, the recipe's settings
     python -P bench/tool_tokens.py --prompts 4 --n 2     # a smoke run
 """
 
@@ -95,6 +95,7 @@ def compare(cfg, prompts: list[list[int]], answers) -> dict:
     acc = {k: [] for k in ("boundary", "other", "changed_lp", "changed_mu", "sampled_lp", "seq_exact", "seq_retok")}
     counts = dict(answers=len(answers), with_tool=0, changed_answers=0, tokens=0, sampled=0, changed=0,
                   changed_trained=0, changed_at_tool=0)
+    examples: list[dict] = []
     for prompt, a in zip(prompts, answers):
         m = a.mask.astype(bool)
         lp = learner_logprobs(model, prompt, a.tokens, t)
@@ -108,17 +109,23 @@ def compare(cfg, prompts: list[list[int]], answers) -> dict:
         counts["tokens"] += len(m)
         counts["sampled"] += int(m.sum())
         r = retokenize(tokenizer, a.tokens, a.mask, a.logprobs)
-        lp_r = learner_logprobs(model, prompt, r.tokens, t)
+        same = r.tokens.tolist() == a.tokens.tolist()  # most answers: then so are the log-probs
+        lp_r = lp if same else learner_logprobs(model, prompt, r.tokens, t)
         trained = r.mask.astype(bool)
         acc["seq_retok"].append(float((lp_r - r.logprobs)[trained].sum()))
         counts["changed_answers"] += int(r.changed.any())
         counts["changed"] += int(r.changed.sum())
         counts["changed_trained"] += int((r.changed & trained).sum())
-        near_tool = np.convolve((r.mask == 0).astype(int), np.ones(3, dtype=int), "same") > 0
+        tool = r.mask == 0
+        near_tool = tool | np.r_[tool[1:], False] | np.r_[False, tool[:-1]]  # the tool's tokens and their neighbours
         counts["changed_at_tool"] += int((r.changed & near_tool).sum())
+        if r.changed.any() and len(examples) < 5:  # what changed, as the two tokenizations of the text
+            where = np.flatnonzero(r.changed)
+            examples.append({"sampled": [tokenizer.decode([int(x)]) for x in a.tokens[max(where[0] - 2, 0):]][:12],
+                             "again": [tokenizer.decode([int(x)]) for x in r.tokens[max(where[0] - 2, 0):]][:12]})
         acc["changed_lp"] += lp_r[r.changed & trained].tolist()
         acc["changed_mu"] += r.logprobs[r.changed & trained].tolist()
-    return {**counts, **{k: summary(v) for k, v in acc.items()}}
+    return {**counts, **{k: summary(v) for k, v in acc.items()}, "examples": examples}
 
 
 def summary(values: list[float]) -> dict:
@@ -156,10 +163,13 @@ def section(r: dict, command: str):
                           ("token-exact answer: sum of log pi - log mu", r["seq_exact"]),
                           ("re-tokenized answer: sum of log pi - log mu", r["seq_retok"]))]
     sec.table("Log-probs of what each trainer trains", ["", "count", "mean", "min"], lp)
-    sec.note(f"{r['answers']} answers at temperature {r['temperature']} to the calculator recipe's first training "
+    sec.note(f"On {r['machine']}, the engine at {r['precision']}. {r['answers']} answers at temperature {r['temperature']} to the calculator recipe's first training "
              f"prompts, {r['seconds']:.0f} s. A changed token is one the re-tokenized text holds where the sampled "
              "ids differ (learner/retokenize.py); its behaviour log-prob is the sum over the sampled tokens inside "
              "it, the most a text-based trainer could know.")
+    for e in r.get("examples", []):
+        sec.note("Changed: sampled `" + "|".join(e["sampled"]).replace("\n", "\\n") + "`, tokenized again `"
+                 + "|".join(e["again"]).replace("\n", "\\n") + "`")
     sec.data = r
     return sec
 
@@ -167,10 +177,10 @@ def section(r: dict, command: str):
 def main(argv: list[str] | None = None) -> dict:
     from launch.demo import resolve_model
     from rlpipe.config import load_config
-    from rlpipe.machine import cpu_flags, cpu_name, simd_summary
+    from rlpipe.machine import cpu_name
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=48)
+    p.add_argument("--prompts", type=int, default=32, help="training prompts, from the first")
     p.add_argument("--n", type=int, default=8, help="answers a prompt (the recipe's sampling.n)")
     p.add_argument("--json", type=Path, help="write the results section here")
     args = p.parse_args(argv)
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg.model.path = resolve_model(cfg, log=lambda m: print(m, file=sys.stderr))
     t0 = time.monotonic()
     prompts, answers = asyncio.run(sample_answers(cfg, args.prompts, args.n))
-    out = {"machine": f"{cpu_name()} ({simd_summary(cpu_flags())})", "precision": cfg.rollout.precision,
+    out = {"machine": cpu_name(), "precision": cfg.rollout.precision,
            "temperature": cfg.sampling.temperature, **compare(cfg, prompts, answers),
            "seconds": round(time.monotonic() - t0, 1)}
     print(json.dumps(out, indent=1))

@@ -53,6 +53,10 @@ def retokenize(tokenizer, tokens: np.ndarray, mask: np.ndarray, logprobs: np.nda
     text = tokenizer.decode(old, skip_special_tokens=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     new, offsets = [int(t) for t in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
+    if new == old:  # the same ids (character spans may still disagree inside a multi-byte character)
+        return Retokenized(np.asarray(old, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
+                           np.asarray(logprobs, dtype=np.float32), np.zeros(len(old), dtype=bool),
+                           np.arange(len(old), dtype=np.int64))
     by_span = {(span, tok): i for i, (span, tok) in enumerate(zip(spans, old))}
     sampled_chars = np.zeros(len(text) + 1, dtype=bool)
     for (a, b), m in zip(spans, mask):

@@ -99,3 +99,10 @@ def test_the_arm_is_refused_beside_routing_replay_before_anything_starts(toy_mod
                                           "rollout.routing_replay": True})
     with pytest.raises(ConfigError, match="learner.retokenize: re-tokenized answers have no recorded experts"):
         validate_run(cfg)
+
+
+def test_the_same_ids_are_unchanged_even_where_a_character_spans_two_tokens(tok):
+    ids = np.asarray(tok("Price: 5 \U0001d538\U0001f9ee each", add_special_tokens=False)["input_ids"])
+    mask = np.ones(len(ids), dtype=np.uint8)
+    r = retokenize(tok, ids, mask, (-0.5 * mask).astype(np.float32))
+    assert r.tokens.tolist() == ids.tolist() and not r.changed.any() and r.source.tolist() == list(range(len(ids)))
