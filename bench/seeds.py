@@ -379,7 +379,7 @@ FINDINGS: dict[str, Finding] = {
                "differently and gaps up to 0.66 that replay removed (docs/moe.md)."],
         quick_arms=["bf16/replay"], quick={"steps": 2, "learner.groups_per_step": 8}),
     "lora": Finding(
-        title="LoRA on a frozen int8 base (issue 35): the mismatch, the sync and the learner, against a full "
+        title="LoRA on a frozen int8 base: the mismatch, the sync and the learner, against a full "
               "fine-tune with int8 rollout, on the toy task",
         arms=lora_arms(3e-3),
         defaults={"steps": 40, "queue.max_lag": 0, "learner.is_mode": "none"},
@@ -410,7 +410,7 @@ FINDINGS: dict[str, Finding] = {
         quick_arms=["int8/lora"],
         quick_from="int8"),
     "real-lora": Finding(
-        title="LoRA on a frozen int8 base on the real model (issue 35): SmolLM2's mismatch, sync and learner, "
+        title="LoRA on a frozen int8 base on the real model: SmolLM2's mismatch, sync and learner, "
               "against a full fine-tune with int8 rollout",
         arms=lora_arms(5e-4),
         # the recipe with one worker on its own core (the learner on the other), no evaluation: these arms are
@@ -452,7 +452,7 @@ FINDINGS: dict[str, Finding] = {
         quick_arms=["int8/full"],
         quick_from="real"),
     "real-lora-40": Finding(
-        title="LoRA on the real model over the whole recipe (issue 35): held-out accuracy and 40 steps of mismatch, "
+        title="LoRA on the real model over the whole recipe: held-out accuracy and 40 steps of mismatch, "
               "LoRA on the int8 and fp32 bases against a full fine-tune with int8 rollout",
         arms={"int8/lora": lora_arms(5e-4)["int8/lora"], "int8/full": lora_arms(5e-4)["int8/full"],
               "fp32/lora": {"learner.lora.rank": 8, "learner.lr": 5e-4}},
