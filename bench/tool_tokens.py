@@ -62,24 +62,20 @@ async def sample_answers(cfg, prompts: int, n: int) -> tuple[list[list[int]], li
 
 
 def learner_logprobs(model, prompt: list[int], answer: np.ndarray, temperature: float) -> np.ndarray:
-    """The learner's log-prob of each answer token after ``prompt`` (learner/policy.py ``token_logprobs``)."""
+    """The learner's log-prob of each answer token after ``prompt``: the row the learner builds
+    (learner/batch.py ``collate``) through its own function (learner/policy.py ``token_logprobs``)."""
     import torch
 
-    from learner.batch import Batch
+    from learner.batch import collate
     from learner.policy import token_logprobs
+    from rlpipe.schema import GroupRecord, Sample
 
-    ids = torch.tensor([prompt + [int(t) for t in answer]])
-    width = ids.shape[1]
-    mask = torch.zeros(1, width - 1)
-    mask[0, len(prompt) - 1:] = 1
-    one = lambda v, dtype=torch.float32: torch.tensor([v], dtype=dtype)  # noqa: E731
-    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), targets=ids[:, 1:], mask=mask,
-                  behavior_logprobs=torch.zeros(1, width - 1), advantages=one(0.0), rewards=one(0.0),
-                  group_index=one(0, torch.long), prompt_len=one(len(prompt), torch.long),
-                  staleness=one(0, torch.long), temperature=one(temperature), top_p=one(1.0),
-                  top_k=one(-1, torch.long))
+    tokens = np.asarray(answer, dtype=np.int32)
+    sample = Sample(tokens, np.zeros(len(tokens), dtype=np.float32), "stop", 0.0)
+    record = GroupRecord("bench", "g", "p", "bench", 0, 0, "fp32", "", {"temperature": temperature},
+                         np.asarray(prompt, dtype=np.int32), [sample])
     with torch.no_grad():
-        lp, _ = token_logprobs(model, batch)
+        lp, _ = token_logprobs(model, collate([record], torch.zeros(1, 1), 0))
     return lp[0, len(prompt) - 1:].numpy()
 
 

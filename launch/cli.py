@@ -50,10 +50,14 @@ def _run_shape_args(p):
     p.add_argument("--workers", type=int, help="rollout workers to start (sets workers)")
 
 
+def _runs_dir_arg(p):
+    p.add_argument("--runs-dir", default="runs", help="where run directories live (default: runs)")
+
+
 def _run_place_args(p):
     p.add_argument("--run-id", help="the run's name: its directory under --runs-dir and its Redis keys (default: "
                    "the start time and the seed, e.g. 20261202-141500-s0)")
-    p.add_argument("--runs-dir", default="runs", help="where run directories live (default: runs)")
+    _runs_dir_arg(p)
 
 
 def _seed_arg(p):
@@ -131,7 +135,7 @@ def _up_args(p):
 
 def _status_args(p):
     p.add_argument("--run-dir", help="the run's directory (default: the newest running `up` under --runs-dir)")
-    p.add_argument("--runs-dir", default="runs", help="where run directories live (default: runs)")
+    _runs_dir_arg(p)
 
 
 def _restart_args(p):

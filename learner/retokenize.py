@@ -49,7 +49,6 @@ def retokenize(tokenizer, tokens: np.ndarray, mask: np.ndarray, logprobs: np.nda
     """The answer ``tokens`` (mask 1: sampled, 0: written by a tool) decoded to text and tokenized
     again (special tokens kept, as a chat template writes them), aligned as the module docstring says."""
     old = [int(t) for t in tokens]
-    spans = char_spans(tokenizer, old)
     text = tokenizer.decode(old, skip_special_tokens=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     new, offsets = [int(t) for t in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
@@ -57,6 +56,7 @@ def retokenize(tokenizer, tokens: np.ndarray, mask: np.ndarray, logprobs: np.nda
         return Retokenized(np.asarray(old, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
                            np.asarray(logprobs, dtype=np.float32), np.zeros(len(old), dtype=bool),
                            np.arange(len(old), dtype=np.int64))
+    spans = char_spans(tokenizer, old)  # a decode per token: only for the answers that changed
     by_span = {(span, tok): i for i, (span, tok) in enumerate(zip(spans, old))}
     sampled_chars = np.zeros(len(text) + 1, dtype=bool)
     for (a, b), m in zip(spans, mask):
