@@ -42,6 +42,7 @@ class Batch:
     top_p: torch.Tensor  # (N,) float32: each row's nucleus mass (1: off)
     top_k: torch.Tensor  # (N,) long: each row's top-k (-1 or 0: off)
     routes: torch.Tensor | None = None  # (N, T, layers, top_k) int32 expert ids, -1: none; routing replay only
+    env_mask: torch.Tensor | None = None  # (N, T-1) float: 1 on environment tokens inside a response (a tool's)
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,7 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
     input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n_rows, width), dtype=torch.long)
     mask = torch.zeros((n_rows, width - 1))
+    env = torch.zeros((n_rows, width - 1))
     mu = torch.zeros((n_rows, width - 1))
     for i, (row, (plen, lps, model)) in enumerate(zip(rows, mus)):
         input_ids[i, : len(row)] = torch.tensor(row)
@@ -108,6 +110,7 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
         # response token k sits at position plen+k and is predicted at plen+k-1
         model = torch.from_numpy(model).float()
         mask[i, plen - 1 : len(row) - 1] = model
+        env[i, plen - 1 : len(row) - 1] = 1 - model
         mu[i, plen - 1 : len(row) - 1] = torch.from_numpy(lps) * model
     group_index = torch.tensor([g for g, rec in enumerate(records) for _ in rec.samples])
     return Batch(
@@ -129,6 +132,7 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
         top_k=torch.tensor([int(_or(rec.sampling.get("top_k"), -1)) for rec in records for _ in rec.samples],
                            dtype=torch.long),
         routes=_routes(records, width),
+        env_mask=env,
     )
 
 

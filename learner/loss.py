@@ -286,6 +286,19 @@ def loss_sum(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Ten
     return (per_token * mask).sum()
 
 
+def imitation_sum(pi: torch.Tensor, env_mask: torch.Tensor | None, coef: float, agg: str) -> tuple:
+    """``learner.tool_imitation``: ``coef`` x the negative log-likelihood of the tokens an in-turn
+    tool wrote into the answer, as a :func:`loss_sum` numerator over ``env_mask``, and its mean
+    (``tool_nll``). The policy loss never sees those tokens (the model did not sample them);
+    this term lets the model learn to write the tool's values itself, so that some of the
+    skill stays when it is served without the tool. (0.0, {}) when off."""
+    if not coef or env_mask is None:
+        return 0.0, {}
+    if not env_mask.any():  # a micro-batch without a tool call still reports the key, for the step's mean
+        return 0.0, {"tool_nll": 0.0}
+    return loss_sum(-coef * pi, env_mask, agg), {"tool_nll": masked_mean(-pi.detach(), env_mask).item()}
+
+
 def loss_denominator(mask: torch.Tensor, agg: str, norm_length: int) -> float:
     """What :func:`loss_sum` is divided by, from the mask alone."""
     if agg not in LOSS_AGGREGATIONS:

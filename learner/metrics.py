@@ -80,6 +80,8 @@ _TRAIN = {
     "checkpoint_step": "step of the last durable checkpoint",
     "checkpoint_blocking_seconds": "time the last step was blocked by checkpointing (snapshot and waiting)",
     "ppo_clip_fraction": "fraction of tokens where the PPO clip was active",
+    "tool_nll": "learner.tool_imitation only: mean negative log-likelihood of the tokens the in-turn tool "
+                "wrote into the trained answers",
     "ppo_ratio_mean": "mean PPO ratio of the training policy to the step's old policy",
     "cispo_clip_fraction": "loss cispo: fraction of tokens whose importance-ratio weight was clipped",
     "kl_ref": "mean per-token KL estimate of the policy against the frozen reference model (learner.kl_coef > 0)",

@@ -29,6 +29,7 @@ from learner.loss import (
     importance_weights,
     kl_terms,
     loss_denominator,
+    imitation_sum,
     loss_sum,
     masked_mean,
     mismatch_metrics,
@@ -301,12 +302,13 @@ class PPOStep:
                                 kl_total += loss_sum(kl.detach(), mb.mask, lc.loss_agg).item() * (i < n_parts)
                             if lc.entropy_coef:
                                 per_token = per_token - lc.entropy_coef * ent
-                            part_total = loss_sum(per_token, mb.mask, lc.loss_agg)  # this rank's rows
+                            imitation, imitation_m = imitation_sum(pi, mb.env_mask, lc.tool_imitation, lc.loss_agg)
+                            part_total = loss_sum(per_token, mb.mask, lc.loss_agg) + imitation  # this rank's rows
                             # DDP and FSDP average gradients over ranks; scaling by the world size makes it the sum.
                             self.scaler.backward(part_total * weight / denom)
                         if i < n_parts:
                             total += part_total.item()
-                            ppo_parts.append((ppo_m, mb.mask.sum().item()))
+                            ppo_parts.append(({**ppo_m, **imitation_m}, mb.mask.sum().item()))
                 out.ppo_rows.append(_token_weighted(ppo_parts))
                 grad_norm, was_skipped = self.scaler.step(self.opt, self.model.parameters(), lc.grad_clip)
                 out.skipped += was_skipped

@@ -377,6 +377,10 @@ class LearnerConfig(HttpTimeouts):
     retokenize: bool = Field(False, description="a comparison arm, off by default: train on each answer's text "
                              "tokenized again, as a trainer that keeps episodes as text does, instead of the ids the "
                              "engine sampled (learner/retokenize.py; bench/tool_tokens.py measures the difference)")
+    tool_imitation: float = Field(0.0, ge=0, description="with task.tool: the weight of a supervised term on the "
+                                  "tokens the tool wrote into each answer (their negative log-likelihood, aggregated "
+                                  "as the policy loss is): the model learns to write the values itself, so more of "
+                                  "the skill stays without the tool; 0 = off, the tool's tokens are context only")
     geo_low: float = Field(0.5, gt=0, description="geo_mask: lowest geometric-mean ratio kept")
     geo_high: float = Field(2.0, gt=0, description="geo_mask: highest geometric-mean ratio kept")
     # 2.0: the band [0.5, 2.0] slime runs IcePop with (--tis-clip-low 0.5 --tis-clip 2.0, its
@@ -714,6 +718,13 @@ class RunConfig(Section):
     quant: QuantConfig = QuantConfig()
     eval: EvalConfig = EvalConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
+
+    @model_validator(mode="after")
+    def _imitates_a_tool(self) -> RunConfig:
+        if self.learner.tool_imitation and not self.task.tool:
+            raise ValueError("learner.tool_imitation: set, but task.tool is not: only an in-turn tool's tokens "
+                             "are written into the model's answer for it to imitate")
+        return self
 
     @model_validator(mode="after")
     def _starts_within_bounds(self) -> RunConfig:

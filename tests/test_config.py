@@ -44,6 +44,8 @@ def test_yaml_env_and_dotted_overrides_layer(tmp_path):
     ({"learner": {"icepop_alpha": 1.0}}, "learner.icepop_alpha"),
     ({"learner": {"icepop_alpha": 0}}, "learner.icepop_alpha"),
     ({"learner": {"loss": "dpo"}}, "learner.loss"),
+    ({"learner": {"tool_imitation": 0.5}}, "learner.tool_imitation: set, but task.tool is not"),
+    ({"learner": {"tool_imitation": -1}}, "learner.tool_imitation"),
     ({"learner": {"cispo_eps_high": -1}}, "learner.cispo_eps_high"),
     ({"rollout": {"fleet": ["int8", "fp4"]}}, "rollout.fleet.1"),
     ({"quant": {"int8": {"profil": "p"}}}, "quant.int8.profil"),

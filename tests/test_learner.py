@@ -495,3 +495,28 @@ def test_the_retokenize_arm_trains_the_answers_text_tokenized_again(redis_server
     assert m["retokenized_changed_tokens"] == 0 and not torch.equal(params_vector(learner.model), before)
     plain = make_learner(redis_server, toy_model_path, tmp_path, **{"learner.ppo_epochs": 1})
     assert "retokenized_changed_tokens" not in plain.train(records)
+
+
+def test_tool_imitation_trains_the_tools_tokens_beside_the_policy_loss(redis_server, toy_model_path, tmp_path,
+                                                                       base_model):
+    """learner.tool_imitation: collate marks the environment tokens inside each answer, the step reports
+    their negative log-likelihood, and it falls as the term trains them; off, the key is absent."""
+    from learner.batch import collate
+    records = synthetic_groups(base_model, 4, seed=3)
+    for rec in records:
+        for s in rec.samples:  # the first answer token becomes a tool's: context only, no behaviour log-prob
+            s.mask = np.ones(len(s.tokens), dtype=np.uint8)
+            s.mask[0] = 0
+            s.logprobs = s.logprobs.copy()
+            s.logprobs[0] = 0.0
+    batch = collate(records, torch.zeros(len(records), 4), 0, 0)
+    plen = len(records[0].prompt_tokens)
+    assert batch.env_mask[0, plen - 1] == 1 and batch.env_mask.sum() == sum(len(r.samples) for r in records)
+    assert (batch.env_mask * batch.mask).sum() == 0
+    overrides = {"learner.ppo_epochs": 1, "task.tool": "calculator"}
+    plain = make_learner(redis_server, toy_model_path, tmp_path, **overrides)
+    assert "tool_nll" not in plain.train(records)
+    learner = make_learner(redis_server, toy_model_path, tmp_path, **overrides,
+                           **{"learner.tool_imitation": 1.0, "learner.lr": 3e-3})
+    nll = [learner.train(records)["tool_nll"] for _ in range(4)]
+    assert nll[0] > 0 and nll[-1] < nll[0], nll

@@ -11,6 +11,7 @@ from learner.loss import (
     IS_MODES,
     cispo_terms,
     compute_advantages,
+    imitation_sum,
     importance_weights,
     kl_terms,
     loss_denominator,
@@ -341,3 +342,17 @@ def test_entropy_bonus_only_carries_a_gradient_when_asked():
     bonus.backward()
     grad = model.logits.grad[:, :-1]
     assert torch.isfinite(grad).all() and grad.abs().max() > 0
+
+
+def test_tool_imitation_trains_the_tools_tokens_only_and_is_off_at_zero():
+    """learner.tool_imitation: the gradient of the term reaches exactly the environment positions,
+    scaled by the weight, and nothing when the weight is 0."""
+    pi = torch.tensor([[-0.5, -2.0, -1.0], [-0.1, -3.0, -0.2]], requires_grad=True)
+    env = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    total, m = imitation_sum(pi, env, 0.5, "token_mean")
+    total.backward()
+    assert torch.allclose(pi.grad, -0.5 * env)
+    assert m["tool_nll"] == pytest.approx((2.0 + 3.0 + 0.2) / 3)
+    assert imitation_sum(pi, env, 0.0, "token_mean") == (0.0, {})
+    assert imitation_sum(pi, None, 1.0, "token_mean") == (0.0, {})
+    assert imitation_sum(pi, torch.zeros_like(env), 1.0, "token_mean") == (0.0, {"tool_nll": 0.0})
