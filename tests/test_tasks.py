@@ -13,12 +13,12 @@ import time
 import pytest
 
 from rlpipe.config import ConfigError, TaskConfig, build_config
+from rlpipe.data_files import read_rows
 from rollout_service.tasks import (
     ArithTask,
     MathTask,
     RemoteTask,
     RewardError,
-    load_dataset,
     make_task,
     math_reward,
 )
@@ -145,10 +145,10 @@ def test_bad_datasets_are_named(tmp_path, content, kw, match):
 
 
 def test_unknown_extension(tmp_path):
-    path = tmp_path / "d.csv"
+    path = tmp_path / "d.txt"
     path.write_text("prompt,answer\na,1\n")
-    with pytest.raises(ValueError, match=r"'\.csv'"):
-        load_dataset(path)
+    with pytest.raises(ValueError, match=r"'\.txt'"):
+        read_rows(path)
 
 
 def test_remote_rows_need_no_answer(tmp_path):
