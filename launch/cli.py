@@ -433,7 +433,7 @@ def _run_check(args, cfg) -> int:
 
 
 COMMANDS = {
-    "demo": ("run a whole RL job locally on the toy task", _demo_args, _run_demo),
+    "demo": ("run a whole RL job on this machine: the toy task by default, or --config's", _demo_args, _run_demo),
     "check": ("check a run as `rlpipe demo` would, print its resolved config and plan, and start nothing", _demo_args,
               _run_check),
     "rollout": ("run one rollout worker", _rollout_args, _run_rollout),
