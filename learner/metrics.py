@@ -26,7 +26,7 @@ from pathlib import Path
 from prometheus_client import Counter, Gauge, Histogram, ProcessCollector
 
 from rlpipe.config import MlflowConfig, WandbConfig
-from rlpipe.prom import RunRegistry
+from rlpipe.prom import SYNC_BUCKETS, RunRegistry, run_info
 
 # Keys not exported from the row: those with their own collectors (counters counted where
 # they happen, the sync-time histogram), each worker's own (rollout_idle_seconds_total is every
@@ -306,8 +306,16 @@ class LearnerMetrics:
                                   registry=self.registry)
         self.sync_seconds = Histogram("rlpipe_weight_sync_seconds", "learner-side weight sync time, by phase: "
                                       "prepare (quantize and pack), pack, transfer, convergence",
-                                      ["phase"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-                                      registry=self.registry)
+                                      ["phase"], buckets=SYNC_BUCKETS, registry=self.registry)
+        # counters behind the step's rates, so a step shorter than a scrape still counts
+        self.steps = Counter("rlpipe_learner_steps", "learner steps taken by this process", registry=self.registry)
+        self.tokens = Counter("rlpipe_learner_tokens", "response tokens trained by this process",
+                              registry=self.registry)
+        self.step_duration = Histogram("rlpipe_learner_step_duration_seconds", "wall time of one learner step "
+                                       "(waiting for groups, training and the weight sync)",
+                                       buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
+        model = ((config or {}).get("model") or {}).get("path") or ""
+        run_info(self.registry, role="learner", model=model)
         self.sync_bytes = Counter("rlpipe_weight_sync_bytes", "bytes broadcast to workers", registry=self.registry)
         self.sync_failures = Counter("rlpipe_weight_sync_failures", "syncs that failed (generation re-formed)",
                                      registry=self.registry)
@@ -338,6 +346,10 @@ class LearnerMetrics:
             self._export(name, value)
 
     def record(self, step_metrics: dict) -> None:
+        self.steps.inc()
+        self.tokens.inc(max(float(step_metrics.get("tokens") or 0), 0.0))
+        if step_metrics.get("learner_step_seconds") is not None:
+            self.step_duration.observe(float(step_metrics["learner_step_seconds"]))
         for name, value in step_metrics.items():
             if isinstance(value, bool) or name in NOT_EXPORTED:
                 continue

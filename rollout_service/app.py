@@ -9,6 +9,7 @@
     POST /v1/sessions  open a token-exact multi-turn session (token); then
          /v1/sessions/{id}/turn    append a message, sample the model's turn
          /v1/sessions/{id}/finish  close it: the whole episode with its loss mask
+    GET  /v1/models    OpenAI's model list: the one model served (token)
     POST /v1/chat/completions, /v1/completions  OpenAI's shape, stateless or continuing a
                        session named by X-Session-Id or the body's session_id (token)
     GET  /openapi.json the schema; /docs renders it
@@ -31,8 +32,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import types
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated
 
 import numpy as np
@@ -40,6 +43,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -47,7 +51,7 @@ from rlpipe.auth import api_token, bearer_carries, require_token, wrong_token
 from rlpipe.config import RunConfig
 from rollout_service import api_models as models
 from rollout_service.api_models import GenerateRequest, GenerateResponse, request_model
-from rollout_service.openai_api import ChatRequest, CompletionRequest
+from rollout_service.openai_api import ChatRequest, CompletionRequest, error_body, model_list
 from rollout_service.worker import Worker
 
 
@@ -211,6 +215,12 @@ async def chat_completions(req: ChatRequest, worker: TheWorker, x_session_id: Se
     return await worker.chat_completion(req, x_session_id)
 
 
+@api.get("/v1/models", responses={401: ERRORS[401]})
+async def models_list(request: Request):
+    """OpenAI's model list: the one model this worker serves (what a client's ``model`` may name)."""
+    return model_list(*request.app.state.model)
+
+
 @api.post("/v1/completions", responses=SESSION_ERRORS)
 async def completions(req: CompletionRequest, worker: TheWorker, x_session_id: SessionHeader = None):
     """OpenAI's text completion; with a session id, a plain session's next turn."""
@@ -243,9 +253,18 @@ async def invalid_request(request: Request, exc: RequestValidationError):
     unreadable = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if unreadable is not None:
         why = (unreadable.get("ctx") or {}).get("error", "JSON decode error")
-        return JSONResponse({"detail": json_safe(f"body is not JSON: {why} at character {unreadable['loc'][-1]}")},
-                            status_code=400)
-    return JSONResponse({"detail": json_safe(errors)}, status_code=422)
+        return refusal(request, 400, json_safe(f"body is not JSON: {why} at character {unreadable['loc'][-1]}"))
+    return refusal(request, 422, json_safe(errors))
+
+
+def refusal(request: Request, status: int, detail, headers: dict | None = None) -> JSONResponse:
+    """Every error answer: ``detail``, and OpenAI's error object on OpenAI's routes (openai_api.error_body)."""
+    return JSONResponse(error_body(request.url.path, status, detail), status_code=status, headers=headers)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException):
+    """A raised HTTPException (a 4xx naming its field, a 404 session), answered as :func:`refusal` does."""
+    return refusal(request, exc.status_code, json_safe(exc.detail), getattr(exc, "headers", None))
 
 
 TOKEN_ROUTES = "/v1/"  # every route under it needs the token (``api`` and /v1/generate); probes and docs do not
@@ -257,14 +276,14 @@ def refused_from_header(request: Request) -> JSONResponse | None:
     state = request.app.state
     if request.url.path.startswith(TOKEN_ROUTES) and not bearer_carries(request.headers.get("authorization"),
                                                                          state.api_token):
-        refusal = wrong_token()
-        return JSONResponse({"detail": refusal.detail}, status_code=401, headers=refusal.headers)
+        refused = wrong_token()
+        return refusal(request, 401, refused.detail, refused.headers)
     max_body_bytes = state.worker.limits.max_body_bytes
     length = request.headers.get("content-length")
     if request.method in ("POST", "PUT", "PATCH") and length is None:
-        return JSONResponse({"detail": "Content-Length required"}, status_code=411)
+        return refusal(request, 411, "Content-Length required")
     if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-        return JSONResponse({"detail": f"body larger than {max_body_bytes} bytes"}, status_code=413)
+        return refusal(request, 413, f"body larger than {max_body_bytes} bytes")
     return None
 
 
@@ -296,7 +315,9 @@ def create_app(cfg: RunConfig, worker_id: str = "w0", address: str = "", redis_c
     worker = Worker(cfg, worker_id, address, redis_client)
     app = FastAPI(title="rlpipe rollout worker", version="1", lifespan=lifespan)
     app.state.worker = worker
+    app.state.model = (Path(str(cfg.model.path or "toy")).name, int(time.time()))  # GET /v1/models: id, created
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.state.api_token = api_token()
     app.middleware("http")(gate)
     authorized = [require_token(app.state.api_token)]

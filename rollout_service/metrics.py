@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, ProcessCollector
 
-from rlpipe.prom import RunRegistry
+from rlpipe.prom import SYNC_BUCKETS, RunRegistry, run_info
 
 
 class RolloutMetrics:
-    def __init__(self, worker_id: str, precision: str, run_id: str = ""):
+    def __init__(self, worker_id: str, precision: str, run_id: str = "", model: str = ""):
         self.registry = RunRegistry(run_id)
         labels = {"worker": worker_id, "precision": precision}
         r = self.registry
+        run_info(r, role="rollout", model=model, **labels)
 
         def counter(name, doc):
             return Counter(f"rlpipe_{name}", doc, list(labels), registry=r).labels(**labels)
@@ -35,10 +36,10 @@ class RolloutMetrics:
                                     "(held by back-pressure or waiting for weights)")
         self.sync_seconds = Histogram(
             "rlpipe_weight_sync_seconds", "weight update time on the worker, by phase", list(labels) + ["phase"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+            buckets=SYNC_BUCKETS, registry=r)
         self.sync_pause_seconds = Histogram(
             "rlpipe_weight_sync_pause_seconds", "generation pause per weight update", list(labels),
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r).labels(**labels)
+            buckets=SYNC_BUCKETS, registry=r).labels(**labels)
         self.prompts_given_back = counter("rollout_prompts_given_back", "prompts returned to the cursor unfinished")
         self.prompts_skipped = counter("rollout_prompts_skipped", "prompts skipped: too long, or failed twice here")
         self.prompts_dead = counter("rollout_prompts_dead", "prompts dead-lettered: their reward or environment "

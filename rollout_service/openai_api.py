@@ -13,7 +13,9 @@ Without a session id these routes are a plain, stateless OpenAI-compatible serve
 Answers have OpenAI's shape plus extension fields: ``prompt_token_ids`` and ``session_id`` at
 the top, and per choice the turn's ``token_ids``, ``behavior_logprobs`` and ``versions``.
 Unknown request keys are ignored (clients send many); ``stream`` and ``n`` > 1 within a session
-are refused, naming the field.
+are refused, naming the field. ``GET /v1/models`` lists the one model, which many clients ask
+first, and an error on these routes has OpenAI's ``{"error": {message, type, param, code}}``
+beside rlpipe's own ``detail`` (:func:`error_body`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,31 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from rollout_service.api_models import Int, JsonObject, Message, Sampling, Text, bad_request
 
 SESSION_HEADER = "X-Session-Id"
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def error_body(path: str, status: int, detail) -> dict:
+    """The JSON of an error answer: ``{"detail": ...}`` (FastAPI's, which rlpipe's clients read) and, on
+    OpenAI's routes, OpenAI's ``error`` object too, so an OpenAI client shows the message and the field."""
+    body = {"detail": detail}
+    if not path.startswith(OPENAI_PATHS):
+        return body
+    param = None
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):  # validation errors: loc, msg
+        loc = [str(x) for x in detail[0].get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg', '')}"
+                            for e in detail if isinstance(e, dict))
+    else:
+        message = str(detail)
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {**body, "error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def model_list(model_id: str, created: int) -> dict:
+    """``GET /v1/models``: the worker's one model, as OpenAI lists models."""
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "rlpipe"}]}
 
 
 StopText = Annotated[Text, Field(min_length=1)]

@@ -164,8 +164,10 @@ def families(registry) -> list[tuple[str, str, tuple[str, ...], str]]:
     out = []
     for collector in list(registry._collector_to_names):
         if isinstance(collector, MetricWrapperBase):
-            name = collector._name + ("_total" if collector._type == "counter" else "")
-            out.append((name, collector._type, tuple(collector._labelnames), collector._documentation))
+            name = collector._name + {"counter": "_total", "info": "_info"}.get(collector._type, "")
+            info = sorted(collector._value) if collector._type == "info" else []  # an info's labels are its value
+            labels = tuple(collector._labelnames) + tuple(info)
+            out.append((name, collector._type, labels, collector._documentation))
     return sorted(out)
 
 

@@ -71,6 +71,29 @@ def test_the_metrics_reference_lists_every_role_metric():
             "rlpipe_mismatch_kl_by_precision", "rlpipe_eval_accuracy", "rlpipe_learner_done"} <= names
 
 
+def test_every_roles_exposition_passes_promtool_and_no_name_carries_a_labels_value():
+    """promtool's metric lint on what the learner and a worker serve; a precision or a worker id is a label,
+    never part of a name; each role says its build and what it runs; the rates have counters behind them."""
+    from prometheus_client import generate_latest
+
+    from rlpipe.precisions import SPECS
+    from rollout_service.metrics import RolloutMetrics
+
+    worker = RolloutMetrics("w0", "bf16", "reference", model="smollm2-135m-instruct").registry
+    for registry in (gen.learner_registry(), worker):
+        text = generate_latest(registry).decode()
+        out = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        # quant_kl_vs_bf16 names its fixed reference (the int8 weights against bf16 ones), not one series of many
+        names = {name for name, *_ in gen.families(registry)} - {"rlpipe_quant_kl_vs_bf16"}
+        assert not [n for n in names for p in SPECS if re.search(rf"(^|_){p}(_|$)", n)], names
+        assert "rlpipe_build_info" in names and 'role="' in text and 'vllm="' in text
+    assert {"rlpipe_learner_steps_total", "rlpipe_learner_tokens_total",
+            "rlpipe_learner_step_duration_seconds"} <= {n for n, *_ in gen.families(gen.learner_registry())}
+    assert 'le="300.0"' in generate_latest(worker).decode()  # a real model's sync fits the buckets
+
+
 def test_the_site_builds_strict(tmp_path):
     """mkdocs.yml at the root, every page in the nav, every link and anchor found."""
     out = subprocess.run([tool("mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,

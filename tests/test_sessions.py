@@ -487,6 +487,16 @@ def test_stateless_openai_completions(live):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "1"}],
                                        extra_headers={"X-Session-Id": "missing"})
+    # what many clients ask first, and errors in OpenAI's shape: the client reads the field and the message
+    listed = client.models.list().data
+    assert len(listed) == 1 and listed[0].owned_by == "rlpipe" and listed[0].id
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.chat.completions.create(model=listed[0].id, messages=[{"role": "user", "content": "1"}],
+                                       max_tokens=10**12)
+    assert refused.value.param == "max_tokens" and refused.value.type == "invalid_request_error"
+    assert "exceeds rollout.max_new_tokens" in refused.value.message
+    plain = post(live, "/v1/generate", {"prompt": "1", "max_tokens": 10**12})  # rlpipe's own routes: detail only
+    assert plain.status_code == 422 and set(plain.json()) == {"detail"}
 
 
 # -- one rule for max_tokens, and malformed requests, on every route (issue 33 items 6 and 7) --------
