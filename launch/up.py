@@ -410,12 +410,12 @@ def write_targets(run_dir: Path, r, cfg: RunConfig, roles: list[str]) -> None:
     if "learner" in roles:
         address = registry.learner_state(r, _keys(cfg)).get("address")
         if address:
-            learner.append({"targets": [address], "labels": {"instance": "learner"}})
+            learner.append({"targets": [address], "labels": {"instance": "learner", "run_id": cfg.run_id}})
     workers = []
     for name in sorted(x for x in roles if x != "learner"):
         path = run_dir / "addresses" / name
         if path.exists():
-            workers.append({"targets": [path.read_text().strip()], "labels": {"instance": name}})
+            workers.append({"targets": [path.read_text().strip()], "labels": {"instance": name, "run_id": cfg.run_id}})
     for job, groups in (("learner", learner), ("rollout", workers)):
         path = out / f"targets-{job}.json"
         # only on a change: Prometheus re-reads discovery files whenever they are written
@@ -435,7 +435,8 @@ def write_prometheus_config(run_dir: Path, scrape_interval: str = "5s", rule_fil
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "rule_files": rule_files,
-        "scrape_configs": [{"job_name": JOBS[job], "file_sd_configs": [
+        # honor_labels: a series' own run_id stands (the target's, for `up`, is the same run's)
+        "scrape_configs": [{"job_name": JOBS[job], "honor_labels": True, "file_sd_configs": [
             {"files": [str(out / f"targets-{job}.json")], "refresh_interval": "1s"}]} for job in JOBS],
     }
     path = out / name

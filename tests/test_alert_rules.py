@@ -141,6 +141,21 @@ def test_dashboard_covers_the_pipeline():
         assert metric in exprs, metric
 
 
+def test_no_kl_is_drawn_as_a_percentage():
+    """A KL is nats, not a fraction: in a panel whose unit is a percentage, a KL query has its own unit."""
+    from tests.ops_tools import _panels
+
+    wrong = []
+    for panel in _panels(dashboard().get("panels", [])):
+        if "percent" not in panel.get("fieldConfig", {}).get("defaults", {}).get("unit", ""):
+            continue
+        own_unit = {o["matcher"]["options"] for o in panel["fieldConfig"].get("overrides", [])
+                    if o["matcher"]["id"] == "byFrameRefID" and any(p["id"] == "unit" for p in o["properties"])}
+        wrong += [f"{panel['title']}: {t['expr']}" for t in panel.get("targets", [])
+                  if re.search(r"_kl(_|\b)", t.get("expr", "")) and t["refId"] not in own_unit]
+    assert not wrong, wrong
+
+
 def test_every_dashboard_query_is_filtered_by_the_run_variable():
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
     assert variables["run"]["type"] == "query"

@@ -171,11 +171,20 @@ def test_monitoring_custom_resources(target, routes):
             job = [r["replacement"] for r in ep.get("relabelings", []) if r.get("targetLabel") == "job"]
             assert len(job) == 1 and ep["relabelings"][0].get("action", "replace") == "replace"
             jobs[role] = job[0]
+            # every target (`up` too) carries the run's run_id, from the pods' instance label; the series' own stands
+            run_id = [r for r in ep["relabelings"] if r.get("targetLabel") == "run_id"]
+            assert run_id == [{"action": "replace", "targetLabel": "run_id",
+                               "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]}]
+            assert ep["honorLabels"] is True
+        assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"  # its default Prometheus selects it
     # the job names the alerts, the dashboard and `rlpipe up` select on
     assert jobs == {"learner": "rlpipe-learner", "rollout": "rlpipe-rollout"}
+    run = yaml.safe_load(run_config_text(docs))["run_id"]
+    for role in ROLES:
+        assert workload(docs, role)["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == run
 
     (rule,) = objects(docs, "PrometheusRule")
-    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     groups = rule["spec"]["groups"]
     assert groups, "PrometheusRule without groups"
     for g in groups:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops_tools import tool
+from tests.ops_tools import check_metrics, tool
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
@@ -82,9 +82,7 @@ def test_every_roles_exposition_passes_promtool_and_no_name_carries_a_labels_val
     worker = RolloutMetrics("w0", "bf16", "reference", model="smollm2-135m-instruct").registry
     for registry in (gen.learner_registry(), worker):
         text = generate_latest(registry).decode()
-        out = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stdout + out.stderr
+        check_metrics(text)
         # quant_kl_vs_bf16 names its fixed reference (the int8 weights against bf16 ones), not one series of many
         names = {name for name, *_ in gen.families(registry)} - {"rlpipe_quant_kl_vs_bf16"}
         assert not [n for n in names for p in SPECS if re.search(rf"(^|_){p}(_|$)", n)], names
