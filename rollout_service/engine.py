@@ -142,7 +142,7 @@ class RolloutEngine:
             distributed_executor_backend="uni" if engine_processes(self.cfg.engine) == 1 else "mp",
             **({"weight_transfer_config": {"backend": backend}} if (backend := transfer_backend(self.transport))
                else {}),
-            disable_log_stats=True,
+            disable_log_stats=not self.cfg.vllm_metrics,  # on: vLLM's vllm:* series (rollout/metrics.py)
             **self.profile.engine_kwargs(),
             **lora_engine_kwargs(self.lora),
             # a cached prefix is not forwarded: its tokens would have no routes

@@ -37,7 +37,7 @@ SET_BY_RLPIPE = {
     "worker_extension_cls": "nothing: it is rlpipe's weight follower",
     "logprobs_mode": "nothing: behavior log-probs must be the sampling distribution's (processed_logprobs)",
     "distributed_executor_backend": "nothing: it follows from the parallel sizes",
-    "disable_log_stats": "nothing: the worker exports its own metrics",
+    "disable_log_stats": "rollout.vllm_metrics",
     "weight_transfer_config": "sync.transport",
 }
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")

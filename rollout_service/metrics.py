@@ -8,9 +8,24 @@ from prometheus_client import Counter, Gauge, Histogram, ProcessCollector
 from rlpipe.prom import SYNC_BUCKETS, RunRegistry, run_info
 
 
+class VllmSeries:
+    """vLLM's own series (``vllm:*``, in prometheus_client's default registry, where its stat logger
+    registers them), served through the worker's registry so they carry run_id (``rollout.vllm_metrics``)."""
+
+    def collect(self):
+        from prometheus_client import REGISTRY
+
+        return [m for m in REGISTRY.collect() if m.name.startswith("vllm:")]
+
+    def describe(self):
+        return []  # unknown until the engine runs: no name is reserved at registration
+
+
 class RolloutMetrics:
-    def __init__(self, worker_id: str, precision: str, run_id: str = "", model: str = ""):
+    def __init__(self, worker_id: str, precision: str, run_id: str = "", model: str = "", vllm: bool = False):
         self.registry = RunRegistry(run_id)
+        if vllm:
+            self.registry.register(VllmSeries())
         labels = {"worker": worker_id, "precision": precision}
         r = self.registry
         run_info(r, role="rollout", model=model, **labels)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -55,7 +56,8 @@ def api(toy_model_path, tmp_path_factory):
                                           "rollout.max_n": 8, "rollout.max_new_tokens": 16,
                                           "rollout.max_body_bytes": 4096, "rollout.max_inflight_groups": 1,
                                           "sampling.n": 8, "rollout.http_header_timeout_s": HEADER_TIMEOUT_S,
-                                          "rollout.http_body_timeout_s": BODY_TIMEOUT_S})
+                                          "rollout.http_body_timeout_s": BODY_TIMEOUT_S,
+                                          "rollout.vllm_metrics": True})
     with standalone_worker(cfg, run_dir, "api", TOKEN) as base:
         yield base
 
@@ -75,7 +77,10 @@ def test_generate_and_status_need_the_token_health_and_metrics_do_not(api):
     assert status["profile"]["precision"] == "fp32" and status["limits"]["max_n"] == 8
     for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
         assert httpx.get(f"{api}{path}").status_code == 200, path
-    assert 'rlpipe_http_rejected_total{code="401"' in httpx.get(f"{api}/metrics").text
+    scraped = httpx.get(f"{api}/metrics").text
+    assert 'rlpipe_http_rejected_total{code="401"' in scraped
+    # rollout.vllm_metrics: vLLM's own series beside rlpipe's, with the run's run_id
+    assert re.search(r'^vllm:num_requests_running\{.*run_id="', scraped, flags=re.M), scraped[-2000:]
 
 
 def test_limits_come_from_the_config(api):
