@@ -202,8 +202,6 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append("learner.geo_low: must be below learner.geo_high")
     if cfg.rollout.fleet and len(cfg.rollout.fleet) > cfg.workers:
         problems.append("rollout.fleet: lists more precisions than there are workers")
-    if cfg.sampling.n < 2:
-        problems.append("sampling.n: group advantages need at least 2 samples per prompt")
     if cfg.learner.retokenize and cfg.rollout.routing_replay:
         problems.append("learner.retokenize: re-tokenized answers have no recorded experts to replay; "
                         "set rollout.routing_replay: false, or learner.retokenize: false")

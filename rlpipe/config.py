@@ -43,7 +43,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    """``path: null`` builds (once, cached) the toy model described by ``toy``."""
+    """``path: null`` builds (once, cached) the toy model described by the ``toy_*`` keys."""
 
     path: str | None = Field(None, description="the base model: a Hugging Face model directory (one with a "
                              "config.json), a built-in name (smollm2-135m-instruct, prepared once into "
@@ -165,7 +165,7 @@ class SamplingConfig(Section):
     log-probs (vLLM ``processed_logprobs``) and the learner's are of the same distribution
     (fp32: equal to 1e-4, tests/test_topk_topp.py). Ties at the k-th logit are all kept."""
 
-    n: int = Field(8, ge=1, le=256, description="samples per prompt: one group, whose rewards are compared for "
+    n: int = Field(8, ge=2, le=256, description="samples per prompt (at least 2): one group, whose rewards are compared for "
                    "the advantages (GRPO's group size)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner divides its logits by "
                                "the same, so both sides score the distribution the tokens were drawn from")

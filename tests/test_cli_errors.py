@@ -74,8 +74,8 @@ def test_a_model_path_that_is_no_model_is_named_before_anything_starts(tmp_path)
 
 def test_a_learner_started_on_its_own_checks_the_run_as_the_launchers_do(model_dir):
     """On Kubernetes or Slurm nothing but the learner itself checks the run at launch."""
-    assert_usage_error(*rlpipe("learner", "--set", f"model.path={model_dir}", "--set", "sampling.n=1"),
-                       "sampling.n", "at least 2")
+    assert_usage_error(*rlpipe("learner", "--set", f"model.path={model_dir}", "--set", "learner.geo_low=3"),
+                       "learner.geo_low", "below learner.geo_high")
 
 
 def test_routing_replay_on_a_model_without_experts_is_named(toy_model_path):

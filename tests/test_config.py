@@ -63,8 +63,10 @@ def test_bad_keys_are_named(data, field):
 
 
 def test_cross_role_rules():
-    with pytest.raises(ConfigError, match="sampling.n"):
-        validate_run(build_config({"sampling": {"n": 1}}, environ={}))
+    with pytest.raises(ConfigError, match="sampling.n"):  # a group needs 2 answers to compare
+        build_config({"sampling": {"n": 1}}, environ={})
+    with pytest.raises(ConfigError, match="learner.geo_low"):
+        validate_run(build_config({"learner": {"geo_low": 3.0}}, environ={}))
 
 
 def test_a_model_the_launch_check_cannot_build_is_a_config_error_naming_it(tmp_path, monkeypatch):
