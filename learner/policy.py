@@ -21,7 +21,7 @@ import torch
 
 from learner.batch import Batch
 from learner.loss import token_entropy
-from learner.routing import routes_for
+from learner.routing import recompute_contexts, routes_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,7 +67,9 @@ def enable_activation_checkpointing(model) -> int:
     def checkpointed(forward, *args, **kwargs):
         if not torch.is_grad_enabled():  # pi_old and other no-grad passes: nothing to save
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # an MoE's routers recompute with the forward's routes (learner/routing.py recompute_contexts)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=partial(recompute_contexts, model),
+                          **kwargs)
 
     layers = decoder_layers(model)
     for layer in layers:

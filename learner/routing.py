@@ -5,7 +5,7 @@ Why: an engine and the learner compute a token's router logits in different kern
 precisions), and where two experts score nearly alike they pick different ones. On the
 feasibility probe 1.6% of a bf16 engine's tokens were routed differently by the learner,
 and those few tokens gave log-prob gaps up to 0.66; replaying the engine's experts cut the
-largest gap to 0.018 (../shared/feasibility/LORA_MOE_NOTES.md). Replay forces only the
+largest gap to 0.018 (the LoRA and MoE feasibility probe). Replay forces only the
 *choice*: the router's probabilities are still computed, softmax over all experts, and the
 chosen ones' weights are gathered from them (renormalised as the model does), so the router
 keeps its gradient.
@@ -23,7 +23,7 @@ own top-k set equals the replayed one: the routing agreement (:class:`Tally`).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -153,6 +153,28 @@ def routes_for(model: torch.nn.Module, routes: torch.Tensor | None, valid: torch
         state["routes"] = state["valid"] = None
 
 
+def recompute_contexts(model: torch.nn.Module):
+    """``torch.utils.checkpoint``'s ``context_fn`` for a layer of ``model`` (learner.activation_checkpointing):
+    its recomputation in the backward pass, after :func:`routes_for` has exited, routes as the forward did
+    (the same replayed experts and load mask, so the same tensors are saved and the gradient is the one of
+    the experts that were used), and counts nothing a second time. Called at the forward, so it sees the
+    routes in force then."""
+    state = model.__dict__.get("_rlpipe_routing")
+    if state is None:
+        return nullcontext(), nullcontext()
+    return nullcontext(), _as_in_forward(state, state["routes"], state.get("valid"))
+
+
+@contextmanager
+def _as_in_forward(state: dict, routes, valid):
+    kept = state["routes"], state.get("valid"), state["tally"]
+    state["routes"], state["valid"], state["tally"] = routes, valid, Tally()  # this count is dropped
+    try:
+        yield
+    finally:
+        state["routes"], state["valid"], state["tally"] = kept
+
+
 def take_tally(model: torch.nn.Module) -> Tally:
     """The agreement counted since the last call (and a fresh count from here)."""
     state = model.__dict__.get("_rlpipe_routing")
@@ -204,7 +226,7 @@ def routed(router: torch.nn.Module, hidden_states: torch.Tensor, forced: torch.T
         if valid.shape[0] != len(chosen):  # a mask of another layout would count the wrong rows
             raise ValueError(f"router load for layer {layer}: a mask of {valid.shape[0]} rows, the forward has "
                              f"{len(chosen)} tokens")
-        tally.add_load(layer, chosen[valid], probs[valid])
+        tally.add_load(layer, chosen[valid], probs.detach()[valid])  # counting saves nothing for the backward
     weights = probs.gather(-1, chosen)
     if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises (no attribute)
         weights = weights / weights.sum(-1, keepdim=True)

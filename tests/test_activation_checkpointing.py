@@ -59,3 +59,34 @@ def test_decoder_layers_are_found_in_every_family_and_checkpointing_keeps_its_gr
     for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
         if a.grad is not None:
             assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "own_routes"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_a_mixture_of_experts_recomputes_through_the_forwards_experts(family, replay):
+    """A checkpointed MoE layer is recomputed in the backward pass, after the replayed routes and the
+    load mask are out of force: it routes as its forward did (the same saved tensors, not a
+    CheckpointError; with replay, the gradient of the rollout's experts, equal to an unchecked
+    forward's), and its routers count the forward once."""
+    from learner import routing
+    from tests.test_routing import own_routes, random_routes
+
+    plain, ckpt = tiny_model(family), tiny_model(family)
+    ckpt.load_state_dict(plain.state_dict())
+    enable_activation_checkpointing(ckpt)
+    ids = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(1))
+    layers, top_k, experts = routing.routing_shape(plain)
+    routes = random_routes(own_routes(plain, ids).shape, experts) if replay else None
+    valid = torch.ones_like(ids)
+    tallies = []
+    for model in (plain, ckpt):
+        routing.install(model)
+        with routing.routes_for(model, routes, valid):
+            loss = model(input_ids=ids).logits.float().logsumexp(-1).sum()
+        loss.backward()
+        tallies.append(routing.take_tally(model))
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+    (a, b) = tallies
+    assert a.total == b.total and a.agree == b.agree and a.tokens == b.tokens == {i: 14 for i in range(layers)}
