@@ -110,7 +110,7 @@ class Ledger:
                 duplicate.append(e)
             else:
                 in_batch.add(index)
-                too_old = self.counters.version - e.record.oldest_version > self.cfg.queue.max_staleness
+                too_old = self.counters.version - e.record.oldest_version > self.cfg.queue.staleness_bound
                 no_signal = dynamic and not too_old and len(set(e.record.rewards)) <= 1
                 (stale if too_old else filtered if no_signal else fresh).append(e)
         return fresh, stale, duplicate, later, filtered
@@ -131,7 +131,7 @@ class Ledger:
             by[e.record.precision] = by.get(e.record.precision, 0) + 1
         self.dropped_stale_metric.inc(len(stale))
         if stale:
-            log.info("dropped %d groups older than %d versions", len(stale), self.cfg.queue.max_staleness)
+            log.info("dropped %d groups older than %d versions", len(stale), self.cfg.queue.staleness_bound)
         if duplicate:
             log.warning("acknowledged %d duplicate groups (prompts %s already settled) without training them",
                         len(duplicate), sorted(e.record.prompt_index for e in duplicate))

@@ -14,12 +14,12 @@ cannot produce inf or nan. Functions return their metrics as plain floats.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
 import torch
 
-from rlpipe.config import IS_MODES  # learner.is_mode's values; importance_weights says what each one does
-
-# Modes whose PPO ratio is taken against mu instead of pi_old (and that need no extra weight).
-RATIO_AGAINST_MU = ("ppo_is", "bypass")
+from rlpipe.corrections import IS_MODES, RATIO_AGAINST_MU  # noqa: F401 (learner.is_mode's values, for callers)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -73,10 +73,34 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norm:
 
 
 # -- importance weights ----------------------------------------------------------------------
-def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0,
-                       geo_low: float = 0.5, geo_high: float = 2.0, clamp: float = 20.0, icepop_beta: float = 2.0,
-                       icepop_alpha: float | None = None):
-    """Per-token mismatch weights (N, T), detached, and their metrics.
+@dataclass(frozen=True)
+class ISSettings:
+    """``learner.is_mode`` and its bounds as one value, built once from the config (:meth:`of`) and passed
+    whole: a new setting is one field here, named as its key (or mapped in ``KEYS``)."""
+
+    mode: str = "token_tis"
+    cap: float = 2.0  # learner.is_cap: C below
+    geo_low: float = 0.5
+    geo_high: float = 2.0
+    clamp: float = 20.0  # learner.log_ratio_clamp: |log w| at most this before exp
+    icepop_beta: float = 2.0
+    icepop_alpha: float | None = None
+    KEYS: ClassVar[dict[str, str]] = {"mode": "is_mode", "cap": "is_cap", "clamp": "log_ratio_clamp"}
+
+    @classmethod
+    def of(cls, learner_config) -> ISSettings:
+        """The settings of a ``LearnerConfig``."""
+        return cls(**{f.name: getattr(learner_config, cls.KEYS.get(f.name, f.name)) for f in fields(cls)})
+
+    @property
+    def against_mu(self) -> bool:
+        """Whether the PPO ratio is taken against mu (the behaviour log-probs) instead of pi_old."""
+        return self.mode in RATIO_AGAINST_MU
+
+
+def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, settings: ISSettings):
+    """Per-token mismatch weights (N, T), detached, and their metrics, for the correction ``settings``
+    names (its mode, ``C`` its cap).
 
     With ``w_t = exp(pi_old - mu)`` per token, ``W = prod_t w_t`` per sequence and
     ``g = W ** (1/len)`` its geometric mean:
@@ -94,6 +118,8 @@ def importance_weights(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tenso
                            band leaves the loss altogether (masked, not truncated); one inside keeps its
                            weight w_t, as IcePop's M does and slime's ``icepop_function``.
     """
+    mode, cap, geo_low, geo_high, clamp = settings.mode, settings.cap, settings.geo_low, settings.geo_high, settings.clamp
+    icepop_beta, icepop_alpha = settings.icepop_beta, settings.icepop_alpha
     if mode not in IS_MODES:
         raise ValueError(f"is_mode: unknown mode {mode!r}")
     log_w = (pi_old - mu).clamp(-clamp, clamp) * mask

@@ -24,7 +24,7 @@ import torch
 from learner.batch import Batch, collate, microbatches
 from learner.loss import (
     POLICY_LOSSES,
-    RATIO_AGAINST_MU,
+    ISSettings,
     compute_advantages,
     importance_weights,
     kl_terms,
@@ -102,6 +102,7 @@ class PPOStep:
         self.device = ranks.device
         lc = cfg.learner
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
+        self.is_settings = ISSettings.of(lc)  # the mismatch correction, one value for every call
         self.max_tokens = lc.max_tokens_per_microbatch or token_budget(
             model.config, lc.activation_memory_gib, lc.activation_checkpointing)
         # the weights the engines compute with (under LoRA the adapter: the base is served as it is, learner/lora.py)
@@ -138,9 +139,8 @@ class PPOStep:
         advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm,
                                                          negative_scale=lc.negative_scale)
         batch.advantages = advantages.reshape(-1).to(self.device)  # rows are records x samples (collate)
-        weights, is_metrics = importance_weights(pi_old, mu, batch.mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                                 lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
-        ref = mu if lc.is_mode in RATIO_AGAINST_MU else pi_old
+        weights, is_metrics = importance_weights(pi_old, mu, batch.mask, self.is_settings)
+        ref = mu if self.is_settings.against_mu else pi_old
         update = self._update(batch, informative, weights, ref, ref_lp)
         metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
                                                  is_metrics, update, kl_metrics))
@@ -236,8 +236,7 @@ class PPOStep:
         pi_old = ranks.share_rows(pi_old[seen.bool()], everyone[seen.bool()], n_rows)
         entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
         mask = batch.mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
-        _, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                           lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
+        _, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, self.is_settings)
         metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
                                                  is_metrics, update, kl_metrics))
         if (visible := self.served.visible_fraction()) is not None:
@@ -326,9 +325,8 @@ class PPOStep:
             return weights[part, :width], ref[part, :width]
         lc = self.cfg.learner
         old = pi.detach()
-        w, _ = importance_weights(old, mb.behavior_logprobs, mb.mask, lc.is_mode, lc.is_cap, lc.geo_low,
-                                  lc.geo_high, lc.log_ratio_clamp, lc.icepop_beta, lc.icepop_alpha)
-        return w, mb.behavior_logprobs if lc.is_mode in RATIO_AGAINST_MU else old
+        w, _ = importance_weights(old, mb.behavior_logprobs, mb.mask, self.is_settings)
+        return w, mb.behavior_logprobs if self.is_settings.against_mu else old
 
     def _step_metrics(self, o: StepOutcome) -> dict:
         records, rewards, informative, batch = o.records, o.rewards, o.informative, o.batch

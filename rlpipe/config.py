@@ -19,14 +19,11 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from rlpipe.corrections import IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
 from rlpipe.datasets import check_dataset, is_path
 from rlpipe.machine import auto_precision
 from rlpipe.precisions import SPECS, Precision, WireKind
 
-# docs/design.md 'Loss'; learner/loss.py says what each one does.
-IsMode = Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "icepop", "ppo_is", "vanilla_is",
-                 "bypass"]
-IS_MODES: tuple[str, ...] = get_args(IsMode)
 # 'auto': the fastest of this machine (rlpipe/machine.py), resolved where the config is read, so the
 # config the launcher writes for every role names what was chosen.
 TrainDtype = Annotated[Literal["fp32", "bf16", "fp16"],
@@ -360,8 +357,9 @@ class LearnerConfig(HttpTimeouts):
     dynamic_sampling: bool = Field(True, description="DAPO's dynamic sampling: a group whose rewards are all equal "
                                    "carries no advantage; it is acknowledged and counted (filtered), never trained, "
                                    "and the step reads on until groups_per_step groups with a spread are in hand; "
-                                   "the fleet's allowance grows by the sampled-per-trained ratio, so queue.max_lag "
-                                   "bounds staleness in expectation (queue.max_staleness stays the hard bound)")
+                                   "the fleet's allowance grows by the sampled-per-trained ratio (more groups per "
+                                   "version, not further ahead), and queue.max_lag still bounds every trained "
+                                   "group's staleness")
     ppo_epochs: int = Field(2, ge=1, description="passes over each step's groups")
     minibatches: int = Field(1, ge=1, description="optimizer steps per PPO epoch")
     single_pass: bool = Field(True, description="with 1 epoch of 1 minibatch and no reference model, take pi_old "
@@ -501,16 +499,35 @@ class LearnerConfig(HttpTimeouts):
 class QueueConfig(Section):
     """Back-pressure and staleness (docs/design.md, 'Staleness')."""
 
-    max_lag: int = Field(1, ge=0, description="back-pressure: a worker starts a group only while the groups not "
-                         "yet consumed, plus those in flight, fit in the learner's next max_lag + 1 steps (one "
+    max_lag: int = Field(1, ge=0, description="the bound on policy lag: no group is trained more than this many "
+                         "versions after the weights that sampled it (an older one is dropped, counted in "
+                         "dropped_stale), dynamic sampling or not; and back-pressure: a worker starts a group only "
+                         "while the groups not yet consumed, plus those in flight, fit in the learner's next "
+                         "max_lag + 1 steps (scaled by the sampled-per-trained ratio under dynamic sampling; one "
                          "fewer per version its weights are behind); 0 = synchronous RL")
-    max_staleness: int = Field(4, ge=0, description="the hard bound on policy lag: the learner drops a group "
-                               "more than this many versions older than its weights (counted in dropped_stale), "
-                               "and the hand-out holds the fleet so the oldest group in flight stays within it")
+    max_staleness: int | None = Field(None, ge=0, description="a looser bound than max_lag, when wanted: groups up to "
+                                      "this many versions old are trained instead of dropped (the back-pressure "
+                                      "still aims at max_lag; staleness_max reports each step's oldest); null = "
+                                      "max_lag. The hand-out holds the fleet so the oldest group in flight stays "
+                                      "within the bound")
     max_deliveries: int = Field(3, ge=2, description="an entry delivered this many times without an "
                                 "acknowledgement (the learner died with it each time) is dead-lettered as poison; "
                                 "a prompt whose reward or environment timed out or raised this many times (while "
                                 "it worked on other prompts) is dead-lettered with the error")
+
+
+    @model_validator(mode="after")
+    def _bound_not_below_lag(self) -> QueueConfig:
+        if self.max_staleness is not None and self.max_staleness < self.max_lag:
+            raise ValueError(f"queue.max_staleness: {self.max_staleness} is below queue.max_lag {self.max_lag}, "
+                             "which already bounds the staleness of every trained group (null: max_lag)")
+        return self
+
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained group may be behind the weights it trains: max_lag unless
+        max_staleness loosens it."""
+        return self.max_lag if self.max_staleness is None else self.max_staleness
 
 
 class SyncConfig(Section):

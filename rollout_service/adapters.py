@@ -39,7 +39,7 @@ def lora_serve(cfg) -> LoraServe | None:
     if not cfg.learner.lora.rank:
         return None
     max_loras = cfg.queue.max_lag + 1
-    return LoraServe(cfg.learner.lora.rank, max_loras, max(max_loras, cfg.queue.max_staleness + 1))
+    return LoraServe(cfg.learner.lora.rank, max_loras, max(max_loras, cfg.queue.staleness_bound + 1))
 
 
 def lora_engine_kwargs(lora: LoraServe | None) -> dict:

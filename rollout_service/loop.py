@@ -316,7 +316,7 @@ class RolloutLoop:
             return []  # a new or restarted worker waits for the current weights, not a checkpoint's older ones
         q = self.cfg.queue
         lease = self.queue.lease_prompts(
-            self.worker_id, free, (self.engine.version, self.cfg.learner.groups_per_step, q.max_lag, q.max_staleness))
+            self.worker_id, free, (self.engine.version, self.cfg.learner.groups_per_step, q.max_lag, q.staleness_bound))
         self.backlog = {"learner_version": learner_version, "unconsumed_groups": lease.unconsumed,
                         "lag_steps": round(lease.unconsumed / self.cfg.learner.groups_per_step, 3),
                         "fleet_inflight_groups": lease.fleet_leased, "allowance": lease.allowance}

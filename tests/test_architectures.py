@@ -87,8 +87,10 @@ ENGINE_FAMILIES = list(FAMILIES) if os.environ.get("RLPIPE_ALL_FAMILIES") == "1"
 def test_every_family_syncs_steps_and_recomputes_the_engines_logprobs(family, redis_server, tmp_path):
     """A worker serves the family's checkpoint; the learner syncs new weights, takes a GRPO
     step on the group it gets back, syncs again; each time the engine's log-probs equal the
-    learner's fp32 recompute (a tensor left out or mis-named would differ by about 0.1)."""
-    from learner.policy import load_policy
+    learner's fp32 recompute (a tensor left out or mis-named would differ by about 0.1). A
+    mixture of experts takes its step with its routers installed and activation checkpointing on."""
+    from learner import routing
+    from learner.policy import enable_activation_checkpointing, load_policy
 
     path = save_tiny_model(family, tmp_path / "model")
     cfg, proc, address = start_worker(redis_server.url, path, tmp_path, **{"sampling.n": 4})
@@ -100,6 +102,9 @@ def test_every_family_syncs_steps_and_recomputes_the_engines_logprobs(family, re
                 p.add_(0.02 * torch.randn_like(p))
         record = worker.next_group(worker.sync(model))
         gaps = [max_diff(model, record)]
+        if routing.routing_shape(model) is not None:  # an MoE steps as a learner with checkpointing does
+            routing.install(model)
+            enable_activation_checkpointing(model)
         moved = grpo_step(model, record)
         gaps.append(max_diff(model, worker.next_group(worker.sync(model))))
         print(json.dumps({"family": family, "gaps": gaps, "tensors_moved": moved}))

@@ -63,7 +63,7 @@ def test_demo_learns_versions_advance_and_nothing_is_lost(tmp_path):
     assert [r["learner_version"] for r in rows] == list(range(1, steps + 1))
     # Every version reached both workers, and what they sampled followed the versions.
     assert all(r["weight_sync_members"] == 2 and "weight_sync_failed" not in r for r in rows)
-    assert all(r["staleness_max"] <= cfg.queue.max_staleness for r in rows)
+    assert all(r["staleness_max"] <= cfg.queue.staleness_bound for r in rows)
     assert rows[-1]["staleness_mean"] <= cfg.queue.max_lag + 1
 
     # No group lost: every one produced was trained, dropped, or is still in the stream.
@@ -127,6 +127,24 @@ def check_http_interfaces(run_dir: Path, worker_ids: list[str]) -> None:
                      "rlpipe_weight_sync_pause_seconds"):
             assert name in text, name
         assert httpx.get(f"http://{w['address']}/readyz", timeout=30).status_code == 200
+
+
+def test_max_lag_0_trains_only_groups_the_current_weights_sampled_under_dynamic_sampling(tmp_path):
+    """``queue.max_lag: 0`` is synchronous RL with dynamic sampling too: at 2 answers a prompt about half
+    the groups carry no signal and are filtered, the fleet samples more per version to make up for them,
+    and every trained group was sampled by the weights it trains (one late, dropped and counted, never
+    trained). The 30-step demo above holds max_lag 1 the same way."""
+    cfg = build_config({}, environ={}, steps=6, seed=0, run_id="sync", **{
+        "queue.max_lag": 0, "sampling.n": 2, "learner.groups_per_step": 8})
+    summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False)
+    rows = read_jsonl(tmp_path / "sync" / "metrics.jsonl")
+    print({k: summary[k] for k in ("groups_produced", "groups_trained", "groups_filtered", "groups_dropped_stale")},
+          [(r["staleness_max"], r["dropped_stale_step"], r["groups_filtered_step"]) for r in rows])
+    assert summary["completed"] and len(rows) == 6
+    assert all(r["staleness_max"] == 0 for r in rows)
+    assert summary["groups_filtered"] >= 0.3 * summary["groups_produced"]  # most of the fleet's work filtered
+    assert summary["groups_produced"] == (summary["groups_trained"] + summary["groups_dropped_stale"]
+                                          + summary["groups_filtered"] + summary["groups_pending"])
 
 
 # bf16 rollout, no correction and a bf16 learner: the demo's default engine, and the options' own tests

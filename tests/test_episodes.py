@@ -20,6 +20,7 @@ import torch
 from learner.batch import collate
 from learner.loss import (
     IS_MODES,
+    ISSettings,
     POLICY_LOSSES,
     importance_weights,
     kl_terms,
@@ -214,7 +215,7 @@ def _tensors():
 def _everything(pi_old, mu, delta, entropy, ref, mask, mode, loss, agg):
     """Every number the learner derives from these tensors: metrics, loss and d loss / d pi."""
     adv = torch.tensor([1.0, -0.7])
-    w, is_m = importance_weights(pi_old, mu, mask, mode, cap=1.5, geo_low=0.7, geo_high=1.4)
+    w, is_m = importance_weights(pi_old, mu, mask, ISSettings(mode, cap=1.5, geo_low=0.7, geo_high=1.4))
     pi = (pi_old + delta).requires_grad_(True)
     against = mu if mode in ("ppo_is", "bypass") else pi_old
     per_token, ppo_m = POLICY_LOSSES[loss](pi, against, adv, mask, w, 0.2, 0.28)

@@ -12,6 +12,7 @@ from learner.loss import (
     cispo_terms,
     compute_advantages,
     imitation_sum,
+    ISSettings,
     importance_weights,
     kl_terms,
     loss_denominator,
@@ -78,7 +79,7 @@ def test_unknown_estimator_is_an_error():
 
 # -- importance weights ---------------------------------------------------------------------------
 def weights(mode, **kw):
-    w, m = importance_weights(PI_OLD, MU, MASK, mode, **kw)
+    w, m = importance_weights(PI_OLD, MU, MASK, ISSettings(mode, **kw))
     assert w[0, 2] == 0 and (w[1, 1:] == 0).all(), "padding carries no weight"
     return [w[0, 0].item(), w[0, 1].item(), w[1, 0].item()], m
 
@@ -126,20 +127,20 @@ def test_log_ratios_are_clamped_so_weights_stay_finite():
     wild_mu = MU.clone()
     wild_mu[0, 0] = -500.0  # pi_old - mu = 499
     for mode in IS_MODES:
-        w, m = importance_weights(PI_OLD, wild_mu, MASK, mode, cap=2.0, clamp=20.0)
+        w, m = importance_weights(PI_OLD, wild_mu, MASK, ISSettings(mode, cap=2.0, clamp=20.0))
         assert torch.isfinite(w).all() and math.isfinite(m["is_ess"]), mode
-    w, _ = importance_weights(PI_OLD, wild_mu, MASK, "vanilla_is", clamp=20.0)
+    w, _ = importance_weights(PI_OLD, wild_mu, MASK, ISSettings("vanilla_is", clamp=20.0))
     assert w[0, 0].item() == pytest.approx(E(20.0), rel=1e-5)
 
 
 def test_unknown_mode_is_an_error():
     with pytest.raises(ValueError, match="is_mode"):
-        importance_weights(PI_OLD, MU, MASK, "sometimes_tis", cap=2.0)
+        importance_weights(PI_OLD, MU, MASK, ISSettings("sometimes_tis", cap=2.0))
 
 
 # -- policy loss ----------------------------------------------------------------------------------
 def test_ppo_clip_loss_with_tis_by_hand():
-    w, _ = importance_weights(PI_OLD, MU, MASK, "token_tis", cap=1.5)
+    w, _ = importance_weights(PI_OLD, MU, MASK, ISSettings("token_tis", cap=1.5))
     pi = (PI_OLD + DELTA).requires_grad_(True)
     per_token, m = ppo_clip_terms(pi, PI_OLD, ADV, MASK, w, eps_low=0.2, eps_high=0.28)
     total, denom = loss_sum(per_token, MASK, "token_mean"), loss_denominator(MASK, "token_mean", 8)
@@ -204,7 +205,7 @@ def test_identical_policies_have_no_mismatch_and_unit_weights():
     assert m["mismatch_kl"] == 0 and m["mismatch_k3_kl"] == 0 and m["mismatch_log_ppl_abs_diff"] == 0
     assert m["mismatch_chi2_token"] == 0 and m["mismatch_ppl_ratio"] == 1
     for mode in IS_MODES:
-        w, _ = importance_weights(PI_OLD, PI_OLD, MASK, mode, cap=2.0, geo_low=0.5, geo_high=2.0)
+        w, _ = importance_weights(PI_OLD, PI_OLD, MASK, ISSettings(mode, cap=2.0, geo_low=0.5, geo_high=2.0))
         assert (w == MASK).all(), mode
 
 
@@ -213,7 +214,7 @@ def test_icepop_masks_exactly_the_tokens_a_loop_finds_outside_the_band():
     pi_old, mu = -torch.rand(4, 6, generator=gen) * 3, -torch.rand(4, 6, generator=gen) * 3
     mask = (torch.rand(4, 6, generator=gen) > 0.2).float()
     beta, alpha = 1.7, 0.8
-    w, m = importance_weights(pi_old, mu, mask, "icepop", icepop_beta=beta, icepop_alpha=alpha)
+    w, m = importance_weights(pi_old, mu, mask, ISSettings("icepop", icepop_beta=beta, icepop_alpha=alpha))
     masked = 0
     for i in range(4):
         for t in range(6):
@@ -227,7 +228,7 @@ def test_icepop_masks_exactly_the_tokens_a_loop_finds_outside_the_band():
 
 # -- CISPO --------------------------------------------------------------------------------------
 def test_cispo_gradient_is_the_clipped_ratio_times_the_advantage():
-    w, _ = importance_weights(PI_OLD, MU, MASK, "token_tis", cap=1.5)
+    w, _ = importance_weights(PI_OLD, MU, MASK, ISSettings("token_tis", cap=1.5))
     pi = (PI_OLD + DELTA).requires_grad_(True)
     per_token, m = cispo_terms(pi, PI_OLD, ADV, MASK, w, eps_low=1.0, eps_high=0.2)
     loss = loss_sum(per_token, MASK, "token_mean") / loss_denominator(MASK, "token_mean", 8)
@@ -356,3 +357,14 @@ def test_tool_imitation_trains_the_tools_tokens_only_and_is_off_at_zero():
     assert imitation_sum(pi, env, 0.0, "token_mean") == (0.0, {})
     assert imitation_sum(pi, None, 1.0, "token_mean") == (0.0, {})
     assert imitation_sum(pi, torch.zeros_like(env), 1.0, "token_mean") == (0.0, {"tool_nll": 0.0})
+
+
+def test_the_is_settings_are_built_from_the_config_whole():
+    """One object carries learner.is_mode and its bounds: each field reads its config key."""
+    from rlpipe.config import build_config
+
+    lc = build_config({"learner": {"is_mode": "icepop", "is_cap": 3.0, "geo_low": 0.4, "geo_high": 2.5,
+                                   "log_ratio_clamp": 10.0, "icepop_beta": 4.0, "icepop_alpha": 0.3}},
+                      environ={}).learner
+    assert ISSettings.of(lc) == ISSettings("icepop", 3.0, 0.4, 2.5, 10.0, 4.0, 0.3)
+    assert ISSettings("bypass").against_mu and not ISSettings("token_tis").against_mu

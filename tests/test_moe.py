@@ -110,10 +110,14 @@ def test_the_moe_toys_are_mixtures_of_experts_whose_weights_fit_the_workers_engi
 
 # multi-turn episodes (configs/toy-retry.yaml) carry routes too: a soak case, 150 s
 @pytest.mark.slow
-@pytest.mark.parametrize("episodes", ["single-turn", pytest.param("retry", marks=pytest.mark.soak)])
-def test_the_moe_toy_demo_trains_with_routing_replay_and_its_engine_routes_as_the_learner_does(tmp_path, episodes):
+@pytest.mark.parametrize("model,episodes", [("toy-moe", "single-turn"), pytest.param("toy-mixtral", "single-turn",
+                                            marks=pytest.mark.soak), pytest.param("toy-moe", "retry",
+                                                                                  marks=pytest.mark.soak)])
+def test_the_moe_toy_demo_trains_with_routing_replay_and_its_engine_routes_as_the_learner_does(tmp_path, model,
+                                                                                               episodes):
     """``rlpipe demo --set model.path=toy-moe --set rollout.routing_replay=true`` with an fp32
-    engine and no policy lag: every group carries its experts from the engine through Redis to
+    engine, no policy lag and activation checkpointing (each layer recomputed through the replayed
+    experts, learner/routing.py): every group carries its experts from the engine through Redis to
     the learner (none dead-lettered), whose own router picks the same experts for (nearly) every
     (token, layer), and the engine's log-probs are the learner's to fp32 noise where no update
     came between them. Also the
@@ -125,8 +129,9 @@ def test_the_moe_toy_demo_trains_with_routing_replay_and_its_engine_routes_as_th
     template = str(Path(__file__).resolve().parent.parent / "configs" / "toy-chat.jinja")
     multi_turn = {"task.environment": "retry", "rollout.chat_template": template}
     cfg = build_config({}, environ={}, steps=3, run_id="moe", workers=1, **{
-        "model.path": "toy-moe", "rollout.routing_replay": True, "rollout.precision": "fp32", "queue.max_lag": 0,
-        "learner.groups_per_step": 8, **(multi_turn if episodes == "retry" else {})})
+        "model.path": model, "rollout.routing_replay": True, "rollout.precision": "fp32", "queue.max_lag": 0,
+        "learner.groups_per_step": 8, "learner.activation_checkpointing": True,
+        **(multi_turn if episodes == "retry" else {})})
     summary = run_demo(cfg, runs_dir=str(tmp_path), progress=False)
     rows = read_jsonl(tmp_path / "moe" / "metrics.jsonl")
     assert summary["completed"] and summary["groups_dead"] == 0 and len(rows) == 3
