@@ -90,6 +90,8 @@ PARTS = (
     Part("tool-tokens", "tool episodes on SmolLM2, token-exact against re-tokenized: what changes, the "
          "engine-learner mismatch at the tool's boundary", "bench/tool_tokens.py", (), ("--prompts", "2", "--n", "2"),
          ("tool-tokens",)),
+    Part("staleness", "the staleness bound under dynamic sampling: max_lag 0 and 1, hard and loosened (toy)",
+         "bench/staleness_cost.py", ("--steps", "12", "--loose"), ("--steps", "2", "--lags", "0"), ("staleness",)),
     Part("soak", "soak tests: the long experiments left out of CI's suite (pytest -m soak)", "bench/soak.py",
          (), ("--quick",), ("soak",)),
     # without CUDA the full run is the smoke too, and its section says the numbers are meaningless
@@ -102,10 +104,10 @@ PARTS = (
 # --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
 ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
          "delta_sync", "lora", "moe", "real", "real-lora", "real-lora-40", "real-int8", "real-rollout",
-         "tool-tokens", "soak", "gpu"]
+         "tool-tokens", "staleness", "soak", "gpu"]
 # --quick's lane of parts that start a cluster (Redis, workers, a learner): lanes()
 CLUSTER_LANE = ("async", "int8", "delta_sync", "precision", "surge", "moe", "lora", "real", "real-lora",
-                "real-rollout")
+                "real-rollout", "staleness")
 # Why a section may be missing, beyond "not run yet": the GPU one needs a GPU machine (docs/gpu.md).
 NOT_RUN = {"gpu": "the GPU run is still owed: no GPU machine has been lent yet; on one, run `python bench/gpu.py "
                   "--device-check --out DIR` as docs/gpu.md says, and copy DIR/gpu.json to docs/results/"}
