@@ -265,18 +265,3 @@ def test_the_summary_of_a_run_whose_redis_is_gone_leaves_the_books_out_and_keeps
     assert summary["groups_filtered"] is None and summary["groups_produced"] is None and summary["steps"] == 0
     assert "Redis is unreachable" in capsys.readouterr().err
 
-
-def test_a_stopped_demo_run_again_under_its_run_id_resumes_from_its_last_checkpoint(tmp_path):
-    """The documented resume: `rlpipe demo ... --run-id ID` again, with the same run directory, continues
-    from the last checkpoint (the learner's steps, its books and its Redis state, kept in the run
-    directory) instead of starting over; here a 3-step run is taken on to 6."""
-    def config(steps):  # as the command line builds it, each time
-        return build_config({}, environ={}, steps=steps, seed=0, run_id="again",
-                            **{"learner.checkpoint_every": 3, "learner.groups_per_step": 8})
-
-    first = run_demo(config(3), runs_dir=str(tmp_path), progress=False)
-    assert first["completed"] and first["final_version"] == 3
-    second = run_demo(config(6), runs_dir=str(tmp_path), progress=False)
-    rows = read_jsonl(tmp_path / "again" / "metrics.jsonl")
-    assert second["completed"] and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], [r["step"] for r in rows]
-    assert second["groups_trained"] == 6 * 8 and second["groups_dead"] == 0

@@ -146,7 +146,7 @@ class EchoTask:
         self.reward = reward
 
     def prompt(self, i):
-        return SimpleNamespace(text=f"Q{i}", answer="180", prompt_id=str(i))
+        return SimpleNamespace(text=f"Q{i}", answer="180", prompt_id=str(i), messages=None)
 
     async def score(self, prompt, texts):
         return [(self.reward if t.rstrip(".").split()[-1:] == ["180"] else 0.0, None) for t in texts]
@@ -155,7 +155,7 @@ class EchoTask:
 class Encoder:
     tokenizer = CharTokenizer()
 
-    def __call__(self, text):
+    def __call__(self, text, row_messages=None):
         return [ord(c) for c in text]
 
 

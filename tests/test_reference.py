@@ -113,6 +113,6 @@ def test_the_readme_is_a_front_door():
     head = "\n".join(text.splitlines()[:21])
     for command in ("./scripts/install.sh", ".venv/bin/rlpipe demo", ".venv/bin/python -m pytest -q"):
         assert command in head, command  # CI runs the README's install and test commands
-    assert "rlpipe demo --config configs/smollm2-calc.yaml" in text  # the real-model recipe
+    assert "rlpipe demo --config configs/smollm2-math.yaml" in text  # the real-model recipe
     links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", text)
     assert len(links) >= 15 and not [link for link in links if not (ROOT / link).exists()]
