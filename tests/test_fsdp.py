@@ -74,7 +74,7 @@ def optimizer_format(run_dir) -> str:
 def test_checkpoints_cross_load_between_fsdp_ranks_and_one_process(redis_server, toy_model_path, tmp_path,
                                                                    checkpoint_format):
     groups = synthetic_groups(load_policy(toy_model_path), 16, seed=5, noise=0.1)
-    settings = {"learner.parallel": "fsdp", "learner.checkpoint_every": 1,
+    settings = {"learner.parallel": "fsdp", "learner.checkpoint_every": 1, "queue.max_staleness": 100,
                 "learner.checkpoint_format": checkpoint_format}
     # (FSDP resuming from its own checkpoint is the killed-rank test's restart; here, across the two)
     runs = {name: prepared_run(tmp_path, name, redis_server, toy_model_path, groups, **settings)[1]

@@ -297,7 +297,7 @@ def test_the_learner_follows_its_lr_schedule_step_by_step(redis_server, toy_mode
     from learner.metrics import read_jsonl
 
     learner = make_learner(redis_server, toy_model_path, tmp_path, steps=4, workers=1, **{
-        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "sync.join_timeout_s": 0.1, "sampling.n": 4,
+        "learner.groups_per_step": 2, "learner.ppo_epochs": 1, "queue.max_staleness": 100, "sync.join_timeout_s": 0.1, "sampling.n": 4,
         "learner.schedule.kind": "warmup_cosine", "learner.schedule.warmup_steps": 2})
     for rec in for_run(synthetic_groups(base_model, 8, seed=9), learner.cfg):
         learner.queue.push(rec)
