@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from rlpipe.corrections import IS_MODES, RATIO_AGAINST_MU  # noqa: F401 (learner.is_mode's values, for callers)
+from rlpipe.corrections import IS_MODES, RATIO_AGAINST_MU  # learner.is_mode's values
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
