@@ -20,7 +20,9 @@ import math
 import torch
 
 from learner.batch import Batch
+from learner.head import chunkable_head, head_logprobs
 from learner.loss import token_entropy
+from learner.truncation import OUTSIDE_LOGPROB, truncation_mask
 from learner.routing import recompute_contexts, routes_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,63 +97,6 @@ def autocast(dtype: str, device_type: str = "cpu"):
     return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
 
 
-# The log-prob of a token that top-k/top-p removed (probability 0). Finite, not -inf: the
-# loss and the metrics multiply by the mask (-inf * 0 is nan), and any log-ratio clamp
-# (``learner.log_ratio_clamp``) turns it into a weight/ratio of exp(-clamp) all the same.
-OUTSIDE_LOGPROB = -1e4
-
-
-@torch.no_grad()
-def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """Which tokens each row's top-k and top-p keep: (N, T, V) bool, or None if no row truncates.
-
-    ``scaled`` (N, T, V) are fp32 logits already divided by the temperature; ``top_k`` (N,)
-    is off unless ``0 < k < V`` and ``top_p`` (N,) off unless ``p < 1``, as in vLLM. This is
-    vLLM's sampler (``vllm/v1/sample/ops/topk_topp_sampler.py``, ``apply_top_k_top_p_pytorch``,
-    the path its CPU engine takes), on the same values in the same order:
-
-    1. temperature first (the caller's division), then top-k, then top-p;
-    2. top-k keeps every token whose logit is >= the k-th largest, so **ties at the k-th
-       value are all kept** (possibly more than k tokens). (vLLM's Triton kernel, which
-       its GPU engines use, keeps exactly k there, the lowest ids first: the two differ
-       only on bit-equal fp32 logits at the k-th place);
-    3. top-p runs on the top-k survivors: their softmax sorted ascending, cumulative sum,
-       a token is dropped where the cumsum is <= 1 - p (``1 - p`` in fp32), and the most
-       likely token is always kept. **Ties at the top-p cut** may be split: equal
-       probabilities are ordered by a stable sort (lower token id first, so dropped first,
-       the higher ids kept). vLLM's CPU sort is not stable, so which of tokens with exactly
-       equal probability straddling the cut it keeps is unspecified; that needs bit-equal
-       fp32 logits, which real models do not produce.
-
-    A row with top-p off is not top-p-filtered at all (vLLM, when another row of its batch
-    uses top-p, also drops that row's tokens whose fp32 probability underflows to exactly 0:
-    they can never be sampled, so no log-prob the learner is compared on differs).
-    Computed without gradient, one row at a time (one sort of (T, V) at a time).
-    """
-    vocab = scaled.shape[-1]
-    k_on = (top_k > 0) & (top_k < vocab)
-    p_on = top_p < 1
-    rows = (k_on | p_on).nonzero().flatten().tolist()
-    if not rows:
-        return None
-    keep = torch.ones(scaled.shape, dtype=torch.bool, device=scaled.device)
-    for i in rows:
-        x = scaled[i].detach()  # (T, V)
-        k = int(top_k[i]) if k_on[i] else None
-        if not p_on[i]:  # top-k only: no sort of the whole vocabulary
-            keep[i] = x >= x.topk(k, dim=-1).values[:, -1:]
-            continue
-        x_sort, idx = x.sort(dim=-1, descending=False, stable=True)
-        if k is not None:
-            x_sort = x_sort.masked_fill(x_sort < x_sort[:, vocab - k:vocab - k + 1], -math.inf)
-        cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - top_p[i].to(torch.float32)
-        drop[:, -1] = False  # at least one
-        drop |= x_sort == -math.inf
-        keep[i] = torch.empty_like(drop).scatter_(-1, idx, ~drop)
-    return keep
-
-
 def response_start(batch: Batch) -> int:
     """The first position of ``batch``'s (N, T-1) tensors that any row's loss reads: the
     earliest response token's predecessor. Every position before it is prompt in every row."""
@@ -161,7 +106,7 @@ def response_start(batch: Batch) -> int:
 
 def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool = False,
                    entropy_grad: bool = False, response_only: bool = True,
-                   share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   share_prompt: bool = False, head_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy of its distribution, both (N, T-1), fp32.
 
     ``model`` may be wrapped (DistributedDataParallel): its forward is what runs, so
@@ -187,6 +132,10 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     with ``entropy_grad`` (``learner.entropy_coef`` > 0), else nothing of it outlives the
     call (learner/loss.py token_entropy keeps no (N, T, V) copy of its own either way).
 
+    ``head_chunk`` > 0: the head, softmax and entropy run ``head_chunk`` positions at a time
+    on the positions a loss can read (learner/head.py), never holding the (N, T, V) logits; a
+    head it cannot take (an adapted or sharded one) keeps the plain path. Padding reads 0 then.
+
     ``use_cache=False``: a model whose config enables the KV cache (SmolLM2's, most real
     ones) would otherwise build one on every learner forward, for nothing, and under
     activation checkpointing the recomputed layers appended their keys to it a second time
@@ -195,11 +144,46 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     inner = getattr(model, "module", model)
     plain_only = batch.routes is not None or hasattr(model, "module") or (fp32_lm_head and dtype != "fp32")
     if share_prompt and not plain_only:
-        return shared_prompt_logprobs(model, batch, dtype, entropy_grad)
+        return shared_prompt_logprobs(model, batch, dtype, entropy_grad, head_chunk)
     # routing replay: every forward of these rows through the rollout's experts; an MoE's routers
     # count their load over the rows' tokens either way (learner/routing.py)
     with routes_for(inner, batch.routes, batch.attention_mask):
+        if head_chunk and chunkable_head(inner) is not None:
+            return _chunked_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only, head_chunk)
         return _token_logprobs(model, inner, batch, dtype, fp32_lm_head, entropy_grad, response_only)
+
+
+def _head_at(inner, hidden: torch.Tensor, valid: torch.Tensor, batch: Batch, rows: torch.Tensor,
+             targets: torch.Tensor, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
+             head_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies (R, L) of ``targets`` from the final hidden states ``hidden`` (R, L, H)
+    of ``batch``'s ``rows``, computed by the chunked head (learner/head.py) at the ``valid`` (R, L)
+    positions only; the others read 0."""
+    r, c = valid.nonzero(as_tuple=True)
+    at = rows[r]
+    head_dtype = torch.float32 if fp32_lm_head or dtype == "fp32" else DTYPES[dtype]
+    lp, ent = head_logprobs(hidden[r, c], chunkable_head(inner), targets[r, c], batch.temperature[at],
+                            batch.top_k[at], batch.top_p[at], head_dtype, head_chunk, entropy_grad)
+    zeros = hidden.new_zeros(valid.shape, dtype=torch.float32)
+    return zeros.index_put((r, c), lp), zeros.index_put((r, c), ent)
+
+
+def _chunked_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
+                      response_only: bool, head_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs`' plain path with the chunked head: the whole forward through ``model``
+    (a DDP wrapper sees it; its head runs for one position, thrown away), the head from its final
+    hidden states on the positions from the first response position whose target is a real token."""
+    start = response_start(batch) if response_only else 0
+    with autocast(dtype, batch.input_ids.device.type):
+        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                       output_hidden_states=True, logits_to_keep=1).hidden_states[-1][:, start:-1]
+    valid = batch.attention_mask[:, start + 1:].bool()
+    rows = torch.arange(len(batch.input_ids), device=batch.input_ids.device)
+    logp, entropy = _head_at(inner, hidden, valid, batch, rows, batch.targets[:, start:], dtype, fp32_lm_head,
+                             entropy_grad, head_chunk)
+    if start:
+        logp, entropy = (torch.nn.functional.pad(t, (start, 0)) for t in (logp, entropy))
+    return logp, entropy
 
 
 def _token_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
@@ -240,8 +224,8 @@ def _logp_entropy(logits: torch.Tensor, batch: Batch, rows: torch.Tensor, target
     return logp, token_entropy(logp_all if entropy_grad else logp_all.detach())
 
 
-def shared_prompt_logprobs(model, batch: Batch, dtype: str = "fp32",
-                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_prompt_logprobs(model, batch: Batch, dtype: str = "fp32", entropy_grad: bool = False,
+                           head_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_logprobs` with each group's prompt computed once for its n rows.
 
     A group's rows share the prompt (collate: prompt + sample), and on a real chat task the
@@ -262,16 +246,25 @@ def shared_prompt_logprobs(model, batch: Batch, dtype: str = "fp32",
         plen = int(batch.prompt_len[rows[0]])
         end = int(batch.attention_mask[rows].sum(1).max())  # the group's longest row
         prompt = batch.input_ids[rows[:1], :plen]
+        chunked = head_chunk > 0 and chunkable_head(model) is not None
         with autocast(dtype, device.type):
             with routes_for(model, None, torch.ones_like(prompt)):  # an MoE's load: the prompt's tokens once
-                head = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                head = model(input_ids=prompt, use_cache=True, logits_to_keep=1, output_hidden_states=chunked)
             cache = head.past_key_values
             cache.batch_repeat_interleave(len(rows))
             with routes_for(model, None, batch.attention_mask[rows, plen:end]):
                 body = model(input_ids=batch.input_ids[rows, plen:end], attention_mask=batch.attention_mask[rows, :end],
-                             past_key_values=cache, use_cache=True)
-        logits = torch.cat([head.logits.expand(len(rows), -1, -1), body.logits[:, :-1]], dim=1)  # (n, end-plen, V)
-        lp, ent = _logp_entropy(logits, batch, rows, batch.targets[rows, plen - 1:end - 1], entropy_grad)
+                             past_key_values=cache, use_cache=True, output_hidden_states=chunked,
+                             logits_to_keep=1 if chunked else 0)
+        targets = batch.targets[rows, plen - 1:end - 1]
+        if chunked:  # (n, end-plen, H): the prompt's last position, then the body's
+            hidden = torch.cat([head.hidden_states[-1][:, -1:].expand(len(rows), -1, -1),
+                                body.hidden_states[-1][:, :-1]], dim=1)
+            lp, ent = _head_at(model, hidden, batch.attention_mask[rows, plen:end].bool(), batch, rows, targets,
+                               dtype, False, entropy_grad, head_chunk)
+        else:
+            logits = torch.cat([head.logits.expand(len(rows), -1, -1), body.logits[:, :-1]], dim=1)  # (n, end-plen, V)
+            lp, ent = _logp_entropy(logits, batch, rows, targets, entropy_grad)
         logp[rows, plen - 1:end - 1] = lp
         entropy[rows, plen - 1:end - 1] = ent
     return logp, entropy

@@ -47,14 +47,16 @@ VALUES_PER_HIDDEN_PER_LAYER = 17
 LOGIT_COPIES = 4
 
 
-def token_budget(model_config, memory_gib: float, activation_checkpointing: bool) -> int:
+def token_budget(model_config, memory_gib: float, activation_checkpointing: bool, head_chunk: int = 0) -> int:
     """The most padded tokens one forward may hold within ``memory_gib`` of activations
-    (fp32 estimate): ``learner.max_tokens_per_microbatch`` when it is 0 (auto)."""
-    hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
+    (fp32 estimate): ``learner.max_tokens_per_microbatch`` when it is 0 (auto). With the chunked
+    head (``head_chunk`` > 0) the logits cost one chunk's, whatever the tokens, not a row per token."""
+    hidden, layers, vocab = model_config.hidden_size, model_config.num_hidden_layers, model_config.vocab_size
     kept_layers = 1 if activation_checkpointing else layers  # with checkpointing, one layer's at a time
     per_token = 4 * (VALUES_PER_HIDDEN_PER_LAYER * hidden * kept_layers + (2 * hidden * layers if
-                     activation_checkpointing else 0) + LOGIT_COPIES * model_config.vocab_size)
-    return max(1, int(memory_gib * 2**30 // per_token))
+                     activation_checkpointing else 0) + (0 if head_chunk else LOGIT_COPIES * vocab))
+    memory = memory_gib * 2**30 - 4 * LOGIT_COPIES * vocab * head_chunk
+    return max(1, int(max(memory, 0) // per_token))
 
 
 @dataclass
@@ -104,7 +106,7 @@ class PPOStep:
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
         self.is_settings = ISSettings.of(lc)  # the mismatch correction, one value for every call
         self.max_tokens = lc.max_tokens_per_microbatch or token_budget(
-            model.config, lc.activation_memory_gib, lc.activation_checkpointing)
+            model.config, lc.activation_memory_gib, lc.activation_checkpointing, lc.head_chunk)
         # the weights the engines compute with (under LoRA the adapter: the base is served as it is, learner/lora.py)
         self.served = ServedWeights(trainable(model), served_dtype(cfg))
         # One rank only: a rank's groups differ in number, and under DDP or FSDP (whose fully_shard
@@ -188,7 +190,8 @@ class PPOStep:
                     if at is None and name == "ref" and not getattr(model, "collective", False):
                         continue  # a whole reference runs on real parts only (a sharded one, LoRA's, on every one)
                     part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head,
-                                                       response_only=lc.response_logits, share_prompt=self.share_prompt)
+                                                       response_only=lc.response_logits, share_prompt=self.share_prompt,
+                                                       head_chunk=lc.head_chunk)
                     if at is not None:
                         out[name][at, : part_lp.shape[1]] = part_lp
                         if name == "pi_old":
@@ -288,7 +291,7 @@ class PPOStep:
                             pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
                                                      entropy_grad=lc.entropy_coef > 0,
                                                      response_only=lc.response_logits,
-                                                     share_prompt=self.share_prompt)
+                                                     share_prompt=self.share_prompt, head_chunk=lc.head_chunk)
                             if first_epoch and epoch == 0 and i < n_parts:
                                 first_epoch(part, pi, ent, share > 0)
                             w_part, ref_part = self._weights(mb, pi, weights, ref, part, width)

@@ -251,8 +251,10 @@ def test_estimators_aggregations_and_precisions_train(overrides, redis_server, t
     m, ref = learner.ppo.train_step(records), reference.ppo.train_step(records)
     moved = params_vector(learner.model) - before
     assert moved.abs().max() > 1e-6 and np.isfinite(m["learner_loss"]) and m["learner_skipped_steps"] == 0
-    # a different setting is a different update (the option is not ignored)
-    assert (params_vector(learner.model) - params_vector(reference.model)).abs().max() > 1e-7
+    # a different setting is a different update (the option is not ignored: an ignored one gives the
+    # bit-identical update, the same inputs through the same code). Adam's first step is nearly
+    # invariant to the advantages' scale, so rloo's update differs from grpo's by ~1e-7 of a ~1e-6 move.
+    assert (params_vector(learner.model) - params_vector(reference.model)).abs().max() > 1e-9
     if "learner.dtype" in overrides:  # low-precision pi_old is close to, not equal to, fp32's
         assert 0 < abs(m["mismatch_kl"] - ref["mismatch_kl"]) < 1e-2
 

@@ -1,6 +1,6 @@
 """The learner's recompute under top-k / top-p: the same truncation as vLLM's sampler.
 
-Fast tests: :func:`learner.policy.truncation_mask` on hand-made logits (ties, each filter
+Fast tests: :func:`learner.truncation.truncation_mask` on hand-made logits (ties, each filter
 alone, both, the no-op settings, a different setting per row), checked against vLLM's own
 ``apply_top_k_top_p_pytorch`` too, and :func:`token_logprobs` renormalising and
 differentiating over the kept tokens. Slow test: a real fp32 engine sampling with
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from learner.batch import collate
-from learner.policy import OUTSIDE_LOGPROB, token_logprobs, truncation_mask
+from learner.policy import token_logprobs
+from learner.truncation import OUTSIDE_LOGPROB, truncation_mask
 from rlpipe.schema import GroupRecord, Sample
 
 
