@@ -249,7 +249,8 @@ def _follow(cfg, launcher, r, keys, run_dir, t_start, timeout_s, progress) -> bo
             elif step == 0:
                 up = len(registry.live_workers(r, keys))
                 bar.set_description(f"starting ({up}/{cfg.workers} workers up)")
-            if state.get("status") == "done":
+            # a run resumed under its run id finds its last run's "done" in Redis: only this run's counts
+            if state.get("status") == "done" and float(state.get("heartbeat", 0)) >= t_start:
                 return True
             if timeout_s is not None and time.time() - t_start > timeout_s:
                 raise TimeoutError(f"demo did not finish within {timeout_s:.0f}s (step {step}/{cfg.steps})")
