@@ -6,6 +6,7 @@ where they are parsed (rlpipe/config.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -182,9 +183,27 @@ def data_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+@functools.lru_cache(maxsize=1)
+def install_problems() -> tuple[str, ...]:
+    """Another installed distribution that claims one of rlpipe's top-level import names (``launch``,
+    ``learner`` and ``quant`` are names of other projects on PyPI too): both install files into the
+    same folder, each overwrites the other's, and which code runs is an accident of install order.
+    Read once a process (about a second: every installed distribution's file list)."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    problems = []
+    for name in sorted(n for n, dists in owners.items() if "rlpipe" in dists):
+        if others := sorted(set(owners[name]) - {"rlpipe"}):
+            problems.append(f"installation: the distribution {', '.join(others)} also installs the import name "
+                            f"'{name}', one of rlpipe's, and their files overwrite each other: uninstall it "
+                            f"(pip uninstall {others[0]}) or give rlpipe a virtual environment of its own")
+    return tuple(problems)
+
+
 def validate_run(cfg: RunConfig) -> None:
     """Cross-role rules, checked once at launch."""
-    problems = []
+    problems = list(install_problems())
     if cfg.sampling.max_tokens > cfg.rollout.max_new_tokens:
         problems.append("sampling.max_tokens: exceeds rollout.max_new_tokens")
     if cfg.task.type == "arith" and cfg.task.arith_style == "worked":

@@ -69,6 +69,26 @@ def test_cross_role_rules():
         validate_run(build_config({"learner": {"geo_low": 3.0}}, environ={}))
 
 
+def test_another_distribution_claiming_an_import_name_of_rlpipes_is_named_before_anything_starts(monkeypatch):
+    """A project on PyPI called ``launch`` (or ``learner``, ``quant``) installs into the same folder as
+    rlpipe's package of that name: the launch check names it, and this environment has none."""
+    import importlib.metadata
+
+    from launch.checks import install_problems
+
+    assert install_problems() == ()
+    real = importlib.metadata.packages_distributions()
+    monkeypatch.setattr(importlib.metadata, "packages_distributions",
+                        lambda: {**real, "launch": ["rlpipe", "launch"], "requests": ["requests"]})
+    install_problems.cache_clear()  # read once a process: this one's installation changes here
+    try:
+        assert len(install_problems()) == 1
+        with pytest.raises(ConfigError, match="the distribution launch also installs the import name 'launch'"):
+            validate_run(build_config({}, environ={}))
+    finally:
+        install_problems.cache_clear()
+
+
 def test_a_model_the_launch_check_cannot_build_is_a_config_error_naming_it(tmp_path, monkeypatch):
     """Whatever the launch check meets building the model (an MoE raised RuntimeError; see
     tests/test_cli_errors.py for a real one), the run is refused naming the model and the error,
