@@ -164,7 +164,11 @@ _SYNC = {
     "weight_sync_generation": "sync generation the learner last formed",
     "weight_sync_left_out_total": "workers left out of a sync generation since this learner started",
     "quant_seconds": "time quantizing the last update's weights",
-    "quant_monitor_seconds": "time running the int8 monitors on the last update",
+    "quant_monitor_seconds": "time the int8 monitors of update quant_monitor_step took (in the background "
+                             "under quant.int8.monitor_background)",
+    "quant_monitor_step": "the update the int8 monitor values of this step measured (an earlier one under "
+                          "quant.int8.monitor_background)",
+    "quant_monitor_skipped_total": "updates whose int8 monitors were skipped: the last ones still running",
     "quant_saturation_fraction": "fraction of int8 weights outside the profile's calibrated range",
     "quant_update_visible_fraction": "fraction of int8 weights the last update changed",
     "quant_act_clip_fraction": "fraction of int8 probe activations clipped",

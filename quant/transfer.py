@@ -7,8 +7,9 @@
 - :class:`Fp8Weights`: per-channel fp8 plus scales, quantized here;
 - :class:`Int8Weights`: calibration transfer. Every update is smoothed and quantized with
   the frozen profile, here on the learner, so no worker re-quantizes; the monitors
-  (quant/monitor.py) run on the result, and with ``quant.int8.recalibrate: auto`` a crossed
-  threshold re-calibrates on the current policy and the update ships with the new profile.
+  (quant/monitor.py) run on the result, in a thread of their own on a copy of the policy
+  (quant/background.py: the update is not held for them), and with ``quant.int8.recalibrate:
+  auto`` a crossed threshold re-calibrates on the current policy, which the next update ships.
 
 ``prepare(model, step)`` returns ``(tensors, metrics)``; ``quant_profile`` and ``compat``
 go into the sync manifest, where a worker checks them against its engine.
@@ -30,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from quant.background import BackgroundMonitor
 from quant.int8 import fp8_tensors, quantized_specs, smoothed_adapter, source_parameter
 from quant.monitor import monitor, sampled_monitor
 from quant.quant_profile import QuantProfile, fp8_identity, load_for_run, model_fingerprint
@@ -119,6 +121,7 @@ class Int8Weights(Wire):
         self.recalibrations = 0
         self.last_recalibration_step: int | None = None
         self.last_monitors: dict = {}
+        self.background: BackgroundMonitor | None = None  # quant.int8.monitor_background's thread, made on first use
 
     @property
     def quant_profile(self) -> str:
@@ -162,7 +165,9 @@ class Int8Weights(Wire):
         params = {n: t.detach() for n, t in served_parameters(model).items()}
         tensors, smoothed = self._quantize(params)
         metrics = {"quant_seconds": time.perf_counter() - t0}
-        if self._monitored(step):
+        if self.qcfg.monitor_background:
+            tensors = self._background(model, params, tensors, smoothed, step, metrics)
+        elif self._monitored(step):
             tensors = self._monitor(model, params, tensors, smoothed, step, metrics)
         metrics["quant_profile"] = self.profile.hash  # (a new one after a recalibration)
         self.previous = {k: v for k, v in tensors.items() if v.dtype == torch.int8}
@@ -178,9 +183,7 @@ class Int8Weights(Wire):
         if over:
             action = self.qcfg.recalibrate
             log.warning("quantized policy over threshold (%s); recalibrate=%s", ", ".join(over), action)
-            cooling = self.last_recalibration_step is not None and \
-                step - self.last_recalibration_step < self.qcfg.recalibrate_cooldown_steps
-            if action == "auto" and not cooling:
+            if action == "auto" and not self._cooling(step):
                 before = m
                 tensors, smoothed = self.recalibrate(model, params, step)
                 m = monitor(model, tensors, smoothed, self.profile, self.previous)
@@ -191,6 +194,36 @@ class Int8Weights(Wire):
         metrics["quant_recalibrations_total"] = self.recalibrations
         self.last_monitors = {**m, "over_threshold": over}
         return tensors
+
+    def _background(self, model, params, tensors, smoothed, step: int, metrics: dict) -> dict[str, torch.Tensor]:
+        """``quant.int8.monitor_background``: the monitors of an earlier update, finished since, into
+        ``metrics`` (and past a threshold a warning, or a recalibration of this update's policy);
+        this update's monitors started on a copy, not waited for (quant/background.py)."""
+        if self.background is None:
+            self.background = BackgroundMonitor()
+        done = self.background.result()
+        recalibrated = False
+        if done is not None:
+            over = self._over_thresholds(done)
+            if over:
+                log.warning("quantized policy over threshold at step %d (%s); recalibrate=%s",
+                            done["quant_monitor_step"], ", ".join(over), self.qcfg.recalibrate)
+                done["quant_over_threshold"] = over
+                if self.qcfg.recalibrate == "auto" and not self._cooling(step):
+                    tensors, smoothed = self.recalibrate(model, params, step)
+                    recalibrated = True
+            metrics.update(done)
+            self.last_monitors = {**done, "over_threshold": over}
+        if self._monitored(step) or recalibrated:
+            self.background.submit(model, tensors, smoothed, self.profile, self.previous, step)
+        metrics.update(quant_recalibrations_total=self.recalibrations,
+                       quant_monitor_skipped_total=self.background.skipped)
+        return tensors
+
+    def _cooling(self, step: int) -> bool:
+        """Within ``recalibrate_cooldown_steps`` of the last recalibration."""
+        return self.last_recalibration_step is not None and \
+            step - self.last_recalibration_step < self.qcfg.recalibrate_cooldown_steps
 
     def _over_thresholds(self, m: dict) -> list[str]:
         q = self.qcfg

@@ -342,6 +342,9 @@ class LearnerConfig(HttpTimeouts):
                               "the fastest of this machine (rlpipe/machine.py), resolved when the config is read",
                               json_schema_extra={"enum": ["fp32", "bf16", "fp16", "auto"]})
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
+    head_chunk: int = Field(512, ge=0, description="compute the LM head, softmax and entropy this many positions "
+                            "at a time, recomputed in the backward, never the whole batch's logits (learner/head.py)"
+                            ": the memory of one chunk's logits; 0 = the whole batch's at once")
     served_weights: bool = Field(True, description="bf16/fp16 rollout: the learner's forwards use the weights "
                                  "rounded as the engines hold them (the fp32 master still takes the updates)")
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16 only: initial dynamic loss scale")
@@ -574,6 +577,10 @@ class Int8Quant(Section):
                                      "model to measure activation ranges")
     probe_samples: int = Field(32, ge=1, description="held-out sequences the monitors run on every update")
     monitor_every: int = Field(1, ge=1, description="run the monitors (two probe-set forwards) every N updates")
+    monitor_background: bool = Field(True, description="run the monitors in a thread on a copy of the policy, "
+                                     "so no update waits for them: their result (and a recalibration it "
+                                     "calls for) comes with a later update (quant/background.py); false = "
+                                     "each update waits for its own")
     monitor_layers: int = Field(4, ge=1, description="under FSDP, the decoder layers the monitors sample "
                                 "(spread evenly, first and last included); unsharded, they cover every layer")
     recalibrate: Literal["off", "warn", "auto"] = Field("warn", description="what crossing a threshold does")

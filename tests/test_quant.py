@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -207,7 +208,8 @@ def test_scaled_activations_clip_and_auto_recalibration_repairs_them(toy_model_p
     profile = QuantProfile.load(profile_dir)
     model = load_policy(toy_model_path)
     qcfg = Int8Quant(profile=profile_dir, activations=profile.activations, recalibrate="auto",
-                     max_act_clip_fraction=0.01, max_kl_vs_bf16=1.0, max_saturation_fraction=1.0)
+                     max_act_clip_fraction=0.01, max_kl_vs_bf16=1.0, max_saturation_fraction=1.0,
+                     monitor_background=False)  # each update waits for its monitors: the rule, step by step
     wire = Int8Weights(profile, qcfg)
     _, calm = wire.prepare(model, step=1)
     assert calm["quant_act_clip_fraction"] < 0.01 and "quant_over_threshold" not in calm
@@ -322,6 +324,48 @@ def test_a_sharded_learner_streams_bit_for_bit_the_whole_models_quantized_tensor
     assert max(sum(sizes[n] for n in call) for call in gathered) < sum(sizes.values()) / 4  # never the whole model
     kept = rollout_from_weights(wire, served_pieces(base), dict(base.state_dict()))
     assert all(torch.equal(kept[n].float(), t.float()) for n, t in whole.items())
+
+
+def test_background_monitors_report_with_a_later_update_and_no_update_waits_for_them(toy_model_path, profile_dir,
+                                                                                    monkeypatch):
+    """quant.int8.monitor_background: an update sends at once; its monitors' result (named for its
+    step) comes with a later update, and a threshold crossed there recalibrates that update's policy
+    under ``auto``; an update that finds the monitors still running skips its own and does not wait."""
+    import threading
+
+    from learner.policy import load_policy
+    from quant import background
+
+    profile = QuantProfile.load(profile_dir)
+    model = load_policy(toy_model_path)
+    qcfg = Int8Quant(profile=profile_dir, activations=profile.activations, recalibrate="auto",
+                     max_act_clip_fraction=0.01, max_kl_vs_bf16=1.0, max_saturation_fraction=1.0)
+    wire = Int8Weights(profile, qcfg)
+    _, first = wire.prepare(model, step=1)
+    assert "quant_act_clip_fraction" not in first  # started, not waited for
+    wire.background.future.result()  # (the test waits for it; no update does)
+    with torch.no_grad():  # the policy's activations grow 8x after layer 0's norm
+        model.model.layers[0].post_attention_layernorm.weight.mul_(8)
+        model.model.layers[0].input_layernorm.weight.mul_(8)
+    _, second = wire.prepare(model, step=2)
+    assert second["quant_monitor_step"] == 1 and second["quant_act_clip_fraction"] < 0.01  # step 1's, calm
+    wire.background.future.result()
+    _, third = wire.prepare(model, step=3)  # step 2's monitors saw the clipping: recalibrate now
+    assert third["quant_monitor_step"] == 2 and third["quant_act_clip_fraction"] > 0.01
+    assert third["quant_recalibrations_total"] == 1 and wire.profile.calibrated_on == "step 3"
+    assert third["quant_profile"] == wire.profile.hash != profile.hash
+    assert wire.background.future.result()["quant_act_clip_fraction"] < 0.01  # the recalibrated policy, monitored
+
+    release = threading.Event()
+    real = background.monitor
+    monkeypatch.setattr(background, "monitor", lambda *a: (release.wait(60), real(*a))[1])
+    wire.background.result()
+    _, started = wire.prepare(model, step=4)
+    t0 = time.perf_counter()
+    _, busy = wire.prepare(model, step=5)
+    assert time.perf_counter() - t0 < 10 and busy["quant_monitor_skipped_total"] == 1  # sent without waiting
+    release.set()
+    assert wire.background.result(wait=True)["quant_monitor_step"] == 4
 
 
 def test_monitors_on_a_layer_sample_see_its_outliers_and_clipping(toy_model_path, profile_dir):
