@@ -59,18 +59,22 @@ def run_arm(name: str, runs_dir: Path) -> None:
         subprocess.run(demo_command(name, runs_dir), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
 
 
-def arm_row(name: str, runs_dir: Path) -> dict | None:
+def arm_row(name: str, runs_dir: Path, earlier: Path | None = None) -> dict | None:
+    """One arm's numbers from its run directory; or, with ``earlier``, from an earlier run's summary
+    alone (its per-step columns empty)."""
     from learner.metrics import read_jsonl
 
     run_dir = runs_dir / f"arm-{name}"
-    if not (run_dir / "summary.json").exists():
+    summary = run_dir / "summary.json" if (run_dir / "summary.json").exists() else earlier
+    if summary is None or not summary.exists():
         return None
-    s = json.loads((run_dir / "summary.json").read_text())
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    s = json.loads(summary.read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl") if summary.parent == run_dir else []
     col = lambda key: [r[key] for r in rows if isinstance(r.get(key), (int, float))]  # noqa: E731
     tokens = sum(col("tokens")) or None
     changed = sum(col("retokenized_changed_tokens"))
-    return {"arm": ARMS[name][0], "steps": s.get("steps"), "paired_with_tool": s.get("eval_paired_strict"),
+    label = ARMS[name][0] + ("" if summary.parent == run_dir else f" (an earlier run: {summary.name})")
+    return {"arm": label, "steps": s.get("steps"), "paired_with_tool": s.get("eval_paired_strict"),
             "paired_without_tool": s.get("eval_paired_without_tool"), "reward": [s.get("reward_start"),
                                                                                   s.get("reward_end")],
             "mismatch_kl_mean": s.get("mismatch_kl_mean"), "mismatch_kl_max": max(col("mismatch_kl"), default=None),
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only", default="", help=f"comma-separated arms, of {', '.join(ARMS)}")
     p.add_argument("--report-only", action="store_true", help="run nothing: report the finished arms")
     p.add_argument("--json", type=Path, help="write the results section here")
+    p.add_argument("--earlier", action="append", default=[], metavar="ARM=SUMMARY",
+                   help="report an arm not run here from an earlier run's summary.json of the same settings")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(ARMS)
     bad = [n for n in names if n not in ARMS]
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.report_only:
         for name in names:
             run_arm(name, args.runs_dir)
-    rows = {n: r for n in ARMS if (r := arm_row(n, args.runs_dir)) is not None}
+    earlier = dict(e.split("=", 1) for e in args.earlier)
+    rows = {n: r for n in ARMS if (r := arm_row(n, args.runs_dir, Path(earlier[n]) if n in earlier else None))}
     print(json.dumps(rows, indent=1))
     if args.json and rows:
         section(rows).write(args.json)

@@ -337,6 +337,20 @@ def loss_denominator(mask: torch.Tensor, agg: str, norm_length: int) -> float:
 
 
 # -- mismatch ----------------------------------------------------------------------------------
+def after_tool_k3(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, env_mask: torch.Tensor | None,
+                  clamp: float = 20.0) -> float | None:
+    """The k3 mismatch (mean e^d - d - 1, d = pi_old - mu) on the first sampled token after each run of
+    a tool's tokens inside an answer: where a tool episode's rollout-training mismatch is said to widen
+    (the tool's text is context the engine read in another batch shape than the learner). None without one."""
+    if env_mask is None:
+        return None
+    after = mask.bool() & torch.nn.functional.pad(env_mask[:, :-1], (1, 0)).bool()
+    if not after.any():
+        return None
+    d = (pi_old - mu).clamp(-clamp, clamp)[after]
+    return (torch.exp(d) - d - 1).mean().item()
+
+
 def mismatch_metrics(pi_old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, clamp: float = 20.0) -> dict:
     """How far the training policy is from the behavior policy on the sampled tokens.
 

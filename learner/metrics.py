@@ -90,6 +90,8 @@ _TRAIN = {
     "retokenized_changed_tokens": "learner.retokenize only: tokens of the step's re-tokenized answers that are not "
                                   "the sampled ids",
     "mismatch_kl_fresh": "mismatch_kl over the groups sampled by the current version only (no policy lag)",
+    "mismatch_k3_after_tool": "mismatch_k3_kl on the first sampled token after a tool's tokens in an answer "
+                              "(an in-turn tool only)",
     "mismatch_seq_kl": "k1 estimate of KL(rollout || training policy) per sequence",
     "mismatch_k3_kl": "k3 estimate of KL(rollout || training policy) per token (never negative)",
     "mismatch_chi2_token": "chi-squared divergence per token of the training policy against the rollout's",

@@ -25,6 +25,7 @@ from learner.batch import Batch, collate, microbatches
 from learner.loss import (
     POLICY_LOSSES,
     ISSettings,
+    after_tool_k3,
     compute_advantages,
     importance_weights,
     kl_terms,
@@ -389,6 +390,7 @@ class PPOStep:
             "mismatch_kl_fresh": mismatch_metrics(pi_old[fresh], mu[fresh], mask[fresh], clamp)["mismatch_kl"]
             if fresh.any() else None,
             "mismatch_by_precision": by_precision,
+            "mismatch_k3_after_tool": after_tool_k3(pi_old, mu, mask, batch.env_mask, clamp),
             **is_metrics,
             **kl_metrics,
             # PPO statistics averaged over the step's minibatches (on rank 0's rows under DDP)

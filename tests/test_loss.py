@@ -368,3 +368,19 @@ def test_the_is_settings_are_built_from_the_config_whole():
                       environ={}).learner
     assert ISSettings.of(lc) == ISSettings("icepop", 3.0, 0.4, 2.5, 10.0, 4.0, 0.3)
     assert ISSettings("bypass").against_mu and not ISSettings("token_tis").against_mu
+
+
+def test_the_mismatch_after_a_tool_reads_the_first_sampled_token_after_each_tool_run():
+    from learner.loss import after_tool_k3
+
+    # row 0: model, model, tool, tool, model (the boundary), model; row 1: no tool
+    mask = torch.tensor([[1., 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]])
+    env = torch.tensor([[0., 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]])
+    mu = torch.zeros(2, 6)
+    pi = torch.zeros(2, 6)
+    pi[0, 4] = 0.5  # only the boundary token differs
+    d = torch.tensor(0.5)
+    assert after_tool_k3(pi, mu, mask, env) == pytest.approx(float(torch.exp(d) - d - 1))
+    pi[0, 5] = 3.0  # a token further on is not the boundary's
+    assert after_tool_k3(pi, mu, mask, env) == pytest.approx(float(torch.exp(d) - d - 1))
+    assert after_tool_k3(pi, mu, mask, None) is None and after_tool_k3(pi, mu, mask, torch.zeros(2, 6)) is None
