@@ -81,7 +81,8 @@ def arm_row(name: str, runs_dir: Path, earlier: Path | None = None) -> dict | No
             "seq_kl_mean": statistics.mean(col("mismatch_seq_kl")) if col("mismatch_seq_kl") else None,
             "changed_per_1000": None if not tokens else round(1000 * changed / tokens, 2),
             "entropy_first_last": _ends(col("entropy")), "grad_norm_max": max(col("learner_grad_norm"), default=None),
-            "is_ess_min": min(col("is_ess"), default=None), "wall_minutes": round(s.get("wall_seconds", 0) / 60, 1),
+            "is_ess_min": min(col("is_ess"), default=None),
+            "skipped_steps": max(col("learner_skipped_steps_total"), default=None), "wall_minutes": round(s.get("wall_seconds", 0) / 60, 1),
             "machine": s.get("machine")}
 
 
@@ -110,6 +111,20 @@ def section(rows: dict[str, dict]):
              f"--steps {STEPS} --set queue.max_staleness=4 --set eval.exported=false` plus its flags "
              "(`--is-mode`, `--set learner.retokenize=true`); the wall minutes include the base model's "
              "evaluation where the cache did not hold it, and the end's.")
+    measured = [r for r in rows.values() if r["entropy_first_last"]]
+    broke = [r["arm"] for r in measured if r["entropy_first_last"][1] < 0.1 * r["entropy_first_last"][0]
+             or (r["grad_norm_max"] or 0) > 10]
+    sec.note(("Collapsed (the entropy below a tenth of its start, or a gradient norm above 10): "
+              + ", ".join(broke)) if broke else
+             f"No arm collapsed: in the {len(measured)} arms run here the entropy fell from "
+             f"{min(r['entropy_first_last'][0] for r in measured):.2f}-{max(r['entropy_first_last'][0] for r in measured):.2f}"
+             f" to {min(r['entropy_first_last'][1] for r in measured):.2f}-{max(r['entropy_first_last'][1] for r in measured):.2f}"
+             f" (as the training reward rose), the largest gradient norm was "
+             f"{max(r['grad_norm_max'] for r in measured):.2f}, and "
+             f"{sum(r['skipped_steps'] or 0 for r in measured)} steps were skipped for a non-finite gradient.")
+    sec.note("One seed of 30 steps an arm: the same recipe's two full-length seeds differ by 2 points, and a "
+             "30-step run moves less, so a difference of a few points between two arms here is not evidence; "
+             "the mismatch columns and the changed-token counts are the comparison.")
     sec.data = rows
     return sec
 
