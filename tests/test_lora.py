@@ -309,3 +309,53 @@ def test_a_lora_step_under_activation_checkpointing_is_the_plain_step(lora_learn
         moved.append([p.detach() - b for p, b in zip(trainable(learner.model), before)])
     assert max(float(d.abs().max()) for d in moved[0]) > 1e-5
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*moved))
+
+
+def test_the_fused_decode_path_adds_what_vllms_per_slice_path_adds():
+    """rollout_service/vllm_compat.py ``_fused_decode``: a decode batch of one adapter, every slice in
+    one shrink and one expand, adds to the output what vLLM's per-slice path adds, decode or prefill; a
+    batch of two adapters and tokens without one take vLLM's path; a new adapter version in the same
+    tensors is seen."""
+    from types import SimpleNamespace
+
+    from rollout_service.vllm_compat import _fused_decode
+
+    calls = []
+
+    def per_slice(self, y, x, lora_a, lora_b, scale, slices, *, buffer=None, **kw):
+        calls.append(1)
+        off = 0
+        for a, b, size in zip(lora_a, lora_b, slices):
+            idx = self.token_lora_indices
+            h = torch.stack([x[t].float() @ a[int(idx[t]), 0].float().T for t in range(len(x))]) * scale
+            y[:, off:off + size] += torch.stack([h[t] @ b[int(idx[t]), 0].float().T for t in range(len(x))]).to(y.dtype)
+            off += size
+
+    fused = _fused_decode(per_slice)
+    g = torch.Generator().manual_seed(0)
+    lora_a = tuple(torch.randn(2, 1, 8, 32, generator=g) for _ in range(3))  # q, k, v: (slots, 1, rank, in)
+    lora_b = tuple(torch.randn(2, 1, n, 8, generator=g) for n in (32, 16, 16))  # (slots, 1, out, rank)
+    x = torch.randn(5, 32, generator=g)
+    one = SimpleNamespace(is_prefill=False, token_lora_indices=torch.ones(5, dtype=torch.long))
+    want, got = torch.ones(5, 64), torch.ones(5, 64)
+    per_slice(one, want, x, lora_a, lora_b, 0.5, (32, 16, 16))
+    calls.clear()
+    fused(one, got, x, lora_a, lora_b, 0.5, (32, 16, 16))
+    assert not calls and torch.allclose(got, want, atol=1e-4)
+    with torch.no_grad():
+        lora_b[1][1].mul_(2)  # a new version of the adapter, copied into the same slot
+    want, got = torch.ones(5, 64), torch.ones(5, 64)
+    per_slice(one, want, x, lora_a, lora_b, 0.5, (32, 16, 16))
+    fused(one, got, x, lora_a, lora_b, 0.5, (32, 16, 16))
+    assert torch.allclose(got, want, atol=1e-4)
+    calls.clear()
+    two = SimpleNamespace(is_prefill=False, token_lora_indices=torch.tensor([0, 1, 1, 0, 1]))
+    fused(two, got, x, lora_a, lora_b, 0.5, (32, 16, 16))
+    fused(SimpleNamespace(is_prefill=True, token_lora_indices=-torch.ones(5, dtype=torch.long)), got, x, lora_a,
+          lora_b, 0.5, (32, 16, 16))
+    assert len(calls) == 2  # vLLM's path for both
+    want, got = torch.ones(5, 64), torch.ones(5, 64)  # a prefill batch of one adapter: fused too
+    per_slice(one, want, x, lora_a, lora_b, 0.5, (32, 16, 16))
+    fused(SimpleNamespace(is_prefill=True, token_lora_indices=one.token_lora_indices), got, x, lora_a, lora_b,
+          0.5, (32, 16, 16))
+    assert len(calls) == 3 and torch.allclose(got, want, atol=1e-4)
