@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.truncation import OUTSIDE_LOGPROB, truncation_mask
+from learner.truncation import truncated_log_softmax
 
 
 def chunkable_head(module) -> torch.nn.Parameter | None:
@@ -33,12 +33,10 @@ def chunkable_head(module) -> torch.nn.Parameter | None:
 def _chunk_logp(h, w, targets, scale, top_k, top_p):
     """One chunk's masked log-softmax (C, V), in fp32, and whether each target is kept (C,)."""
     z = (h.to(w.dtype) @ w.T).float() * scale[:, None]
-    keep = truncation_mask(z[:, None, :], top_k, top_p)
+    logp, keep = truncated_log_softmax(z[:, None, :], top_k, top_p)  # each position its own "row"
     if keep is None:
-        return torch.log_softmax(z, dim=-1), None
-    keep = keep[:, 0]
-    logp = torch.log_softmax(z.masked_fill(~keep, -torch.inf), dim=-1).masked_fill(~keep, OUTSIDE_LOGPROB)
-    return logp, keep.gather(-1, targets[:, None]).squeeze(-1)
+        return logp[:, 0], None
+    return logp[:, 0], keep[:, 0].gather(-1, targets[:, None]).squeeze(-1)
 
 
 class _ChunkedHead(torch.autograd.Function):

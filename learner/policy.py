@@ -8,7 +8,7 @@ autocast path is the same calls and has not been run). fp16 needs dynamic loss s
 fp32 even under autocast: the logits are where low precision costs the most.
 
 The learner divides the logits by the rollout temperature before the softmax and applies
-each row's top-k and top-p as vLLM's sampler does (:func:`truncation_mask`), so its
+each row's top-k and top-p as vLLM's sampler does (:func:`learner.truncation.truncation_mask`), so its
 log-probs are of the same distribution vLLM reports as ``processed_logprobs``.
 """
 
@@ -22,8 +22,8 @@ import torch
 from learner.batch import Batch
 from learner.head import chunkable_head, head_logprobs
 from learner.loss import token_entropy
-from learner.truncation import OUTSIDE_LOGPROB, truncation_mask
 from learner.routing import recompute_contexts, routes_for
+from learner.truncation import truncated_log_softmax
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,7 +111,7 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
 
     ``model`` may be wrapped (DistributedDataParallel): its forward is what runs, so
     gradients are synchronised. Each row's logits are divided by the temperature it was
-    sampled with and truncated to its top-k/top-p (:func:`truncation_mask`); the softmax
+    sampled with and truncated to its top-k/top-p (:func:`learner.truncation.truncation_mask`); the softmax
     runs in fp32 whatever the compute precision. With truncation, the log-probs are
     renormalised over the kept tokens and a token outside them (probability 0; e.g. a
     token sampled by an older policy) gets ``OUTSIDE_LOGPROB``, finite so that masked
@@ -215,11 +215,7 @@ def _logp_entropy(logits: torch.Tensor, batch: Batch, rows: torch.Tensor, target
     """Log-probs of ``targets`` and entropies from ``logits`` (R, L, V) of ``batch``'s ``rows``:
     each row's temperature, top-k and top-p applied as vLLM's sampler does, in fp32."""
     scaled = logits.float() / batch.temperature[rows, None, None]  # (R, L, V)
-    keep = truncation_mask(scaled, batch.top_k[rows], batch.top_p[rows])
-    if keep is None:  # no row truncated: the plain softmax over the vocabulary
-        logp_all = torch.log_softmax(scaled, dim=-1)
-    else:  # renormalised over each position's kept tokens; the others get OUTSIDE_LOGPROB
-        logp_all = torch.log_softmax(scaled.masked_fill(~keep, -math.inf), dim=-1).masked_fill(~keep, OUTSIDE_LOGPROB)
+    logp_all, _ = truncated_log_softmax(scaled, batch.top_k[rows], batch.top_p[rows])
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     return logp, token_entropy(logp_all if entropy_grad else logp_all.detach())
 

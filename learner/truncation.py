@@ -65,3 +65,14 @@ def truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         drop |= x_sort == -math.inf
         keep[i] = torch.empty_like(drop).scatter_(-1, idx, ~drop)
     return keep
+
+
+def truncated_log_softmax(scaled: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-softmax (N, T, V) of fp32 logits already divided by the temperature, renormalised over the
+    tokens each row's top-k/top-p keep (:func:`truncation_mask`), ``OUTSIDE_LOGPROB`` elsewhere; and
+    that mask, or None where no row truncates (the plain softmax over the vocabulary)."""
+    keep = truncation_mask(scaled, top_k, top_p)
+    if keep is None:
+        return torch.log_softmax(scaled, dim=-1), None
+    return torch.log_softmax(scaled.masked_fill(~keep, -math.inf), dim=-1).masked_fill(~keep, OUTSIDE_LOGPROB), keep
