@@ -4,7 +4,8 @@ drive an engine through the small :class:`SyncEngine` protocol.
 
 - A new generation that lists this worker means: check in and join (or refuse, when the
   engine cannot load its manifest: the learner stops, naming it and the reason, when the
-  manifest is the learner's). First of all, the manifest is checked against the
+  manifest is the learner's). First of all, the learner's own manifest is read from its
+  store (token-gated, unlike Redis) and replaces a rewritten one; then the manifest is checked against the
   ``manifest_hash`` beside it: either can be rewritten in Redis without the sync token,
   and a check-in signed for the learner's hash but judging another manifest would answer
   the learner about weights it never sent. A generation whose manifest is not its hash's
@@ -48,7 +49,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Protocol
 
 import redis
@@ -56,7 +57,7 @@ import redis
 from rlpipe.auth import sync_token
 from weight_sync.manifest import Manifest, manifest_hash
 from weight_sync.rendezvous import SyncState, read_sync
-from weight_sync.transport import check_in_slot
+from weight_sync.transport import check_in_slot, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class WeightFollower:
     async def check_in(self, st: SyncState, candidate: int) -> SyncOutcome:
         """Have the engine check in to generation ``st`` as ``candidate`` (or refuse it), once
         its manifest proved to be the one its hash names (see the module docstring)."""
+        st = await self._learners_manifest(st)
         if manifest_hash(st.manifest) != st.manifest_hash:
             why = (f"generation {st.generation}'s manifest is not the one its manifest_hash {st.manifest_hash!r} "
                    f"names (the sync hash was rewritten?): skipped")
@@ -198,6 +200,25 @@ class WeightFollower:
                              listed if listed in self.held else self.incarnation, st.manifest_hash)
         return await self.engine.join(st.master_addr, st.master_port, slot, st.generation, self.manifest,
                                       self.timeout_s)
+
+    async def _learners_manifest(self, st: SyncState) -> SyncState:
+        """``st`` with the manifest the learner published on its own store (weight_sync/transport.py
+        ``publish_manifest``), where the sync hash's differs from it: the store takes no client
+        without the token, Redis takes any writer, so a manifest or hash rewritten there is
+        replaced here, and the worker checks in for the learner's own, at once. (Without it the
+        worker skipped the generation and the learner waited out its check-in deadline, a minute
+        of training per forgery.) A store that cannot be read leaves ``st`` as it is."""
+        try:
+            own = await asyncio.to_thread(read_manifest, st.master_addr, st.master_port, st.generation,
+                                          self.timeout_s, self.token)
+        except Exception as e:  # noqa: BLE001 - unreachable store: the join below fails and says so
+            log.debug("sync follower: generation %d's store unreadable (%r)", st.generation, e)
+            return st
+        if own is None or (own == st.manifest and manifest_hash(own) == st.manifest_hash):
+            return st
+        log.warning("sync follower: generation %d's manifest in Redis is not the one on the learner's store "
+                    "(rewritten in the sync hash?): checking in for the learner's", st.generation)
+        return replace(st, manifest=own, manifest_hash=manifest_hash(own))
 
     async def update(self, version: int) -> bool:
         """Receive and load ``version`` of the joined generation; out of it when that fails."""

@@ -64,7 +64,8 @@ from weight_sync.manifest import (Manifest, chunks, header_tensor, pack_bucket, 
 from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (GenerationFloor, SyncState, generation_id, next_generation, publish_generation,
                                     publish_members, publish_version)
-from weight_sync.transport import NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot
+from weight_sync.transport import (NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot,
+                                   publish_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +301,7 @@ class WeightSender:
         names = list(candidates)
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
         generation = self._next_generation()
+        publish_manifest(store, generation, manifest.to_json())  # before any worker can read the generation
         self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
                                manifest.to_json(), manifest.hash, tuple(candidates.values()), uuid.uuid4().hex[:12])
         publish_generation(self.r, self.sync_key, self.state, self.fence)

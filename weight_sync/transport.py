@@ -153,6 +153,25 @@ def check_in(store: TCPStore, generation: int, slot: int | str, timeout_s: float
     return go["rank"], go["world"]
 
 
+def publish_manifest(store: TCPStore, generation: int, manifest_json: str) -> None:
+    """The learner's own manifest of ``generation``, on its store: a copy the sync hash's
+    can be checked against by whoever holds the token (or, without one, is on this host)."""
+    store.set(_key(generation, "manifest"), manifest_json)
+
+
+def read_manifest(host: str, port: int, generation: int, timeout_s: float, token: str | None) -> str | None:
+    """The manifest the learner published for ``generation`` on its store (:func:`publish_manifest`),
+    or None where it published none; raises what a connection to the store raises."""
+    store, relay = GlooGroup.connect(host, port, timeout_s, token)
+    try:
+        key = _key(generation, "manifest")
+        return store.get(key).decode() if store.check([key]) else None
+    finally:
+        del store
+        if relay is not None:
+            relay.close()
+
+
 def local_address_towards(host: str) -> str:
     """The address of this machine's interface that routes to ``host`` (127.0.0.1 for a
     loopback ``host``). Connecting a UDP socket picks the route without sending anything."""
