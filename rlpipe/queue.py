@@ -321,14 +321,16 @@ return out
 # KEYS: cursor, counters, returned; ARGV: MAX_PROMPT_INDEX. A cursor that is not a count below
 # the limit (overwritten: INCR fails on text, and a far one blows up the bitmaps of prompt
 # indices) is set back to the most the books say was handed out: each index was pushed (counted
-# in produced, re-issues too), is leased or was given back, so while the books are right no
+# in produced, re-issues too), is leased, was given back or was skipped (settled unpushed: too
+# long, failed twice; without it a reset handed those out again), so while the books are right no
 # index in use is handed out again; past the limit as well, to 0. Returns the new value.
 _RESET_CURSOR = """
 local cursor, limit = redis.call('GET', KEYS[1]), tonumber(ARGV[1])
 local count = cursor == '0' or (string.match(cursor or '', '^[1-9]%d*$') and #cursor < 16)
 if not cursor or (count and tonumber(cursor) < limit) then return false end
-local c = redis.call('HMGET', KEYS[2], 'produced', 'leased')
-local bound = (tonumber(c[1] or 0) or 0) + (tonumber(c[2] or 0) or 0) + redis.call('LLEN', KEYS[3])
+local c = redis.call('HMGET', KEYS[2], 'produced', 'leased', 'skipped')
+local bound = (tonumber(c[1] or 0) or 0) + (tonumber(c[2] or 0) or 0) + (tonumber(c[3] or 0) or 0)
+  + redis.call('LLEN', KEYS[3])
 if not (bound >= 0 and bound < limit) then bound = 0 end
 redis.call('SET', KEYS[1], math.floor(bound))
 return math.floor(bound)

@@ -319,6 +319,21 @@ def test_a_cursor_overwritten_far_or_with_text_is_set_back_below_every_index_in_
     assert q.next_prompt_index("w1")[0] == MAX_PROMPT_INDEX - 1
 
 
+def test_a_cursor_set_back_hands_out_no_skipped_prompt_again(r):
+    """Prompts settled without a push (skipped: too long, failed twice) count as handed out: a
+    forged cursor set back from the books once handed each of them out again (7,865 duplicates
+    in one attack run), and every later lease after it stays new."""
+    q = TrajectoryQueue(r, free_run_id("cursor"))
+    handed = [q.next_prompt_index("w0")[0] for _ in range(6)]
+    for index in handed[:4]:
+        q.skip("w0", index)
+    q.push(make_record(group_id="g0", prompt_index=handed[4]), worker_id="w0")
+    r.set(q.keys.cursor, "forged")
+    again = [q.next_prompt_index("w1")[0] for _ in range(20)]
+    assert not set(again) & set(handed), again
+    assert len(set(again)) == 20
+
+
 def test_a_prompt_index_past_the_limit_is_refused_before_it_sizes_the_index_sets(r):
     """With the cursor at 2**31 the reader admitted indices up to twice that, and each trained
     one grew the learner's dense bitmap (rlpipe/queue.py IndexSet) to its index in bits, and
