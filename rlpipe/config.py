@@ -248,6 +248,10 @@ class RolloutConfig(HttpTimeouts):
                                "tokenizer's own")
     max_sessions: int = Field(64, ge=1, description="sessions open at once on one worker; one more is refused (429)")
     session_max_turns: int = Field(16, ge=1, description="model turns one session may sample; one more is refused (409)")
+    session_max_bytes: int = Field(2 << 20, ge=1024, description="bytes one chat session may hold: its messages "
+                                   "and tools as JSON, every field the template reads or not, and the model's "
+                                   "turns; a turn that brings more is refused (409), so junk sent on every turn "
+                                   "costs a worker at most this per session")
     session_max_tokens: int | None = Field(None, ge=2, description="token ids one session may hold, prompt and "
                                            "context included (a turn without max_tokens gets the room left; one "
                                            "asking more is refused, 422; with no room, 409); null = "
@@ -342,6 +346,10 @@ class LearnerConfig(HttpTimeouts):
                               "the fastest of this machine (rlpipe/machine.py), resolved when the config is read",
                               json_schema_extra={"enum": ["fp32", "bf16", "fp16", "auto"]})
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
+    release_memory: bool = Field(True, description="on a CPU (glibc): tensors of 4 MiB and up come from mmap and "
+                                 "go back to the system when freed, and the heap is trimmed after each step, so "
+                                 "the learner's memory is its live tensors, not what earlier steps left scattered "
+                                 "(learner/alloc.py)")
     head_chunk: int = Field(512, ge=0, description="compute the LM head, softmax and entropy this many positions "
                             "at a time, recomputed in the backward, never the whole batch's logits (learner/head.py)"
                             ": the memory of one chunk's logits; 0 = the whole batch's at once")

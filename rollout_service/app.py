@@ -144,7 +144,7 @@ ERRORS = {code: {"model": Problem, "description": why} for code, why in (
     (400, "body is not JSON"), (401, "missing or wrong bearer token"), (411, "no Content-Length"), (413, "body too large"),
     (404, "no such session: detail says whether it expired (rollout.session_idle_timeout_s) or never existed"),
     (409, "the session's state refuses it: detail starts with the limit's config key (rollout.session_max_turns, "
-          "rollout.session_max_tokens), or says a request on it is running"),
+          "rollout.session_max_tokens, rollout.session_max_bytes), or says a request on it is running"),
     (422, "invalid request: detail names the field"),
     (429, "the API's share of the engine is busy, or rollout.max_sessions are open: retry after Retry-After seconds"),
     (503, "not ready, draining, or engine down"))}

@@ -23,6 +23,7 @@ worker's, the same plumbing as ``/v1/generate``), so tests can drive it with a f
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -69,6 +70,7 @@ class Session:
     routes: np.ndarray | None = None  # routing replay: one row of experts per id held but the last
     touched: float = field(default_factory=time.monotonic)
     busy: bool = False
+    held_bytes: int = 0  # messages and tools as JSON, and the model's turns' text (rollout.session_max_bytes)
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None, versions: list[int]) -> None:
         self.ids += ids
@@ -257,8 +259,19 @@ class Sessions:
                               f"within {self.max_tokens}")
         return ids
 
+    def check_bytes(self, held: int, new: list | None, what: str) -> int:
+        """The bytes of ``new`` (messages or tools, as JSON); 409 naming ``session_max_bytes``
+        when ``held`` and they are more than a session may hold."""
+        added = len(json.dumps(new, ensure_ascii=False).encode()) if new else 0
+        if held + added > self.limits.session_max_bytes:
+            raise self.refuse(409, "session_max_bytes", f"{what} would hold {held + added} bytes of messages and "
+                              f"tools, past the {self.limits.session_max_bytes} a session may")
+        return added
+
     def _opened(self, ids: list[int], messages: list[dict] | None, tools: list | None) -> Session:
-        session = Session(uuid.uuid4().hex, [], len(ids), messages, tools)
+        held = self.check_bytes(0, messages, "the session")
+        session = Session(uuid.uuid4().hex, [], len(ids), messages, tools,
+                          held_bytes=held + self.check_bytes(held, tools, "the session"))
         session.append(ids, 0, None, [self.version()] * len(ids))
         self.open[session.id] = session
         return session
@@ -296,6 +309,7 @@ class Sessions:
         turns = len(session.finish_reasons)
         if turns >= self.limits.session_max_turns:
             raise self.refuse(409, "session_max_turns", f"session {session.id} has had its {turns} turns")
+        added = self.check_bytes(session.held_bytes, new_messages, f"session {session.id}")
         session.busy = True
         try:
             context = await self.off_loop(self.context, session, req, new_messages)
@@ -311,6 +325,7 @@ class Sessions:
             result, v0, v1 = await self.sample(session.ids + context, req.sampling(max_tokens))
         finally:
             session.busy, session.touched = False, time.monotonic()
+        session.held_bytes += added
         return self.keep(session, context, new_messages, result, v0, v1)
 
     def keep(self, session: Session, context: list[int], new_messages: list[dict], result, v0: int,
@@ -323,6 +338,7 @@ class Sessions:
         if getattr(result, "routes", None) is not None:
             session.add_routes(result.routes)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        session.held_bytes += len(text.encode())
         if session.messages is not None:
             session.messages = session.messages + new_messages + [{"role": "assistant", "content": text}]
         session.last_turn = tokens

@@ -70,7 +70,8 @@ def store(tokenizer, template, turns, seen, **limits):
     from rollout_service.sessions import Sessions
 
     cfg = SimpleNamespace(**{"max_sessions": 4, "session_max_turns": 8, "session_max_tokens": None,
-                             "max_model_len": 4096, "max_new_tokens": 16, "session_idle_timeout_s": 60.0, **limits})
+                             "max_model_len": 4096, "max_new_tokens": 16, "session_idle_timeout_s": 60.0,
+                             "session_max_bytes": 2 << 20, **limits})
     return Sessions(cfg, tokenizer, template, scripted(turns, seen), lambda: 7)
 
 
@@ -315,6 +316,40 @@ def test_the_chat_template_setting(tmp_path, toy_model_path):
 
 
 # -- a live worker ----------------------------------------------------------------------------
+def test_junk_on_every_turn_is_held_only_up_to_the_sessions_byte_bound(toy_model_path):
+    """A field the template never reads, just under the body limit, sent on every turn, was kept in
+    the session's history each time: about 5x its size in memory, 66 MiB a session. Now what a
+    session holds (messages and tools as JSON, the model's turns) is bounded by
+    rollout.session_max_bytes: the turn that would pass it is refused (409, naming the key) and
+    commits nothing, the session's memory stays within a few times the bound, and a turn
+    without junk still runs on it."""
+    import tracemalloc
+
+    from fastapi import HTTPException
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    bound = 64 << 10
+    sessions = store(tok, TOY_TEMPLATE, [[8, 2]] * 8, [], session_max_bytes=bound)
+    session = sessions.start([{"role": "user", "content": "1+1"}], None, None, None)
+    junk = {"role": "user", "content": "2+2", "note": "x" * (30 << 10)}
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    accepted = 0
+    with pytest.raises(HTTPException) as refused:
+        for _ in range(8):
+            run_turn(sessions, session, junk)
+            accepted += 1
+    grew = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert refused.value.status_code == 409 and "session_max_bytes" in refused.value.detail
+    assert accepted == 2 and session.held_bytes <= bound
+    assert grew < 4 * bound, grew  # the refused turn kept nothing
+    held, turns = session.held_bytes, len(session.finish_reasons)
+    result = run_turn(sessions, session, {"role": "user", "content": "3+3"})  # the steady state: it still serves
+    assert result.turn == turns + 1 and session.held_bytes > held
+
+
 @pytest.fixture(scope="module")
 def live(toy_model_path, tmp_path_factory):
     """A standalone worker (no Redis) with a token, the toy chat template and small session
