@@ -14,7 +14,10 @@ checkpoints excluded) for each of
   the mean over checkpoint steps, one checkpoint every step) with
   ``learner.async_checkpoint`` false (baseline) and true. Lower is better here.
 - ``lora``: the full fine-tune (baseline) against a rank-8 adapter on the frozen base
-  (``learner.lora.rank``: the optimizer holds the adapter alone, the base gets no gradient);
+  (``learner.lora.rank``: the optimizer holds the adapter alone, the base gets no gradient),
+  and the recipe's learner (the adapter in bf16 autocast, one PPO epoch);
+- ``memory``: freed memory kept by glibc's allocator (baseline) against given back
+  (``learner.release_memory``, learner/alloc.py), and the leanest settings with it;
 - ``compile``: eager (baseline) and ``learner.compile`` (each decoder layer
   ``torch.compile``d). Its first steps (each new batch shape until shapes turn dynamic)
   compile for tens of seconds; like every run's first step, the median leaves them out
@@ -32,7 +35,10 @@ round, in a fresh shuffled order each round, so drift on a shared machine hits t
 all; the table shows the median over rounds and its ratio to the group's baseline
 (ratio = value / baseline value: above 1 is faster for tokens/s, below 1 is less
 blocking for checkpoints); beside it, each configuration's peak memory (the learner
-process's peak resident set, the kernel's ``ru_maxrss``, median over rounds). Every
+process's peak resident set, the kernel's ``ru_maxrss``, median over rounds), and its model
+FLOP/s (:func:`flops_per_token` x tokens/s: the passes the trained tokens needed, not the prompt,
+padding or recompute) against one core's peak from its flags and clock (rlpipe/machine.py
+``core_peak``) and against a 1-thread GEMM of a SmolLM2 MLP's shape measured in the same run. Every
 process gets ``learner.threads: 1`` and ``OMP_NUM_THREADS=1``, so 1-rank and 2-rank rows
 compare. A configuration that fails
 (an unknown config key on this checkout, an error in the learner) is printed as failed
@@ -117,7 +123,9 @@ def groups(args) -> list[Group]:
     return [
         Group("levers", "the learner's levers on this model (one PPO epoch)", lever_rows()),
         Group("dtype", "training dtype (learner.dtype)",
-              [Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")]),
+              [*(Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")),
+               Row("bf16_attention", "bf16, attention in bf16 too (learner.fp32_attention false)",
+                   {"learner.dtype": "bf16", "learner.fp32_attention": False})]),
         Group("is_mode", "IS correction (learner.is_mode)",
               [Row(m, m, {"learner.is_mode": m}) for m in typing.get_args(IsMode)]),
         Group("microbatch", f"micro-batches on ragged lengths {args.min_len}..{args.max_len}",
@@ -133,7 +141,17 @@ def groups(args) -> list[Group]:
                Row("async", "async", {**ckpt, "learner.async_checkpoint": True})], metric=BLOCKING),
         Group("lora", "a rank-8 LoRA adapter on the frozen base (learner.lora) against the full fine-tune",
               [Row("full", "full fine-tune", {}),
-               Row("lora", "LoRA rank 8, every decoder linear", {"learner.lora.rank": 8})]),
+               Row("lora", "LoRA rank 8, every decoder linear", {"learner.lora.rank": 8}),
+               Row("recipe", "LoRA rank 8, bf16 autocast, one PPO epoch (configs/smollm2-math.yaml's learner)",
+                   {"learner.lora.rank": 8, "learner.dtype": "bf16", "learner.ppo_epochs": 1})]),
+        Group("memory", "memory a step frees given back to the system (learner.release_memory), and the "
+                        "memory levers with it",
+              [Row("retained", "freed memory kept by the allocator (release_memory false)",
+                   {"learner.release_memory": False}),
+               Row("released", "given back (release_memory, the default)", {"learner.release_memory": True}),
+               Row("lean_bf16", "given back, bf16 autocast, activation checkpointing, 1 GiB of activations",
+                   {"learner.dtype": "bf16", "learner.activation_checkpointing": True,
+                    "learner.share_prompt": False, "learner.activation_memory_gib": 1.0})]),
         Group("head", "the LM head and softmax in chunks of positions (learner.head_chunk) against the whole "
                       "batch's logits, and the memory levers with it",
               [Row("whole", "whole batch's logits (head_chunk 0)", {"learner.head_chunk": 0}),
@@ -232,7 +250,9 @@ def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: s
     if not values:
         return {"error": f"no {group.metric} in metrics.jsonl after step 1", "seconds": seconds}
     value = statistics.mean(values) if group.metric == BLOCKING else statistics.median(values)
-    return {"value": value, "values": values, "tokens_per_second": statistics.median(m[TOKENS] for m in steps),
+    tokens_per_second = statistics.median(m[TOKENS] for m in steps)
+    return {"value": value, "values": values, "tokens_per_second": tokens_per_second,
+            "gflops": tokens_per_second * flops_per_token(cfg, args.matmul_params) / 1e9,
             "seconds": seconds, "peak_mib": peak_kib / 1024}
 
 
@@ -258,7 +278,8 @@ def summarize(group: Group) -> dict:
         done = [r for r in row.runs if "value" in r]
         ok = [r["value"] for r in done]
         errors = [r["error"] for r in row.runs if "error" in r]
-        median = {k: statistics.median(r[k] for r in done) if done else None for k in ("tokens_per_second", "peak_mib")}
+        median = {k: statistics.median(r[k] for r in done) if done and all(k in r for r in done) else None
+                  for k in ("tokens_per_second", "peak_mib", "gflops")}
         rows.append({"name": row.name, "label": row.label, "settings": row.settings, "ranks": row.ranks,
                      "note": row.note, "runs": row.runs, "median": statistics.median(ok) if ok else None,
                      "range": [min(ok), max(ok)] if ok else None, **median,
@@ -272,21 +293,23 @@ def summarize(group: Group) -> dict:
             "rows": rows}
 
 
-def print_tables(results: list[dict], header: str) -> None:
+def print_tables(results: list[dict], header: str, peak: dict, gemm: dict) -> None:
     print(header)
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     speed = [g for g in results if g["metric"] == TOKENS]
     if speed:
         print("\n| group | configuration | tokens/s (median) | rounds' range | ratio vs baseline | peak memory MiB "
-              "| note |")
-        print("|---|---|---:|---:|---:|---:|---|")
+              "| GFLOP/s | of core peak | of GEMM | note |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for g in speed:
             for i, r in enumerate(g["rows"]):
                 note = f"FAILED: {r['error']}" if r["error"] else r["note"]
                 spread = f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else "-"
+                gflops, of_peak, of_gemm = peak_columns(r, peak, gemm)
                 print(f"| {g['name'] if i == 0 else ''} | {r['label']}{' (baseline)' if i == 0 else ''} | "
                       f"{fmt(r['median'], ',.0f')} | {spread} | {fmt(r['ratio'], '.3f')} | "
-                      f"{fmt(r['peak_mib'], ',.0f')} | {note} |")
+                      f"{fmt(r['peak_mib'], ',.0f')} | {fmt(gflops, '.1f')} | {fmt(of_peak, '.0%')} | "
+                      f"{fmt(of_gemm, '.0%')} | {note} |")
     for g in (g for g in results if g["metric"] == BLOCKING):
         print(f"\n{g['title']}: seconds a checkpoint step spent blocked on it (mean over checkpoint steps, "
               "median over rounds)")
@@ -298,6 +321,57 @@ def print_tables(results: list[dict], header: str) -> None:
             spread = f"{r['range'][0]:.4f}..{r['range'][1]:.4f}" if r["range"] else "-"
             print(f"| {r['label']}{' (baseline)' if i == 0 else ''} | {fmt(r['median'], '.4f')} | {spread} | "
                   f"{fmt(r['ratio'], '.3f')} | {fmt(r['tokens_per_second'], ',.0f')} | {note} |")
+
+
+def matmul_params(model) -> int:
+    """Weights a token's forward multiplies by: every matrix but the embedding table, and the
+    head's (the embedding again where tied). 2 FLOPs each in the forward."""
+    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is model.get_input_embeddings().weight
+    return n + (out.weight.numel() if tied else 0)
+
+
+def flops_per_token(cfg, n: int) -> float:
+    """Model FLOPs of training one response token under ``cfg``: each PPO epoch a forward (2N)
+    and a backward (4N; 2N under LoRA, whose frozen base takes no weight gradient), plus the
+    recompute pass's forward where the step takes one (not under learner.single_pass). The
+    activation-checkpointing recompute, the prompt and the padding are work the step does
+    beyond these, not counted: the FLOP/s is what the trained tokens needed."""
+    lc = cfg.learner
+    recompute = not (lc.single_pass and lc.ppo_epochs == 1 and lc.minibatches == 1 and lc.kl_coef == 0)
+    backward = 2 * n if lc.lora.rank else 4 * n
+    return lc.ppo_epochs * (2 * n + backward) + (2 * n if recompute else 0)
+
+
+def gemm_gflops(dtype: str, shape: tuple[int, int, int] = (1024, 576, 1536), repeats: int = 8) -> float:
+    """The best of ``repeats`` 1-thread matmuls of ``shape`` (a SmolLM2 MLP's), in GFLOP/s: what
+    this core's GEMM does in ``dtype``, measured in the same run as the learner's rows."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m, k, n = shape
+        a, b = (torch.randn(m, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype)))
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        return 2 * m * k * n / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def peak_columns(row: dict, peak, gemm: dict) -> tuple:
+    """A row's GFLOP/s and its share of the core's peak and of the measured GEMM, in its dtype."""
+    gflops = row.get("gflops")
+    bf16 = row["settings"].get("learner.dtype") == "bf16"
+    top = (peak["bf16_gflops"] or peak["fp32_gflops"]) if bf16 else peak["fp32_gflops"]
+    best = gemm["bfloat16" if bf16 else "float32"]
+    return gflops, gflops / top if gflops else None, gflops / best if gflops else None
 
 
 # -- the GPU part: one step of a 0.5B-shaped Qwen2 ---------------------------------------------
@@ -503,8 +577,10 @@ def main(argv: list[str] | None = None) -> dict:
     from tests.conftest import TOY_SPEC
 
     model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
-    records = synthetic_groups(load_quietly(model_path), args.steps * args.groups, args.n, args.min_len, args.max_len,
-                               args.seed, prompt_len=args.prompt_len)
+    policy = load_quietly(model_path)
+    records = synthetic_groups(policy, args.steps * args.groups, args.n, args.min_len, args.max_len, args.seed,
+                               prompt_len=args.prompt_len)
+    args.matmul_params = matmul_params(policy)
     lengths = [len(s.tokens) for r in records for s in r.samples]
     cores = len(os.sched_getaffinity(0))
     t_start = time.time()
@@ -517,10 +593,19 @@ def main(argv: list[str] | None = None) -> dict:
               f"counted), median of {args.rounds} interleaved rounds; model {Path(model_path).name}; "
               f"every process learner.threads 1 and OMP_NUM_THREADS=1 (a 2-rank row uses 2 cores); "
               f"{cores} cores, torch {torch.__version__}, {time.time() - t_start:.0f}s")
-    print_tables(results, header)
+    from rlpipe.machine import core_peak, cpu_name
+
+    peak, gemm = dataclasses.asdict(core_peak()), {d: gemm_gflops(d) for d in ("float32", "bfloat16")}
+    header += (f"; {cpu_name()}; FLOP/s: model FLOPs of the trained tokens (bench/learner.py flops_per_token, "
+               f"{args.matmul_params / 1e6:.0f}M matmul weights) against one core's peak, {peak['why']} "
+               f"(fp32 {peak['fp32_gflops']:.0f}, bf16 {peak['bf16_gflops'] or 0:.0f} GFLOP/s), and against "
+               f"a 1-thread 1024x576x1536 GEMM measured in this run (fp32 {gemm['float32']:.0f}, bf16 "
+               f"{gemm['bfloat16']:.0f} GFLOP/s)")
+    print_tables(results, header, peak, gemm)
     gpu = gpu_or_skipped(args)
     report = {"args": vars(args), "cores": cores, "torch": torch.__version__, "model": model_path,
-              "response_length_mean": statistics.mean(lengths), "groups": results, "gpu": gpu}
+              "response_length_mean": statistics.mean(lengths), "groups": results, "gpu": gpu,
+              "core_peak": peak, "gemm_gflops": gemm}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -539,10 +624,12 @@ def section(report: dict, header: str):
     if speed:
         sec.table("Training tokens/s (median over interleaved rounds)",
                   ["group", "configuration", "tokens/s", "rounds' range", "vs group baseline", "peak memory MiB",
-                   "note"],
+                   "GFLOP/s", "of core peak", "of GEMM", "note"],
                   [[g["name"] if i == 0 else "", r["label"] + (" (baseline)" if i == 0 else ""), r["median"],
                     f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}" if r["range"] else None, r["ratio"],
-                    r["peak_mib"], f"FAILED: {r['error']}" if r["error"] else r["note"]]
+                    r["peak_mib"], *(peak_columns(r, report["core_peak"], report["gemm_gflops"])
+                                     if "core_peak" in report else (None, None, None)),
+                    f"FAILED: {r['error']}" if r["error"] else r["note"]]
                    for g in speed for i, r in enumerate(g["rows"])], note=header)
         fig, ((ax,),) = figure(width=max(5.5, 0.45 * sum(len(g["rows"]) for g in speed)))
         x, labels = 0, []
@@ -567,9 +654,11 @@ def section(report: dict, header: str):
                  f"skipped, {gpu['skipped']}.")
     else:
         sec.note("GPU part: " + json.dumps(gpu))
-    sec.note("On this CPU (no native bf16 or fp16 arithmetic), bf16 and fp16 autocast run about 10x slower than fp32; "
-             "on GPUs they are the fast path (tensor cores), and fp32 is the slow one. The toy model is tiny, so "
-             "per-step overheads (Python, Redis, sync) weigh far more here than with a real model.")
+    if not (report.get("core_peak") or {}).get("bf16_gflops"):
+        sec.note("On a CPU without native bf16 or fp16 arithmetic, bf16 and fp16 autocast run about 10x slower than "
+                 "fp32; with avx512_bf16 or AMX, and on GPUs, bf16 is the fast path.")
+    sec.note("The toy model is tiny, so per-step overheads (Python, Redis, sync) weigh far more there than with a "
+             "real model.")
     sec.data = report
     return sec
 

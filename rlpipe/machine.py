@@ -101,3 +101,47 @@ def cpu_name(cpuinfo: str | None = None) -> str:
     name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                 "unknown CPU")
     return f"{name}, {os.cpu_count()} cores ({simd_summary(cpu_flags(cpuinfo))})"
+
+
+@dataclass(frozen=True)
+class CorePeak:
+    clock_ghz: float
+    fp32_gflops: float
+    bf16_gflops: float | None  # None: no native bf16 arithmetic
+    why: str
+
+
+def core_peak(cpuinfo: str | None = None) -> CorePeak:
+    """One core's dense peak in GFLOP/s, from its flags and clock (``cpu MHz``, the nominal
+    clock on a VM: a core that boosts above it can measure past this peak).
+
+    FLOPs per cycle, the vendors' figures for fused multiply-adds: AVX2 with FMA 32 fp32 (two
+    256-bit FMA units); AVX-512 64 on Intel and AMD Zen 5 (two 512-bit units), 32 on Zen 4
+    (family 25: 512-bit instructions on 256-bit units); ``avx512_bf16`` (VDPBF16PS, two bf16
+    products a lane) twice fp32; AMX (``amx_bf16``) 1,024 bf16 a cycle. Without native bf16
+    there is no bf16 peak: such a CPU's bf16 runs on fp32 units at best."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    field = lambda key: next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()  # noqa: E731
+                              if line.split(":", 1)[0].strip() == key), "")
+    flags = cpu_flags(cpuinfo)
+    ghz = float(field("cpu MHz") or 0) / 1000
+    amd, family = field("vendor_id") == "AuthenticAMD", int(field("cpu family") or 0)
+    if "avx512f" in flags:
+        fp32, unit = (32, "AVX-512 on 256-bit units (AMD Zen 4)") if amd and family == 25 else (64, "AVX-512")
+    elif "fma" in flags and "avx2" in flags:
+        fp32, unit = 32, "AVX2 with FMA"
+    else:
+        fp32, unit = (16 if "avx" in flags else 8), "no FMA"
+    if "amx_bf16" in flags:
+        bf16, how = 1024, "AMX"
+    elif "avx512_bf16" in flags:
+        bf16, how = 2 * fp32, "avx512_bf16"
+    else:
+        bf16, how = None, "no native bf16"
+    return CorePeak(ghz, fp32 * ghz, bf16 * ghz if bf16 else None,
+                    f"{ghz:.2f} GHz x {fp32} fp32 FLOP/cycle ({unit}); bf16: "
+                    + (f"{bf16} FLOP/cycle ({how})" if bf16 else how))

@@ -34,3 +34,19 @@ def test_auto_resolves_where_the_config_is_read(monkeypatch):
     cfg = build_config({"rollout": {"precision": "auto"}, "learner": {"dtype": "auto"}}, environ={})
     assert (cfg.rollout.precision, cfg.learner.dtype) == ("bf16", "fp16")
     assert build_config({"rollout": {"precision": "int8"}}, environ={}).rollout.precision == "int8"
+
+
+GENOA = ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\ncpu MHz\t\t: 2600.000\n"
+         "flags\t\t: fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni\n")
+
+
+@pytest.mark.parametrize("cpuinfo, fp32, bf16", [
+    (GENOA, 2.6 * 32, 2.6 * 64),  # Zen 4: AVX-512 on 256-bit units, VDPBF16PS twice fp32
+    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\ncpu MHz\t\t: 2000.0\n" + SAPPHIRE_RAPIDS, 2.0 * 64, 2.0 * 1024),
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\ncpu MHz\t\t: 2450.0\n" + EPYC_MILAN, 2.45 * 32, None),
+])
+def test_a_cores_peak_follows_its_flags_and_clock(cpuinfo, fp32, bf16):
+    peak = machine.core_peak(cpuinfo)
+    assert peak.fp32_gflops == pytest.approx(fp32)
+    assert peak.bf16_gflops == (pytest.approx(bf16) if bf16 else None)
+    assert f"{peak.clock_ghz:.2f} GHz" in peak.why
