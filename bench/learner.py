@@ -16,8 +16,6 @@ checkpoints excluded) for each of
 - ``lora``: the full fine-tune (baseline) against a rank-8 adapter on the frozen base
   (``learner.lora.rank``: the optimizer holds the adapter alone, the base gets no gradient),
   and the recipe's learner (the adapter in bf16 autocast, one PPO epoch);
-- ``memory``: freed memory kept by glibc's allocator (baseline) against given back
-  (``learner.release_memory``, learner/alloc.py), and the leanest settings with it;
 - ``compile``: eager (baseline) and ``learner.compile`` (each decoder layer
   ``torch.compile``d). Its first steps (each new batch shape until shapes turn dynamic)
   compile for tens of seconds; like every run's first step, the median leaves them out
@@ -123,9 +121,7 @@ def groups(args) -> list[Group]:
     return [
         Group("levers", "the learner's levers on this model (one PPO epoch)", lever_rows()),
         Group("dtype", "training dtype (learner.dtype)",
-              [*(Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")),
-               Row("bf16_attention", "bf16, attention in bf16 too (learner.fp32_attention false)",
-                   {"learner.dtype": "bf16", "learner.fp32_attention": False})]),
+              [Row(d, d, {"learner.dtype": d}) for d in ("fp32", "bf16", "fp16")]),
         Group("is_mode", "IS correction (learner.is_mode)",
               [Row(m, m, {"learner.is_mode": m}) for m in typing.get_args(IsMode)]),
         Group("microbatch", f"micro-batches on ragged lengths {args.min_len}..{args.max_len}",
@@ -144,14 +140,6 @@ def groups(args) -> list[Group]:
                Row("lora", "LoRA rank 8, every decoder linear", {"learner.lora.rank": 8}),
                Row("recipe", "LoRA rank 8, bf16 autocast, one PPO epoch (configs/smollm2-math.yaml's learner)",
                    {"learner.lora.rank": 8, "learner.dtype": "bf16", "learner.ppo_epochs": 1})]),
-        Group("memory", "memory a step frees given back to the system (learner.release_memory), and the "
-                        "memory levers with it",
-              [Row("retained", "freed memory kept by the allocator (release_memory false)",
-                   {"learner.release_memory": False}),
-               Row("released", "given back (release_memory, the default)", {"learner.release_memory": True}),
-               Row("lean_bf16", "given back, bf16 autocast, activation checkpointing, 1 GiB of activations",
-                   {"learner.dtype": "bf16", "learner.activation_checkpointing": True,
-                    "learner.share_prompt": False, "learner.activation_memory_gib": 1.0})]),
         Group("head", "the LM head and softmax in chunks of positions (learner.head_chunk) against the whole "
                       "batch's logits, and the memory levers with it",
               [Row("whole", "whole batch's logits (head_chunk 0)", {"learner.head_chunk": 0}),

@@ -13,7 +13,7 @@ wall time between their metrics rows), its seconds per step split into the learn
 weight sync and wait for groups, and the ratio auto / pinned. The CPU is named beside the numbers.
 
     python -P bench/recipe_speed.py --runs-dir runs                                  # 2 x 12 steps
-    python -P bench/recipe_speed.py --runs-dir runs --json docs/results/recipe-speed.json   # then the section
+    python -P bench/recipe_speed.py --runs-dir runs --json docs/results/recipe-speed.json   # and the section
 
 A finished arm (its ``summary.json`` in ``<runs-dir>/speed-<arm>``) is not run again.
 """
@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['train_s']:.1f}, sync {r['sync_s']:.1f}, wait {r['wait_s']:.1f})")
     if "pinned" in rows and "auto" in rows:
         print(f"auto / pinned: {rows['auto']['steps_per_hour'] / rows['pinned']['steps_per_hour']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    if args.json and rows:
+        section(report).write(args.json)
     return report
 
 

@@ -37,34 +37,6 @@ def load_policy(path: str):
     return model
 
 
-FP32_SDPA = "rlpipe_fp32_sdpa"
-
-
-def _fp32_sdpa(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    with torch.autocast(query.device.type, enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                              **kwargs)
-    return out.to(query.dtype), weights
-
-
-def fp32_attention(model) -> bool:
-    """Attention in fp32 under bf16/fp16 autocast on a CPU (``learner.fp32_attention``): its
-    inputs cast up, its output back, the projections around it still in the autocast dtype.
-    torch's CPU flash-attention backward ran 2.8x slower in bf16 than in fp32 (1.93 s against
-    0.69 s of a SmolLM2 step on an AVX512-BF16 EPYC) while its matmuls ran 2x faster; the step
-    took 1.19x less time with attention in fp32. Only a model on SDPA is switched (an eager or
-    flex model keeps its own); returns whether it was."""
-    from transformers import AttentionInterface
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False
-    AttentionInterface.register(FP32_SDPA, _fp32_sdpa)
-    model.set_attn_implementation(FP32_SDPA)
-    return True
-
-
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The model's stack of decoder layers, found by the block class Hugging Face says must not
     be split (``_no_split_modules``: ``LlamaDecoderLayer``, ``GPTNeoXLayer``, ...), not by a

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from learner import alloc, checkpoint
+from learner import checkpoint
 from learner.batch import collate
 from learner.channels import Collectives, FleetSync
 from learner.checkpoint import RunCounters
@@ -40,7 +40,7 @@ from learner.evals import Evals
 from learner.ledger import Ledger
 from learner.lora import trainable, training_policy
 from learner.metrics import LearnerMetrics
-from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, fp32_attention, token_logprobs
+from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, token_logprobs
 from learner.reference import load_reference
 from learner.retokenize import Retokenizer
 from learner.routing import install as install_routing
@@ -100,7 +100,6 @@ class Learner(Durability):
             torch.set_num_threads(lc.threads)
         torch.manual_seed(cfg.seed)
         self.device = self.ranks.device
-        self.release_memory = lc.release_memory and self.device.type == "cpu" and alloc.release_freed_memory()
         self.ckpt_root = checkpoint_root(cfg)
         if self.ranks.is_main:  # first: a Redis that is down is reported before minutes of loading
             self.r = connect(cfg.redis_url, cfg.redis_wait_s)
@@ -113,8 +112,6 @@ class Learner(Durability):
         restore_weights = main_reads or lc.lora.rank > 0  # a LoRA checkpoint holds the adapter, not the base
         self.model = training_policy(cfg, str(cfg.model.path if restore_weights else resume or cfg.model.path))
         self.model = self.model.to(self.device)
-        if lc.fp32_attention and lc.dtype != "fp32" and self.device.type == "cpu":
-            fp32_attention(self.model)
         if lc.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if lc.compile:
@@ -245,12 +242,9 @@ class Learner(Durability):
         """One PPO step on ``records``: under ``learner.retokenize`` (a comparison arm) on their answers' text
         tokenized again (learner/retokenize.py), counting the tokens that changed."""
         if self.retokenizer is None:
-            m = self.ppo.train_step(records)
-        else:
-            m = self.ppo.train_step([self.retokenizer(r) for r in records])
-            m["retokenized_changed_tokens"], self.retokenizer.changed = self.retokenizer.changed, 0
-        if self.release_memory:
-            alloc.trim()  # the step's temporaries are freed: their pages go back before the sync's
+            return self.ppo.train_step(records)
+        m = self.ppo.train_step([self.retokenizer(r) for r in records])
+        m["retokenized_changed_tokens"], self.retokenizer.changed = self.retokenizer.changed, 0
         return m
 
     @property

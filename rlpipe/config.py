@@ -346,13 +346,6 @@ class LearnerConfig(HttpTimeouts):
                               "the fastest of this machine (rlpipe/machine.py), resolved when the config is read",
                               json_schema_extra={"enum": ["fp32", "bf16", "fp16", "auto"]})
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
-    fp32_attention: bool = Field(True, description="under bf16/fp16 on a CPU, attention computes in fp32 (the "
-                                 "projections stay in the autocast dtype): torch's CPU flash-attention backward is "
-                                 "slower in bf16 than in fp32 (learner/policy.py fp32_attention)")
-    release_memory: bool = Field(True, description="on a CPU (glibc): tensors of 4 MiB and up come from mmap and "
-                                 "go back to the system when freed, and the heap is trimmed after each step, so "
-                                 "the learner's memory is its live tensors, not what earlier steps left scattered "
-                                 "(learner/alloc.py)")
     head_chunk: int = Field(512, ge=0, description="compute the LM head, softmax and entropy this many positions "
                             "at a time, recomputed in the backward, never the whole batch's logits (learner/head.py)"
                             ": the memory of one chunk's logits; 0 = the whole batch's at once")
