@@ -95,6 +95,10 @@ def section(report: dict):
                 r["wait_s"], r["tokens_per_second"]] for r in rows.values()],
               note="Each arm is a whole `rlpipe demo` (Redis, 2 rollout workers, the learner), one after the other on "
                    "the same machine. learner wait = seconds the learner waited for groups with a reward spread.")
+    for r in rows.values():
+        share = r["train_s"] / r["seconds_per_step"]
+        sec.note(f"{r['label']}: the learner trained {share:.0%} of each step's wall time and waited for groups "
+                 f"{r['wait_s'] / r['seconds_per_step']:.0%}; the larger of the two is the role that bounds the step.")
     sec.data = report
     return sec
 
