@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,16 +46,9 @@ def demo_command(name: str, runs_dir: Path, steps: int, seed: int) -> list[str]:
 
 
 def run_arm(name: str, runs_dir: Path, steps: int, seed: int) -> None:
-    run_dir = runs_dir / f"speed-{name}"
-    if (run_dir / "summary.json").exists():
-        print(f"{name}: done already ({run_dir})", file=sys.stderr)
-        return
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    log = runs_dir / f"speed-{name}.log"
-    print(f"{name}: running, log in {log}", file=sys.stderr)
-    with open(log, "w") as f:
-        subprocess.run(demo_command(name, runs_dir, steps, seed), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                       check=False)
+    from bench.tool_arms import run_demo_arm
+
+    run_demo_arm(name, f"speed-{name}", runs_dir, demo_command(name, runs_dir, steps, seed))
 
 
 def arm_row(name: str, runs_dir: Path) -> dict | None:
@@ -69,10 +63,9 @@ def arm_row(name: str, runs_dir: Path) -> dict | None:
         return None
     wall = steady[-1]["time"] - steady[0]["time"]
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in steady[1:])  # noqa: E731
-    config = (runs_dir / f"speed-{name}" / "config.yaml").read_text()
-    chosen = {key: next((line.split(":", 1)[1].strip() for line in config.splitlines()
-                         if line.strip().startswith(f"{key}:")), "?") for key in ("precision", "dtype")}
-    return {"arm": name, "label": ARMS[name][0], "rollout": chosen["precision"], "learner": chosen["dtype"],
+    config = yaml.safe_load((runs_dir / f"speed-{name}" / "config.yaml").read_text())  # auto as resolved
+    return {"arm": name, "label": ARMS[name][0], "rollout": config["rollout"]["precision"],
+            "learner": config["learner"]["dtype"],
             "steps": len(steady) - 1, "seconds_per_step": wall / (len(steady) - 1),
             "steps_per_hour": 3600 * (len(steady) - 1) / wall, "train_s": mean("learner_train_seconds"),
             "sync_s": mean("weight_sync_seconds"), "wait_s": mean("learner_wait_seconds"),

@@ -47,16 +47,22 @@ def demo_command(name: str, runs_dir: Path) -> list[str]:
             "--run-id", f"arm-{name}", "--runs-dir", str(runs_dir), *ARMS[name][1]]
 
 
-def run_arm(name: str, runs_dir: Path) -> None:
-    run_dir = runs_dir / f"arm-{name}"
+def run_demo_arm(name: str, run_id: str, runs_dir: Path, command: list[str]) -> None:
+    """Run one arm's ``rlpipe demo`` ``command`` (run id ``run_id``) with its log beside its run
+    directory, unless a finished run (its ``summary.json``) is there already."""
+    run_dir = runs_dir / run_id
     if (run_dir / "summary.json").exists():
         print(f"{name}: done already ({run_dir})", file=sys.stderr)
         return
     runs_dir.mkdir(parents=True, exist_ok=True)
-    log = runs_dir / f"arm-{name}.log"
+    log = runs_dir / f"{run_id}.log"
     print(f"{name}: running, log in {log}", file=sys.stderr)
     with open(log, "w") as f:
-        subprocess.run(demo_command(name, runs_dir), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+        subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+
+
+def run_arm(name: str, runs_dir: Path) -> None:
+    run_demo_arm(name, f"arm-{name}", runs_dir, demo_command(name, runs_dir))
 
 
 def arm_row(name: str, runs_dir: Path, earlier: Path | None = None) -> dict | None:
