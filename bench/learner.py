@@ -326,8 +326,10 @@ def flops_per_token(cfg, n: int) -> float:
     recompute pass's forward where the step takes one (not under learner.single_pass). The
     activation-checkpointing recompute, the prompt and the padding are work the step does
     beyond these, not counted: the FLOP/s is what the trained tokens needed."""
+    from learner.step import takes_single_pass
+
     lc = cfg.learner
-    recompute = not (lc.single_pass and lc.ppo_epochs == 1 and lc.minibatches == 1 and lc.kl_coef == 0)
+    recompute = not takes_single_pass(lc, has_reference=lc.kl_coef > 0)  # learner/reference.py: kl_coef > 0
     backward = 2 * n if lc.lora.rank else 4 * n
     return lc.ppo_epochs * (2 * n + backward) + (2 * n if recompute else 0)
 

@@ -60,6 +60,12 @@ def token_budget(model_config, memory_gib: float, activation_checkpointing: bool
     return max(1, int(max(memory, 0) // per_token))
 
 
+def takes_single_pass(lc, has_reference: bool) -> bool:
+    """Whether a step under learner settings ``lc`` takes pi_old from the update's own forward
+    (:attr:`PPOStep.single_pass` says why): one epoch of one minibatch and no reference model."""
+    return lc.single_pass and lc.ppo_epochs == 1 and lc.minibatches == 1 and not has_reference
+
+
 @dataclass
 class UpdateStats:
     """What the optimizer steps of one learner step measured."""
@@ -157,8 +163,7 @@ class PPOStep:
         one minibatch and no reference model, the update runs at exactly the weights a recompute
         pass would (the step's own, served-rounded), so that pass would give pi_old = pi, a
         ratio of exactly 1, at the cost of one more forward of the batch."""
-        lc = self.cfg.learner
-        return lc.single_pass and lc.ppo_epochs == 1 and lc.minibatches == 1 and self.reference is None
+        return takes_single_pass(self.cfg.learner, self.reference is not None)
 
     def _no_grad_pass(self, batch, policy: bool = True):
         """pi_old and the entropy of every row under the current weights (``policy``), and the
