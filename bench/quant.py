@@ -159,7 +159,8 @@ def bench_quantize(args, workdir: Path, size: str) -> dict:
 def receiver(redis_url: str, run_id: str, versions: int) -> None:
     import torch
 
-    from rlpipe.queue import Keys, connect
+    from rlpipe.keys import Keys
+    from rlpipe.redis_link import connect
     from weight_sync.manifest import Manifest
     from weight_sync.receiver import WeightReceiver
     from weight_sync.rendezvous import read_sync
@@ -184,7 +185,8 @@ def sync_rows(args, workdir: Path, size: str, redis_url: str) -> list[dict]:
 
     from quant.transfer import CastWeights, Fp8Weights, Int8Weights
     from rlpipe.config import Int8Quant
-    from rlpipe.queue import Keys, connect
+    from rlpipe.keys import Keys
+    from rlpipe.redis_link import connect
     from weight_sync.sender import WeightSender
 
     torch.set_num_threads(1)

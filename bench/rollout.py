@@ -108,7 +108,8 @@ async def _run_rlpipe(args, model: str) -> list[dict]:
 
     from launch.redis_server import EmbeddedRedis
     from quant.precision_profile import profile_for
-    from rlpipe.queue import TrajectoryQueue, connect
+    from rlpipe.queue import TrajectoryQueue
+    from rlpipe.redis_link import connect
     from rollout_service.engine import RolloutEngine
     from rollout_service.loop import RolloutLoop
     from rollout_service.metrics import RolloutMetrics

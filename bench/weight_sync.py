@@ -62,7 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 from launch.redis_server import EmbeddedRedis  # noqa: E402
 from launch.results import Section, figure  # noqa: E402
-from rlpipe.queue import Keys, connect  # noqa: E402
+from rlpipe.keys import Keys  # noqa: E402
+from rlpipe.redis_link import connect  # noqa: E402
 from weight_sync.manifest import DTYPES, Manifest, chunks, pack_chunk  # noqa: E402
 from weight_sync.rendezvous import read_sync  # noqa: E402
 from weight_sync.sender import CHUNK_BYTES, WeightSender  # noqa: E402

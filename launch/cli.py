@@ -252,7 +252,7 @@ def _role(label: str, start) -> int:
     setup_logging(label)
     exit_with_parent()
     from quant.quant_profile import ProfileError
-    from rlpipe.queue import RedisUnavailable
+    from rlpipe.redis_link import RedisUnavailable
 
     try:
         return start()
@@ -387,7 +387,7 @@ def _run_eval(args, cfg) -> int:
 def _run_control(args, cfg) -> int:
     """status, restart, scale: act on a running `rlpipe up` through its run directory."""
     from launch import up
-    from rlpipe.queue import RedisUnavailable
+    from rlpipe.redis_link import RedisUnavailable
 
     try:
         run_dir = up.find_run(args.run_dir, args.runs_dir)

@@ -27,9 +27,11 @@ from launch.redis_server import EmbeddedRedis
 from launch.role_setup import parse_cpus
 from rlpipe import registry
 from rlpipe.config import ConfigError, RunConfig, dump_config, secret_env, without_secrets
+from rlpipe.keys import Keys
 from rlpipe.machine import auto_precision, cpu_name
 from rlpipe.paths import BUILTIN_NAMES
-from rlpipe.queue import Keys, TrajectoryQueue, connect
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 
 
 def resolve_model(cfg: RunConfig, log=print) -> str:

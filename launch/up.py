@@ -378,7 +378,7 @@ def last_row(path: Path) -> dict:
 
 
 def _keys(cfg: RunConfig):
-    from rlpipe.queue import Keys
+    from rlpipe.keys import Keys
 
     return Keys(cfg.run_id)
 
@@ -462,7 +462,7 @@ def run_up(cfg: RunConfig, runs_dir: str = "runs", progress: bool = True) -> int
     """Supervise until the learner is done (0), Ctrl-C or SIGTERM (130), or a role that
     keeps failing at start or Redis lost for good (1); the summary is printed each time."""
     from launch.demo import _summarize, format_summary, prepare_run
-    from rlpipe.queue import RedisUnavailable, connect
+    from rlpipe.redis_link import RedisUnavailable, connect
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     t_start = time.time()
@@ -546,7 +546,8 @@ def status_table(run_dir: Path) -> str:
 
     from rlpipe.auth import api_token
     from rlpipe.config import load_config
-    from rlpipe.queue import TrajectoryQueue, connect
+    from rlpipe.queue import TrajectoryQueue
+    from rlpipe.redis_link import connect
 
     state = json.loads((run_dir / STATE_FILE).read_text())
     cfg = load_config(run_dir / "config.yaml")

@@ -18,7 +18,7 @@ from learner.checkpointer import lineage_meta, load_trainer_state, trainer_state
 from learner.schedule import apply_lr
 from rlpipe import registry
 from rlpipe.faults import crash_at
-from rlpipe.queue import IndexSet
+from rlpipe.index_set import IndexSet
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import redis
 
 from learner.metrics import LearnerMetrics
 from rlpipe.config import RunConfig
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from rlpipe.side_streams import Rejected, dead_letter, delivered, settled
 
 log = logging.getLogger(__name__)

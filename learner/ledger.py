@@ -30,7 +30,9 @@ from typing import Callable
 
 from learner import checkpoint
 from learner.checkpoint import RunCounters
-from rlpipe.queue import Entry, IndexSet, RestartWatch, TrajectoryQueue
+from rlpipe.index_set import IndexSet
+from rlpipe.queue import Entry, TrajectoryQueue
+from rlpipe.redis_link import RestartWatch
 
 log = logging.getLogger(__name__)
 

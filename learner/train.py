@@ -54,7 +54,8 @@ from rlpipe.checkpoints import checkpoint_root
 from rlpipe.config import RunConfig, sharded_quant_problem, without_secrets
 from rlpipe.faults import STEP_DELAY_ENV, crash_at, crash_on_poison, injected_delay
 from rlpipe.proc import process_age_s
-from rlpipe.queue import Entry, TrajectoryQueue, connect
+from rlpipe.queue import Entry, TrajectoryQueue
+from rlpipe.redis_link import connect
 
 log = logging.getLogger(__name__)
 

@@ -922,8 +922,8 @@ def without_secrets(cfg: RunConfig) -> RunConfig:
 
 def secret_env(cfg: RunConfig) -> dict[str, str]:
     """The environment that gives a launcher's children what :func:`without_secrets` took
-    out: ``RLPIPE_REDIS_PASSWORD``, which rlpipe.queue.connect uses for a URL without one."""
-    from rlpipe.queue import PASSWORD_ENV
+    out: ``RLPIPE_REDIS_PASSWORD``, which rlpipe.redis_link.connect uses for a URL without one."""
+    from rlpipe.redis_link import PASSWORD_ENV
 
     password = _split_password(cfg.redis_url)[1]
     return {PASSWORD_ENV: password} if password is not None else {}

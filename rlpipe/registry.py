@@ -31,8 +31,8 @@ from typing import Callable
 import redis
 
 from rlpipe.fence import Fence
+from rlpipe.keys import Keys
 from rlpipe.proc import process_start_ticks
-from rlpipe.queue import Keys
 from rlpipe.readback import number
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ import redis
 from rlpipe import registry
 from rlpipe.config import RunConfig
 from rlpipe.datasets import load_rows
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from rlpipe.side_streams import dead_letter
 from rollout_service import eval_cache
 from rollout_service.engine import RolloutEngine

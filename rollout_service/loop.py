@@ -29,7 +29,8 @@ import redis
 from rlpipe import checkpoints, registry
 from rlpipe.config import RunConfig
 from rlpipe.faults import GROUP_DELAY_ENV, injected_delay
-from rlpipe.queue import RedisUnavailable, RestartWatch, TrajectoryQueue
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import RedisUnavailable, RestartWatch
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
 from rollout_service.episodes import EpisodeRunner

@@ -62,7 +62,7 @@ def serve(cfg: RunConfig, worker_id: str, address_file: str | None = None) -> No
         Path(address_file).write_text(address)
     redis_client = None
     if cfg.redis_url:  # before the engine starts: waits for Redis (saying so) up to redis_wait_s
-        from rlpipe.queue import connect
+        from rlpipe.redis_link import connect
 
         redis_client = connect(cfg.redis_url, cfg.redis_wait_s)
     app = create_app(cfg, worker_id, address, redis_client)

@@ -151,7 +151,8 @@ class Worker:
 
     def _start_loop(self) -> None:
         """The rollout loop, and evaluations when the run asks for them."""
-        from rlpipe.queue import TrajectoryQueue, connect
+        from rlpipe.queue import TrajectoryQueue
+        from rlpipe.redis_link import connect
         from rollout_service.loop import RolloutLoop
         from rollout_service.tasks import PromptEncoder, make_task
 

@@ -28,7 +28,10 @@ from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import PASSWORD_FILE_ENV, IndexSet, Keys, TrajectoryQueue, connect
+from rlpipe.index_set import IndexSet
+from rlpipe.keys import Keys
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import PASSWORD_FILE_ENV, connect
 from tests.conftest import ROOT, free_run_id, launch_worker, stop_worker, wait_for
 
 

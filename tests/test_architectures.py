@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from launch.checks import validate_run
 from rlpipe.config import ConfigError, build_config
-from rlpipe.queue import connect
+from rlpipe.redis_link import connect
 from tests.conftest import WorkerHarness, max_diff, start_worker, stop_worker
 from tests.families import FAMILIES, LAYERS, save_tiny_model, tiny_model
 from weight_sync.names import checkpoint_shapes, served_mismatch, served_pieces

@@ -165,7 +165,8 @@ def test_a_run_writes_no_password_and_its_files_are_private(tmp_path, monkeypatc
     from launch.launcher import Launcher
     from launch.redis_server import EmbeddedRedis
     from rlpipe.auth import SYNC_TOKEN_ENV
-    from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, Keys, connect
+    from rlpipe.keys import Keys
+    from rlpipe.redis_link import PASSWORD_ENV, PASSWORD_FILE_ENV, connect
     from rlpipe.registry import learner_state
 
     password = "pw-" + os.urandom(8).hex()

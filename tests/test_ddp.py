@@ -19,7 +19,8 @@ from learner import checkpoint
 from learner.metrics import read_jsonl
 from learner.policy import load_policy
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import TrajectoryQueue, connect
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id
 from tests.families import save_tiny_model
 from tests.test_learner import for_run, synthetic_groups

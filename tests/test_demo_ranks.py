@@ -19,7 +19,8 @@ import torch
 from learner.metrics import read_jsonl
 from rlpipe.checkpoints import PREFIX, latest
 from rlpipe.config import build_config, load_config
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from rlpipe.registry import live_workers
 from tests.conftest import interruptible, wait_for
 from tests.test_demo import processes_of_run

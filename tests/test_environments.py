@@ -171,7 +171,8 @@ def test_the_rollout_loop_drives_episodes_through_sessions_and_pushes_masked_sam
     from transformers import AutoTokenizer
 
     from learner.policy import load_policy
-    from rlpipe.queue import TrajectoryQueue, connect
+    from rlpipe.queue import TrajectoryQueue
+    from rlpipe.redis_link import connect
     from tests.conftest import WorkerHarness, start_worker, stop_worker, wait_for
     from tests.test_sessions import TOY_TEMPLATE
 

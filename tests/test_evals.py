@@ -18,7 +18,7 @@ from learner.metrics import LearnerMetrics, read_jsonl
 from rlpipe import registry
 from rlpipe.config import ConfigError, build_config
 from rlpipe.datasets import load_rows, question_key
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from rollout_service.evals import GROUP, EvalRunner, make_eval_task, wilson_interval
 from tests.conftest import free_run_id
 

@@ -18,7 +18,7 @@ import torch
 
 from launch.gpus import plan_gpus
 from rlpipe.config import ConfigError
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with
 from tests.test_nccl_sync import Member, follow, weights

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from rlpipe.config import build_config
-from rlpipe.queue import TrajectoryQueue, connect
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from rlpipe.registry import set_learner_state
 from rollout_service.engine import SampleResult
 from rollout_service.loop import RolloutLoop

@@ -18,7 +18,7 @@ from learner import checkpoint
 from learner.lora import BaseView, serve_base, trainable, wrap
 from learner.policy import load_policy
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.queue import connect
+from rlpipe.redis_link import connect
 from rlpipe.registry import worker_incarnations
 from tests.conftest import WorkerHarness, launch_worker, max_diff, start_worker, stop_worker, wait_for
 from tests.test_quant_engine import calibrated

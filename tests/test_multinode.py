@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from launch.launcher import kill_group
 from learner import checkpoint
 from learner.policy import load_policy
-from rlpipe.queue import TrajectoryQueue, connect
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from tests.conftest import ROOT
 from tests.test_ddp import prepared_run
 from tests.test_learner import for_run, synthetic_groups

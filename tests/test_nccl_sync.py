@@ -18,7 +18,7 @@ import torch
 
 from launch.gpus import plan_gpus
 from rlpipe.config import ConfigError
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with
 from weight_sync.manifest import Manifest, incompatibility, pack_bucket, unpack_bucket
@@ -223,7 +223,7 @@ class Member:
 def follow(redis_url, run_id, member, stopping: threading.Event, worker_id: str = ""):
     """``member`` followed as a rollout worker follows the learner (``worker_id``: its
     own, unless given), in a thread of its own until ``stopping``."""
-    from rlpipe.queue import connect
+    from rlpipe.redis_link import connect
     from weight_sync.follower import WeightFollower
 
     async def run():

@@ -24,7 +24,8 @@ from learner import checkpoint
 from learner.policy import load_policy
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import TrajectoryQueue, connect
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id, wait_for
 from tests.test_learner import for_run, synthetic_groups
 

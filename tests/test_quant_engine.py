@@ -23,7 +23,7 @@ from launch.demo import resolve_quant_profile
 from quant.int8 import quant_config
 from quant.quant_profile import write_checkpoint
 from rlpipe.config import build_config
-from rlpipe.queue import connect
+from rlpipe.redis_link import connect
 from rlpipe.registry import live_workers, worker_incarnations
 from tests.conftest import WorkerHarness, launch_worker, start_worker, stop_worker, wait_for
 from tests.test_worker import perturbed

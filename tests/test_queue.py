@@ -8,7 +8,10 @@ import msgpack
 
 from rlpipe import registry
 from rlpipe.admission import MAX_PROMPT_INDEX, RunCheck
-from rlpipe.queue import Entry, IndexSet, Keys, TrajectoryQueue, connect
+from rlpipe.index_set import IndexSet
+from rlpipe.keys import Keys
+from rlpipe.queue import Entry, TrajectoryQueue
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id
 from tests.test_schema import make_record
 
@@ -336,7 +339,7 @@ def test_a_cursor_set_back_hands_out_no_skipped_prompt_again(r):
 
 def test_a_prompt_index_past_the_limit_is_refused_before_it_sizes_the_index_sets(r):
     """With the cursor at 2**31 the reader admitted indices up to twice that, and each trained
-    one grew the learner's dense bitmap (rlpipe/queue.py IndexSet) to its index in bits, and
+    one grew the learner's dense bitmap (rlpipe/index_set.py IndexSet) to its index in bits, and
     every checkpoint with it. Past MAX_PROMPT_INDEX a group is dead-lettered instead."""
     run_id = free_run_id("far")
     check = RunCheck(run_id=run_id, vocab_size=32, n=2, max_tokens=8, max_model_len=64, precisions=("fp8",),

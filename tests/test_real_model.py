@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import pytest
 
-from rlpipe.queue import connect
+from rlpipe.redis_link import connect
 from tests.conftest import WorkerHarness, learner_logprobs, start_worker, stop_worker
 
 pytestmark = pytest.mark.slow

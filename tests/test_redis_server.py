@@ -15,7 +15,7 @@ import redis
 
 from launch.redis_server import EmbeddedRedis
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import PASSWORD_ENV, PASSWORD_FILE_ENV, RestartWatch, connect, outages
+from rlpipe.redis_link import PASSWORD_ENV, PASSWORD_FILE_ENV, RestartWatch, connect, outages
 
 
 def test_embedded_redis_persists_through_a_restart(tmp_path):
@@ -47,7 +47,7 @@ def test_a_client_rides_out_a_redis_restart_with_one_line_each_way(tmp_path, cap
             got.append(client.get("k"))  # it dies with the thread that started it, see redis_server)
             got.extend(client.incr("n") for _ in range(20))
 
-        with caplog.at_level(logging.WARNING, logger="rlpipe.queue"):
+        with caplog.at_level(logging.WARNING, logger="rlpipe.redis_link"):
             caller = threading.Thread(target=calls)
             caller.start()
             time.sleep(1.5)
@@ -85,7 +85,7 @@ def test_redis_is_back_only_once_it_has_replayed_its_aof(tmp_path, caplog):
                 seen.append((time.time(), int(client.info("persistence")["loading"])))
                 time.sleep(0.02)
 
-        with caplog.at_level(logging.WARNING, logger="rlpipe.queue"):
+        with caplog.at_level(logging.WARNING, logger="rlpipe.redis_link"):
             reader = threading.Thread(target=reads)
             reader.start()
             server.start()  # returns once loaded; the reader's calls race the replay

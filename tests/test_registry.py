@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from rlpipe.fence import Fenced
+from rlpipe.keys import Keys
 from rlpipe.proc import process_start_ticks
-from rlpipe.queue import Keys
 from rlpipe.registry import LearnerLease
 from tests.conftest import free_run_id
 

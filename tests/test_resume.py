@@ -27,7 +27,8 @@ from learner.policy import load_policy
 from learner.train import Learner
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import TrajectoryQueue, connect
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id, wait_for
 from tests.test_learner import for_run, params_vector, synthetic_groups
 

@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import Keys, TrajectoryQueue, connect
+from rlpipe.keys import Keys
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from rlpipe.registry import set_learner_state, worker_incarnations
 from tests.conftest import (
     WorkerHarness,

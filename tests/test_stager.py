@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlpipe.auth import sync_token
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from tests.conftest import free_run_id, wait_for
 from weight_sync.manifest import Manifest, pack_bucket, unpack_bucket
 from weight_sync.rendezvous import read_sync

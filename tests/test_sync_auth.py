@@ -36,7 +36,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from rlpipe.config import ConfigError
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id, wait_for
 from tests.test_weight_sync import ChecksumEngine, checksum, model_weights
 from weight_sync.gate import Gate, GateClient, GateUnproven, proof

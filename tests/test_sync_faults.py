@@ -28,7 +28,8 @@ import pytest
 from learner.metrics import read_jsonl
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id, launch_worker, stop_worker, wait_for
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import time
 from launch.up import START_TRIES, USAGE_ERROR, Role, Supervisor, read_desired, write_desired
 from rlpipe import registry
 from rlpipe.config import build_config
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
 from tests.conftest import free_run_id
 
 

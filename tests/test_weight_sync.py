@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rlpipe import registry
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from tests.conftest import free_run_id, wait_for
 from weight_sync.manifest import Manifest, chunks, pack_bucket, pack_chunk, plan_buckets, unpack_bucket
 from weight_sync.rendezvous import SyncState, publish_generation, publish_members, publish_version, read_sync

@@ -6,7 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from tests.conftest import start_worker, stop_worker, wait_for
 
 pytestmark = pytest.mark.slow

@@ -55,10 +55,10 @@ import torch
 
 from rlpipe.auth import check_sync_exposure, is_loopback, sync_token
 from rlpipe.fence import Fence
-from rlpipe.queue import Keys
+from rlpipe.keys import Keys
+from weight_sync.delta import bucket_checksums, encode_version
 from weight_sync.gate import Gate
 from weight_sync.ipc import IpcBroadcast
-from weight_sync.delta import bucket_checksums, encode_version
 from weight_sync.manifest import (Manifest, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets,
                                   refused_manifest)
 from weight_sync.nccl import NcclBroadcast
