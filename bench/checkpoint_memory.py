@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.peak_memory import peak_rise_kib  # noqa: E402
+from rlpipe.peak_memory import peak_rise_kib  # noqa: E402
 
 
 def rank_main(fmt: str, layers: int, root: str, out_path: str) -> None:

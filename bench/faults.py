@@ -1,7 +1,8 @@
 """Faults in one run, as a deployment has them, and how the pipeline came back: the
-chaos test's run (tests/test_chaos.py: SIGKILLs of the learner twice, of a worker and of
-redis-server, which also loses its last second of AOF) as a command, with a report and a
-plot of staleness, drops and reward over the learner's steps, faults marked.
+chaos test's run (launch/chaos.py, which tests/test_chaos.py checks: SIGKILLs of the
+learner twice, of a worker and of redis-server, which also loses its last second of AOF)
+as a command, with a report and a plot of staleness, drops and reward over the learner's
+steps, faults marked.
 
     python bench/faults.py [--seed 12] [--steps 30] [--out docs/faults]
 
@@ -20,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.toy import ensure_toy_model  # noqa: E402
-from tests.conftest import TOY_SPEC  # noqa: E402
-from tests.test_chaos import run_chaos  # noqa: E402
+from launch.chaos import run_chaos  # noqa: E402
+from launch.toy import TOY_SPEC, ensure_toy_model  # noqa: E402
 
 
 def run(seed: int, steps: int, work: Path) -> tuple[dict, list[dict], list[tuple[int, str]]]:

@@ -58,10 +58,10 @@ import torch  # noqa: E402
 
 from bench.gpu_check import add_tables, measure_more  # noqa: E402
 from bench.gpu_parts import SHAPES, attempt_part, learner_step, qwen2, random_batch, sync  # noqa: E402
-from bench.peak_memory import peak_rise_kib  # noqa: E402
 from launch.results import Section, render_section  # noqa: E402
 from quant.int8 import FP8_MAX, INT8_MAX, fp8_tensors, quantized_linears, smooth_groups, smoothing_vector  # noqa: E402
 from quant.quant_profile import QuantProfile  # noqa: E402
+from rlpipe.peak_memory import peak_rise_kib  # noqa: E402
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by a piece of torch.cuda.get_device_name(); the first
 # match wins, so the PCIe/NVL variants come before the SXM name they contain.

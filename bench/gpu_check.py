@@ -39,7 +39,7 @@ from bench.gpu_parts import SHAPES, attempt_part, learner_step, qwen2, random_ba
 CHECK_MODULES = ("bench.gpu", "bench.gpu_check", "bench.gpu_parts", "learner.batch", "learner.loss", "learner.policy",
                  "learner.served", "rlpipe.schema", "weight_sync.ipc", "weight_sync.delta", "weight_sync.manifest",
                  "weight_sync.transport", "weight_sync.delta_codec", "quant.int8", "quant.quant_profile",
-                 "launch.results", "bench.peak_memory")
+                 "launch.results", "rlpipe.peak_memory")
 DRY = "CPU dry run: CUDA IPC export/map skipped (stand-in handle, bytes not read); numbers meaningless."
 
 

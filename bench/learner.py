@@ -191,8 +191,7 @@ def log_tail(path: Path, lines: int = 40) -> list[str]:
 def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: str, work: Path, rnd: int) -> dict:
     """One learner process (or torchrun of ``row.ranks``) over its own pre-filled stream."""
     from learner.metrics import read_jsonl
-    from rlpipe.queue import TrajectoryQueue
-    from rlpipe.redis_link import connect
+    from rlpipe.queue import TrajectoryQueue, connect
 
     run_dir = work / f"{group.name}-{row.name}-r{rnd}"
     run_dir.mkdir(parents=True)
@@ -563,9 +562,8 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = select(groups(args), args.only)
     specs = configurations(chosen)
 
-    from bench.synthetic import load_quietly, synthetic_groups
-    from launch.toy import ensure_toy_model
-    from tests.conftest import TOY_SPEC
+    from launch.toy import TOY_SPEC, ensure_toy_model
+    from learner.synthetic_groups import load_quietly, synthetic_groups
 
     model_path = args.model or str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))
     policy = load_quietly(model_path)

@@ -17,7 +17,7 @@ Medians and p90 over ``--repeats`` repetitions, the two sizes interleaved.
 
 The learner step is ``PPOStep.train_step`` (recompute pi_old, ``ppo_epochs`` updates,
 metrics; no collect, sync or checkpoint) of the toy model over ``--groups-per-step``
-groups of each size, built by bench/synthetic.py's ``synthetic_groups`` (mu is the model's
+groups of each size, built by learner/synthetic_groups.py's ``synthetic_groups`` (mu is the model's
 own log-prob plus noise). The toy is trained on 64 positions; longer rows cost the same
 compute, their values mean nothing.
 
@@ -42,8 +42,7 @@ sys.path.insert(0, str(ROOT))
 import rlpipe.queue as rq  # noqa: E402
 from launch.redis_server import EmbeddedRedis  # noqa: E402
 from launch.results import Section, figure  # noqa: E402
-from rlpipe.queue import TrajectoryQueue  # noqa: E402
-from rlpipe.redis_link import connect  # noqa: E402
+from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
 
 PROMPT_TOKENS = 8  # what synthetic_groups' prompts have: <bos> a a + b b =
 SIZES = {"1k": 1024, "8k": 8192}  # tokens per group, prompt + response over the samples
@@ -72,7 +71,7 @@ class Timed:
 def make_records(model_path: str, total: int, n: int, count: int, seed: int) -> list:
     """``count`` groups of ``n`` samples, ``total`` tokens in all, shaped as a worker sends
     them: every sample spans one weight update (a ``versions`` array, the heaviest record)."""
-    from bench.synthetic import load_quietly, synthetic_groups
+    from learner.synthetic_groups import load_quietly, synthetic_groups
 
     length = total // n - PROMPT_TOKENS
     records = synthetic_groups(load_quietly(model_path), count, n, length, length, seed)
@@ -289,8 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     warmup = max(2, args.repeats // 20)
 
-    from launch.toy import ensure_toy_model
-    from tests.conftest import TOY_SPEC
+    from launch.toy import TOY_SPEC, ensure_toy_model
 
     t_start = time.perf_counter()
     model_path = str(ensure_toy_model(TOY_SPEC, log=lambda m: print(m, file=sys.stderr)))

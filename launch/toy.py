@@ -87,6 +87,11 @@ class ToyModelSpec:
 # Fields added to ToyModelSpec after BUILD_FORMAT 1, with the default that keeps a spec's old key.
 ADDED_FIELDS = {"arch": "qwen2", "num_kv_heads": 0, "tool_calls": 0.0, "num_experts": 0, "experts_per_token": 0}
 ADDED_TASK_FIELDS = {"style": "answer"}  # the same for ArithmeticProblems's fields
+# The demo's own toy model (default config, seed 0): built once, reused by the demo, the tests
+# and the benches.
+TOY_SPEC = ToyModelSpec(task=ArithmeticProblems())
+
+
 def ensure_toy_model(spec: ToyModelSpec | None = None, root: Path | None = None, log=print) -> Path:
     """Return the directory of the toy model for ``spec``, building it once if needed.
 

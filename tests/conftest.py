@@ -24,18 +24,14 @@ import httpx
 import pytest
 import torch
 
+from launch.cluster import free_run_id, launch_worker, stop_worker, wait_for  # the tests import them from here too
 from launch.redis_server import EmbeddedRedis
-from launch.toy import ToyModelSpec, ensure_toy_model
-from rlpipe.arith import ArithmeticProblems
+from launch.toy import TOY_SPEC, ensure_toy_model
 from rlpipe.config import build_config, dump_config
-from rlpipe.keys import Keys
-from rlpipe.queue import TrajectoryQueue
-from rlpipe.redis_link import connect
+from rlpipe.queue import Keys, TrajectoryQueue, connect
 from rlpipe.registry import set_learner_state, worker_incarnations
 
 ROOT = Path(__file__).resolve().parent.parent
-# The demo's own toy model (default config, seed 0): built once, reused by the tests and the demo.
-TOY_SPEC = ToyModelSpec(task=ArithmeticProblems())
 
 
 @pytest.fixture(scope="session")
@@ -67,18 +63,6 @@ def real_model_path() -> str:
     return str(ensure_builtin_model(SMOLLM2, log=lambda m: None))
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy, or raise TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
 def interruptible() -> None:
     """``preexec_fn`` for a child a test will Ctrl-C: SIGINT back to its default. A test run
     started in the background without job control (``cmd &`` in a script, nohup) ignores
@@ -87,10 +71,6 @@ def interruptible() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def free_run_id(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
 
 
 class WorkerHarness:
@@ -154,46 +134,6 @@ def start_worker(redis_url: str, model_path: str, run_dir: Path, worker_id: str 
     return cfg, proc, address
 
 
-def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, wait: bool = True,
-                  args: tuple[str, ...] = ()):
-    """Start worker ``worker_id`` of the run in ``cfg_path`` (log: <run_dir>/<id>.log, or
-    worker.log for w0), with ``rlpipe rollout``'s further ``args``; returns (process,
-    address), the address once it registered."""
-    run_dir = Path(cfg.run_dir)
-    log_path = run_dir / ("worker.log" if worker_id == "w0" else f"{worker_id}.log")
-    address_file = run_dir / f"address-{worker_id}"
-    address_file.unlink(missing_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "rollout", "--config", str(cfg_path),
-                                 "--worker-id", worker_id, "--address-file", str(address_file), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    r = connect(cfg.redis_url)
-
-    def up():
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited: {log_path.read_text()[-3000:]}")
-        return address_file.exists() and r.exists(Keys(cfg.run_id).worker(worker_id))
-
-    if wait:
-        wait_for(up, 300, interval=0.5, what="rollout worker start-up")
-    return proc, address_file.read_text() if wait else None
-
-
-def stop_worker(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 @contextlib.contextmanager
 def standalone_worker(cfg, run_dir: Path, worker_id: str, token: str):
     """A worker of ``cfg`` without Redis (a plain API server) whose API needs ``token``,
@@ -243,9 +183,9 @@ def worker(redis_server, toy_model_path, tmp_path_factory):
 
 
 def learner_logprobs(model, prompt_tokens, response_tokens, temperature: float = 1.0) -> torch.Tensor:
-    """The learner's log-probs of a response, via the production code path (bench/synthetic.py's,
+    """The learner's log-probs of a response, via the production code path (learner/synthetic_groups.py's,
     which the synthetic groups' mu comes from)."""
-    from bench.synthetic import own_logprobs
+    from learner.synthetic_groups import own_logprobs
 
     return own_logprobs(model, prompt_tokens, response_tokens, temperature)
 

@@ -13,15 +13,14 @@ import httpx
 import psutil
 import pytest
 
+from launch.cluster import audit
 from launch.demo import run_demo
 from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, load_config
-from rlpipe.keys import Keys
-from rlpipe.redis_link import connect
+from rlpipe.queue import Keys, connect
 from rlpipe.registry import learner_state, live_workers
-from tests.cluster import audit
 from tests.conftest import interruptible, wait_for
 
 pytestmark = pytest.mark.slow

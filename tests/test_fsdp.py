@@ -25,9 +25,9 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from launch.cluster import Cluster, audited, back_to_steady, segments, steady
 from learner import checkpoint
 from learner.policy import load_policy
-from tests.cluster import Cluster, audited, back_to_steady, segments, steady
 from tests.conftest import ROOT, free_run_id
 from tests.test_ddp import prepared_run
 from tests.test_learner import synthetic_groups
@@ -159,7 +159,7 @@ def test_int8_from_sharded_ranks_is_the_whole_models_quantization_bit_for_bit(re
 # soak: minutes on CI; test_multinode's lost node covers a rank's death ending the job and its resume
 @pytest.mark.soak
 def test_a_killed_rank_ends_the_learner_and_its_restart_returns_to_steady_state(tmp_path, toy_model_path):
-    from tests.test_restarts import SETTINGS, SETTLE
+    from launch.cluster import SETTINGS, SETTLE
 
     settings = {**SETTINGS, "steps": 16, "learner.ranks": 2, "learner.parallel": "fsdp"}
     cluster = Cluster(tmp_path, toy_model_path, workers=2, **settings)

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from bench.synthetic import synthetic_groups
 from learner.batch import collate
 from learner.head import chunkable_head, head_logprobs
 from learner.policy import load_policy, token_logprobs
+from learner.synthetic_groups import synthetic_groups
 
 
 @pytest.fixture(scope="module")

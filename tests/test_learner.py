@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.synthetic import synthetic_groups as build_synthetic_groups
 from learner.app import learner_status
+from learner.synthetic_groups import synthetic_groups as build_synthetic_groups
 from learner.train import Learner
 from rlpipe.config import build_config
 from rlpipe.schema import Sample
@@ -110,7 +110,7 @@ def synthetic_groups(model, n_groups: int, seed: int = 0, noise: float = 0.05, p
                      version: int = 0) -> list:
     """Groups of 4 random answers (2..4 tokens) to random sums, their mu the learner's own
     log-probs plus Gaussian noise (a mismatch of known size), rewards 0/1 with at least one
-    of each (bench/synthetic.py builds them), as test records (make_record's other fields)."""
+    of each (learner/synthetic_groups.py builds them), as test records (make_record's other fields)."""
     return [make_record(prompt_tokens=rec.prompt_tokens, samples=rec.samples, group_id=rec.group_id,
                         policy_version=version, policy_version_end=version, precision=rec.precision)
             for rec in build_synthetic_groups(model, n_groups, seed=seed, noise=noise, precisions=precisions,

@@ -17,9 +17,9 @@ import re
 import httpx
 import pytest
 
+from launch.cluster import Cluster, audited
 from rlpipe import registry
 from rlpipe.faults import GROUP_DELAY_ENV
-from tests.cluster import Cluster, audited
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Restarts as a deployment has them, each role its own process (tests/cluster.py): the
+"""Restarts as a deployment has them, each role its own process (launch/cluster.py): the
 pipeline must come back to its steady state (staleness, drop rate), not only keep its books.
 
 - the learner SIGKILLed twice and restarted by hand: within a few steps of each restart,
@@ -19,17 +19,11 @@ import signal
 
 import pytest
 
+from launch.cluster import SETTINGS, SETTLE, Cluster, audited, back_to_steady, segments, steady
 from rlpipe.queue import TrajectoryQueue
-from tests.cluster import Cluster, audited, back_to_steady, segments, steady
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
-
-SETTINGS = {"steps": 27, "learner.groups_per_step": 8, "learner.checkpoint_every": 3, "learner.lease_ttl_s": 30.0,
-            "learner.threads": 1, "queue.max_lag": 1, "queue.max_staleness": 4, "rollout.heartbeat_ttl_s": 4.0,
-            "rollout.heartbeat_s": 1.0, "rollout.max_inflight_groups": 8,
-            "learner.dynamic_sampling": False}  # the exact bound staleness <= max_lag is pinned: see test_ops_live
-SETTLE = 4  # "within a few steps": steps after a restart before it must be steady again
 
 
 @pytest.mark.soak

@@ -1,7 +1,8 @@
-"""Peak host memory of a piece of work, for the bench scripts: how far the process's resident
-set rose above where it was before, at its highest. The kernel keeps that high-water mark
-itself (``VmHWM``, reset through ``/proc/self/clear_refs``), so no short-lived allocation
-between two samples is missed, and tracemalloc would see only Python's, not torch's. Linux only."""
+"""Peak host memory of a piece of work, for the bench scripts and the tests: how far the
+process's resident set rose above where it was before, at its highest. The kernel keeps that
+high-water mark itself (``VmHWM``, reset through ``/proc/self/clear_refs``), so no short-lived
+allocation between two samples is missed, and tracemalloc would see only Python's, not
+torch's. Linux only."""
 
 from __future__ import annotations
 

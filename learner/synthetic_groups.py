@@ -1,6 +1,8 @@
 """Synthetic trajectory groups for the learner's benches and tests: one builder, so that a
 bench's groups and a test's are made the same way (bench/learner.py, bench/queue_cost.py,
-and tests/test_learner.py's ``synthetic_groups``, which the learner tests share).
+and tests/test_learner.py's ``synthetic_groups``, which the learner tests share). It lives
+with the learner, whose code path (``collate``, ``token_logprobs``) it uses, so that both
+the benches and the tests import it without importing each other.
 
 Each group answers a random sum of the toy model's task (``<bos> a a + b b =``, or a
 prompt of random ids), its responses are random digits ended by EOS, and its behavior

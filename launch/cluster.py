@@ -1,12 +1,14 @@
-"""A run deployed as a deployment runs it, for the fault tests: its own ``redis-server``
-(AOF everysec, so it can be SIGKILLed and restarted on the same port and directory), N
-``rlpipe rollout`` processes and one ``rlpipe learner`` process, each started, killed and
-restarted by the test as an operator (or a supervisor) would.
+"""A run deployed as a deployment runs it, for the fault runs (tests/test_restarts.py,
+tests/test_chaos.py and the others, and bench/faults.py through launch/chaos.py): its own
+``redis-server`` (AOF everysec, so it can be SIGKILLed and restarted on the same port and
+directory), N ``rlpipe rollout`` processes and one ``rlpipe learner`` process, each started,
+killed and restarted by the caller as an operator (or a supervisor) would.
 
 :meth:`Cluster.audit` checks the books at the end, from what Redis and the final
 checkpoint hold; :func:`segments` and :func:`steady` read the learner's metrics to tell
 whether the pipeline came back to its steady state after a fault, not only whether it
-lost nothing.
+lost nothing. Also here: how a worker process is started and stopped (:func:`launch_worker`,
+:func:`stop_worker`, which the tests' fixtures use too) and :func:`wait_for`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,72 @@ from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.index_set import IndexSet
-from rlpipe.keys import Keys
-from rlpipe.queue import TrajectoryQueue
-from rlpipe.redis_link import PASSWORD_FILE_ENV, connect
-from tests.conftest import ROOT, free_run_id, launch_worker, stop_worker, wait_for
+from rlpipe.queue import PASSWORD_FILE_ENV, IndexSet, Keys, TrajectoryQueue, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+# The fault runs' settings (tests/test_restarts.py, launch/chaos.py), and how many steps after a
+# restart a run has to be steady again ("within a few steps").
+SETTINGS = {"steps": 27, "learner.groups_per_step": 8, "learner.checkpoint_every": 3, "learner.lease_ttl_s": 30.0,
+            "learner.threads": 1, "queue.max_lag": 1, "queue.max_staleness": 4, "rollout.heartbeat_ttl_s": 4.0,
+            "rollout.heartbeat_s": 1.0, "rollout.max_inflight_groups": 8,
+            "learner.dynamic_sampling": False}  # the exact bound staleness <= max_lag is pinned: see test_ops_live
+SETTLE = 4  # steps after a restart before it must be steady again
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy, or raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_run_id(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def launch_worker(cfg, cfg_path: Path, worker_id: str, env: dict | None = None, wait: bool = True,
+                  args: tuple[str, ...] = ()):
+    """Start worker ``worker_id`` of the run in ``cfg_path`` (log: <run_dir>/<id>.log, or
+    worker.log for w0), with ``rlpipe rollout``'s further ``args``; returns (process,
+    address), the address once it registered."""
+    run_dir = Path(cfg.run_dir)
+    log_path = run_dir / ("worker.log" if worker_id == "w0" else f"{worker_id}.log")
+    address_file = run_dir / f"address-{worker_id}"
+    address_file.unlink(missing_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "rollout", "--config", str(cfg_path),
+                                 "--worker-id", worker_id, "--address-file", str(address_file), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    r = connect(cfg.redis_url)
+
+    def up():
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited: {log_path.read_text()[-3000:]}")
+        return address_file.exists() and r.exists(Keys(cfg.run_id).worker(worker_id))
+
+    if wait:
+        wait_for(up, 300, interval=0.5, what="rollout worker start-up")
+    return proc, address_file.read_text() if wait else None
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 class Cluster:
@@ -149,8 +212,8 @@ class Cluster:
         produced, and the loss of the sync hash (a restore, a key cleaned by hand)."""
         import numpy as np
 
+        from rlpipe.example_record import make_record
         from rlpipe.schema import Sample, encode_group
-        from tests.test_schema import make_record
 
         r = self.client()
         q = TrajectoryQueue(r, self.cfg.run_id)
