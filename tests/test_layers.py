@@ -1,12 +1,18 @@
 """The product's packages stand on floors (issue 34), and every import points down or sideways:
 
-- floor 0, the core: ``rlpipe`` (config, queue, schema, registry, ...);
+- floor 0, the core: ``rlpipe`` (config, keys, redis_link, queue, queue_scripts, schema, registry, ...);
 - floor 1: ``quant`` and ``weight_sync`` (quant imports weight_sync, never the reverse);
 - floor 2, the roles: ``learner`` and ``rollout_service``, which never import each other;
 - floor 3, the roof: ``launch`` (the CLI and everything that starts a run) and ``bench``.
 
 Inside ``bench`` no two files import each other, directly or round a longer circle
 (bench/gpu.py and bench/gpu_check.py share their common pieces through bench/gpu_parts.py).
+
+``bench`` and ``tests`` stand apart: no bench file imports anything of ``tests`` (``rlpipe bench``,
+which CI runs, must not depend on test modules), and no test module imports ``bench`` but the
+tests of the benches themselves (``tests/test_bench_*.py``). What both need lives in the product
+(the toy's spec in launch/toy.py, the synthetic groups in learner/synthetic_groups.py, the fault
+runs in launch/cluster.py and launch/chaos.py, the peak-memory probe in rlpipe/peak_memory.py).
 
 Every import statement counts, those inside functions too (a hidden upward import is still
 one), read with ``ast`` from the sources, so nothing is imported here. A failure names each
@@ -107,6 +113,20 @@ def between_apart(root: Path = ROOT) -> list[str]:
     return [f"{where} ({src} -> {dst})" for src, dst, where in imports(root) if {src, dst} in APART]
 
 
+def bench_test_imports(root: Path = ROOT) -> list[str]:
+    """Every import between ``bench`` and ``tests`` that is not allowed: of ``tests`` by a file
+    of bench/, and of ``bench`` by a file of tests/ other than ``tests/test_bench_*.py``."""
+    found = []
+    for importer, imported in (("bench", "tests"), ("tests", "bench")):
+        for path in sorted((root / importer).rglob("*.py")):
+            if importer == "tests" and path.name.startswith("test_bench_"):
+                continue
+            for line, module, _ in import_statements(path):
+                if module.split(".")[0] == imported:
+                    found.append(f"{path.relative_to(root)}:{line} {module} ({importer} -> {imported})")
+    return found
+
+
 def test_every_product_package_has_a_floor():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     packaged = {name.rstrip("*") for name in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
@@ -129,6 +149,12 @@ def test_no_import_circle_between_bench_files():
     assert not bad, "imports that close a circle between files of bench/:\n" + "\n".join(bad)
     arrows = {(src, dst) for src, dst, _ in file_imports()}
     assert ("bench.gpu", "bench.gpu_check") in arrows and ("bench.gpu_check", "bench.gpu") not in arrows
+
+
+def test_bench_and_tests_do_not_import_each_other():
+    bad = bench_test_imports()
+    assert not bad, ("imports between bench/ and tests/ (only tests/test_bench_*.py may import bench; "
+                     "what both need belongs in the product):\n" + "\n".join(bad))
 
 
 def test_the_roles_do_not_import_each_other():
@@ -160,3 +186,18 @@ def test_the_bench_check_sees_a_circle_between_files(tmp_path):
     (tmp_path / "bench" / "b.py").write_text("import bench.c\n")
     (tmp_path / "bench" / "c.py").write_text("import os\n")
     assert bench_circles(tmp_path) == []
+
+
+def test_the_bench_and_tests_check_sees_both_directions(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "bench" / "a.py").write_text("import os\n\n\ndef f():\n    from tests.conftest import TOY_SPEC\n")
+    (tmp_path / "bench" / "b.py").write_text("import tests.test_chaos\nfrom tests import conftest\nfrom bench import a\n")
+    (tmp_path / "tests" / "conftest.py").write_text("from bench.synthetic import own_logprobs\n")
+    (tmp_path / "tests" / "test_x.py").write_text("import bench.b\nimport benchmarks\n")
+    (tmp_path / "tests" / "test_bench_b.py").write_text("from bench import b\n")  # a bench's own test: allowed
+    assert bench_test_imports(tmp_path) == ["bench/a.py:5 tests.conftest (bench -> tests)",
+                                            "bench/b.py:1 tests.test_chaos (bench -> tests)",
+                                            "bench/b.py:2 tests (bench -> tests)",
+                                            "tests/conftest.py:1 bench.synthetic (tests -> bench)",
+                                            "tests/test_x.py:1 bench.b (tests -> bench)"]
