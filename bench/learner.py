@@ -191,7 +191,8 @@ def log_tail(path: Path, lines: int = 40) -> list[str]:
 def run_one(args, group: Group, row: Row, records, model_path: str, redis_url: str, work: Path, rnd: int) -> dict:
     """One learner process (or torchrun of ``row.ranks``) over its own pre-filled stream."""
     from learner.metrics import read_jsonl
-    from rlpipe.queue import TrajectoryQueue, connect
+    from rlpipe.queue import TrajectoryQueue
+    from rlpipe.redis_link import connect
 
     run_dir = work / f"{group.name}-{row.name}-r{rnd}"
     run_dir.mkdir(parents=True)

@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 import rlpipe.queue as rq  # noqa: E402
 from launch.redis_server import EmbeddedRedis  # noqa: E402
 from launch.results import Section, figure  # noqa: E402
-from rlpipe.queue import TrajectoryQueue, connect  # noqa: E402
+from rlpipe.queue import TrajectoryQueue  # noqa: E402
+from rlpipe.redis_link import connect  # noqa: E402
 
 PROMPT_TOKENS = 8  # what synthetic_groups' prompts have: <bos> a a + b b =
 SIZES = {"1k": 1024, "8k": 8192}  # tokens per group, prompt + response over the samples

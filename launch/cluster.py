@@ -30,7 +30,10 @@ from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import PASSWORD_FILE_ENV, IndexSet, Keys, TrajectoryQueue, connect
+from rlpipe.index_set import IndexSet
+from rlpipe.keys import Keys
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import PASSWORD_FILE_ENV, connect
 
 ROOT = Path(__file__).resolve().parent.parent
 # The fault runs' settings (tests/test_restarts.py, launch/chaos.py), and how many steps after a

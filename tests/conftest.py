@@ -28,7 +28,9 @@ from launch.cluster import free_run_id, launch_worker, stop_worker, wait_for  # 
 from launch.redis_server import EmbeddedRedis
 from launch.toy import TOY_SPEC, ensure_toy_model
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import Keys, TrajectoryQueue, connect
+from rlpipe.keys import Keys
+from rlpipe.queue import TrajectoryQueue
+from rlpipe.redis_link import connect
 from rlpipe.registry import set_learner_state, worker_incarnations
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from learner.channels import Collectives  # noqa: E402
 from learner.dist import Ranks, exit_rank  # noqa: E402
 from quant.quant_profile import QuantProfile  # noqa: E402
+from rlpipe.keys import Keys  # noqa: E402
 from rlpipe.peak_memory import peak_rise_kib as measure  # noqa: E402
-from rlpipe.queue import Keys, connect  # noqa: E402
+from rlpipe.redis_link import connect  # noqa: E402
 from tests.test_weight_sync import checksum  # noqa: E402
 from weight_sync.sender import WeightSender  # noqa: E402
 

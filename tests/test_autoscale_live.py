@@ -18,7 +18,7 @@ from launch.up import STATE_FILE
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, dump_config
 from rlpipe.faults import GROUP_DELAY_ENV, STEP_DELAY_ENV
-from rlpipe.queue import connect
+from rlpipe.redis_link import connect
 from tests.conftest import ROOT, free_run_id, wait_for
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,8 @@ from launch.redis_server import EmbeddedRedis
 from learner import checkpoint
 from learner.metrics import read_jsonl
 from rlpipe.config import build_config, load_config
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from rlpipe.registry import learner_state, live_workers
 from tests.conftest import interruptible, wait_for
 

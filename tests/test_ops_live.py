@@ -36,7 +36,8 @@ from launch.up import STATE_FILE, write_prometheus_config
 from learner.metrics import read_jsonl
 from rlpipe import registry
 from rlpipe.config import build_config, dump_config
-from rlpipe.queue import Keys, connect
+from rlpipe.keys import Keys
+from rlpipe.redis_link import connect
 from tests.conftest import ROOT, free_run_id, wait_for
 from tests.ops_tools import alert_rules, dashboard_queries, tool
 
