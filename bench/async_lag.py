@@ -250,6 +250,15 @@ def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3g}" + (f" ({lo:.3g}–{hi:.3g})" if len(values) > 1 else "")
 
 
+def lag_curves(curves, seeds, lags):
+    """Each run's metrics rows for the plots, max_lag by max_lag (one colour each) and seed by
+    seed: (max_lag, rows, line style, whether it is the first seed's). The first seed's line is
+    drawn bold and labelled, the other seeds' faint in the same colour."""
+    for i, lag in enumerate(lags):
+        for j, seed in enumerate(seeds):
+            yield lag, curves[seed, lag], {"color": f"C{i}", "alpha": 0.9 if j == 0 else 0.35}, j == 0
+
+
 def async_section(stats, curves, seeds, lags, settings, placements) -> Section:
     sec = Section("async", "Async vs sync on dedicated cores")
     sec.table(
@@ -289,13 +298,10 @@ def async_section(stats, curves, seeds, lags, settings, placements) -> Section:
              "per-step cost outside both.")
     fig, axes = figure(2, 1, width=6.2)
     ax = axes[0][0]
-    for i, lag in enumerate(lags):
-        for j, seed in enumerate(seeds):
-            rows = curves[seed, lag]
-            t0 = rows[0]["time"]
-            ax.plot([r["time"] - t0 for r in rows], [r["reward_mean"] for r in rows], color=f"C{i}",
-                    alpha=0.9 if j == 0 else 0.35, linewidth=1.6 if j == 0 else 1.0,
-                    label=f"max_lag {lag}" if j == 0 else None)
+    for lag, rows, style, first in lag_curves(curves, seeds, lags):
+        t0 = rows[0]["time"]
+        ax.plot([r["time"] - t0 for r in rows], [r["reward_mean"] for r in rows], **style,
+                linewidth=1.6 if first else 1.0, label=f"max_lag {lag}" if first else None)
     ax.set(xlabel="seconds since the first step", ylabel="mean reward (sampled)", title="reward vs wall-clock")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -346,16 +352,12 @@ def attribution_section(stats, curves, seeds, lags, settings) -> Section:
              "them (mismatch_kl_fresh), i.e. precision alone; the rest adds one or more versions of policy lag.")
     fig, axes = figure(1, 1, width=7.5)
     ax = axes[0][0]
-    for i, lag in enumerate(lags):
-        for j, seed in enumerate(seeds):
-            rows = curves[seed, lag]
-            alpha = 0.9 if j == 0 else 0.35
-            ax.plot([r["step"] for r in rows], [r["mismatch_kl"] for r in rows], color=f"C{i}", alpha=alpha,
-                    label=f"max_lag {lag}, all groups" if j == 0 else None)
-            fresh = [(r["step"], r["mismatch_kl_fresh"]) for r in rows if r.get("mismatch_kl_fresh") is not None]
-            if fresh and lag:
-                ax.plot(*zip(*fresh), color=f"C{i}", alpha=alpha, linestyle="--",
-                        label=f"max_lag {lag}, staleness 0" if j == 0 else None)
+    for lag, rows, style, first in lag_curves(curves, seeds, lags):
+        ax.plot([r["step"] for r in rows], [r["mismatch_kl"] for r in rows], **style,
+                label=f"max_lag {lag}, all groups" if first else None)
+        fresh = [(r["step"], r["mismatch_kl_fresh"]) for r in rows if r.get("mismatch_kl_fresh") is not None]
+        if fresh and lag:
+            ax.plot(*zip(*fresh), **style, linestyle="--", label=f"max_lag {lag}, staleness 0" if first else None)
     ax.set(xlabel="learner step", ylabel="mismatch KL per token", yscale="log",
            title="mismatch KL: all groups (solid) vs staleness-0 groups (dashed)")
     ax.grid(alpha=0.3)

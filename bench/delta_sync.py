@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import timed  # noqa: E402
+
 QUICK = {"steps": 3, "groups": 8}
 
 
@@ -110,15 +112,6 @@ def wires(weights, int8, profile) -> dict:
                                weight_max=WEIGHT_MAX[other])[0]
     return {"int8": int8, f"int8 ({bits}-bit weights)": other_range, "fp8": fp8_tensors(weights),
             "bf16": {n: t.to(torch.bfloat16) for n, t in weights.items()}}
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(run: Path, repeats: int) -> list[dict]:

@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import timed  # noqa: E402
+
 SIZES = {"toy": None, "4M": (256, 4), "25M": (512, 6), "100M": (768, 12)}  # (hidden, layers) of a random Qwen2
 PRECISIONS = ("bf16", "fp8", "int8-static", "int8-dynamic")
 
@@ -120,15 +122,6 @@ def bench_rollout(args, workdir: Path) -> list[dict]:
 
 
 # -- quantize --------------------------------------------------------------------------------
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_quantize(args, workdir: Path, size: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
