@@ -1,5 +1,5 @@
 """The median wall time of repeated calls, for the bench scripts that time a piece of work
-on the CPU (bench/delta_sync.py, bench/quant.py); bench/gpu.py times on the device its own way."""
+on the CPU (bench/delta_sync.py, bench/quant_cost.py); bench/gpu.py times on the device its own way."""
 
 from __future__ import annotations
 

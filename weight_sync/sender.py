@@ -10,7 +10,7 @@ bucket overlaps too, and the sender holds a few chunks, not two whole buckets). 
 loopback (``host`` a loopback address: every worker on this machine) the "wire" is the
 kernel's memory copies, which contend with the cast for the same memory bus, so nothing
 can hide there and fewer, larger sends are faster: each bucket goes whole, bucket i+1
-packed while bucket i is sent (bench/weight_sync.py measures both). Under ``sync.transport: nccl``
+packed while bucket i is sent (bench/weight_sync_speed.py measures both). Under ``sync.transport: nccl``
 or ``ipc`` the generation and the headers stay on gloo and the weights go over a device
 data plane: one NCCL broadcast (weight_sync/nccl.py), or CUDA IPC handles of a buffer on
 learner rank 0's GPU (weight_sync/ipc.py).
@@ -70,7 +70,7 @@ from weight_sync.transport import (NOT_CHECKED_IN, GlooGroup, IncompatibleWorker
 log = logging.getLogger(__name__)
 
 # A whole version's gloo sends to other hosts: 16 MiB chunks, packed into a ring of 4 buffers
-# (bench/weight_sync.py: 0.99x a raw send of the same bytes on a link of 8 Gbit/s, against 0.93x
+# (bench/weight_sync_speed.py: 0.99x a raw send of the same bytes on a link of 8 Gbit/s, against 0.93x
 # for whole 256 MiB buckets at 100M parameters).
 CHUNK_BYTES = 16 * 2**20
 RING = 4

@@ -27,16 +27,16 @@ are reported with the ratio raw_time / time (1.0 = as fast as the raw broadcast)
 
 rlpipe's syncs are also split into the phases the learner and the workers report
 (docs/weight-sync.md): prepare (cast + pack on the sender; this bench quantizes nothing,
-bench/quant.py times that), transfer (the send not hidden by packing), the activation
+bench/quant_cost.py times that), transfer (the send not hidden by packing), the activation
 pause and convergence. A receiver here has no engine, so its *pause* is the part of an
 engine's pause it can do: copying the received tensors into its own weights, the copy
 vLLM's ``reload_weights`` makes with generation paused; the engine's pause/resume and
 prefix-cache reset are not in it (the worker's ``rlpipe_weight_sync_pause_seconds`` is the
 whole). *Convergence* runs from the start of the sync until every receiver made that copy.
 
-    python bench/weight_sync.py                      # tiny .. 1B, bf16 on the wire
-    python bench/weight_sync.py --sizes tiny,100M --repeats 5
-    python bench/weight_sync.py --sizes 10M,100M,500M --link-gbit 8   # as root
+    python bench/weight_sync_speed.py                # tiny .. 1B, bf16 on the wire
+    python bench/weight_sync_speed.py --sizes tiny,100M --repeats 5
+    python bench/weight_sync_speed.py --sizes 10M,100M,500M --link-gbit 8   # as root
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def report(rows: list[dict], args, link: tuple[list[dict], str] | None = None) -
                    "rlpipe's time includes casting and packing, overlapped with the transfer.")
     sec.table("rlpipe's syncs by phase (median)", ["size", "prepare s", "transfer s", "pause s", "convergence s"],
               [[r["size"], r["prepare_s"], r["transfer_s"], r["pause_s"], r["convergence_s"]] for r in rows],
-              note="Prepare: cast and pack on the sender (nothing quantized here; bench/quant.py times "
+              note="Prepare: cast and pack on the sender (nothing quantized here; bench/quant_cost.py times "
                    "quantization). Transfer: the send not hidden by packing. Pause: the slowest receiver's copy "
                    "of the received tensors into its weights, the part of an engine's activation pause a receiver "
                    "without an engine has (vLLM's pause, resume and prefix-cache reset are not in it). "

@@ -15,8 +15,8 @@
 Models are random Qwen2 bodies with the toy tokenizer (``bench/rollout.py``), so
 responses run to ``--max-tokens``; ``toy`` is the demo's trained model.
 
-    python bench/quant.py                                   # every section, toy..100M
-    python bench/quant.py --sections quantize,sync --sizes toy --repeats 1
+    python bench/quant_cost.py                              # every section, toy..100M
+    python bench/quant_cost.py --sections quantize,sync --sizes toy --repeats 1
 """
 
 from __future__ import annotations
