@@ -22,10 +22,14 @@ FAMILIES = {  # transformers' config class, and what a tiny config of the family
     # one tensor per expert and projection in the checkpoint vLLM loads
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 64, "norm_topk_prob": True}),
-    # two more mixture-of-experts layouts: Mixtral's (w1/w2/w3 per expert under block_sparse_moe in
-    # the checkpoint) and OLMoE's (q/k norms, no renormalised top-k)
+    # three more mixture-of-experts layouts: Mixtral's (w1/w2/w3 per expert under block_sparse_moe in
+    # the checkpoint), OLMoE's (q/k norms, no renormalised top-k) and Qwen2-MoE's
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # Qwen2-MoE's: a shared expert beside the routed ones, weighted by a sigmoid gate of its own,
+    # and no renormalised top-k (its default)
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 64}),
 }
 LAYERS = 2
 
