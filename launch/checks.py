@@ -10,7 +10,7 @@ import functools
 import json
 from pathlib import Path
 
-from rlpipe.config import ConfigError, RunConfig, sharded_quant_problem
+from rlpipe.config import ConfigError, RunConfig, sharded_problem
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 
 
@@ -243,7 +243,7 @@ def validate_run(cfg: RunConfig) -> None:
 
         problems += engine_args_problems(cfg.rollout.engine, transport)
     sharded = cfg.learner.ranks > 1 and cfg.learner.parallel != "ddp"
-    if why := sharded_quant_problem(cfg, sharded):
+    if why := sharded_problem(cfg, sharded):
         problems.append(why)
     if cfg.task.environment:
         problems += environment_problems(cfg)

@@ -40,6 +40,7 @@ from learner.evals import Evals
 from learner.ledger import Ledger
 from learner.lora import trainable, training_policy
 from learner.metrics import LearnerMetrics
+from learner.optim import make_optimizer
 from learner.policy import LossScaler, compile_layers, enable_activation_checkpointing, token_logprobs
 from learner.reference import load_reference
 from learner.retokenize import Retokenizer
@@ -51,7 +52,7 @@ from rlpipe import registry
 from rlpipe.admission import RunCheck
 from rlpipe.autoscale import FleetSizer
 from rlpipe.checkpoints import checkpoint_root
-from rlpipe.config import RunConfig, sharded_quant_problem, without_secrets
+from rlpipe.config import RunConfig, sharded_problem, without_secrets
 from rlpipe.faults import STEP_DELAY_ENV, crash_at, crash_on_poison, injected_delay
 from rlpipe.proc import process_age_s
 from rlpipe.queue import Entry, TrajectoryQueue
@@ -95,7 +96,7 @@ class Learner(Durability):
         self.cfg = cfg
         lc = cfg.learner
         self.ranks = Ranks(lc.parallel)
-        if why := sharded_quant_problem(cfg, self.ranks.sharded):
+        if why := sharded_problem(cfg, self.ranks.sharded):
             raise SystemExit(why)  # validate_run says so at launch; this is for a torchrun started by hand
         if lc.threads:
             torch.set_num_threads(lc.threads)
@@ -118,7 +119,7 @@ class Learner(Durability):
         if lc.compile:
             compile_layers(self.model)
         self.train_model = self.ranks.wrap(self.model, lc.dtype, lc.fp32_lm_head)
-        self.opt = torch.optim.AdamW(trainable(self.model), lr=lc.lr, weight_decay=lc.weight_decay)
+        self.opt = make_optimizer(lc.optimizer, trainable(self.model), lc.lr, lc.weight_decay)
         self.checkpoints = Checkpointer(self.ckpt_root, self.model, self.opt, self.ranks, sharded, lc.async_checkpoint,
                                         cfg.model.path, lc.checkpoint_keep, main_reads)
         # What the other ranks do when rank 0 asks (learner/dist.py Command): under FSDP,

@@ -342,7 +342,7 @@ class LoraSection(Section):
 class LearnerConfig(HttpTimeouts):
     """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
-    dtype: TrainDtype = Field("fp32", description="compute precision; weights and optimizer stay fp32; 'auto' = "
+    dtype: TrainDtype = Field("fp32", description="compute precision; the weights stay fp32 (the optimizer state: learner.optimizer); 'auto' = "
                               "the fastest of this machine (rlpipe/machine.py), resolved when the config is read",
                               json_schema_extra={"enum": ["fp32", "bf16", "fp16", "auto"]})
     fp32_lm_head: bool = Field(False, description="compute the LM head and softmax in fp32 under bf16/fp16")
@@ -356,6 +356,11 @@ class LearnerConfig(HttpTimeouts):
                       "3e-4 is far too high for a real model (the SmolLM2 recipe uses 2e-5)")
     schedule: ScheduleConfig = ScheduleConfig()
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw", description="adamw keeps Adam's two moments in fp32 (twice the trainable weights' memory); "
+        "adamw_8bit keeps them block-wise quantized to 8 bits (bitsandbytes' AdamW8bit: a quarter of that, the "
+        "same update rule, weights and gradients fp32), for a full fine-tune in less memory; not with sharded "
+        "(fsdp) ranks (learner/optim.py)")
     grad_clip: float = Field(1.0, gt=0, description="the gradient's global norm is clipped to this before each "
                              "optimizer update (the norm before clipping is reported)")
     grad_norm_ema: float = Field(0.9, ge=0, lt=1, description="smoothing of the exported smoothed grad norm")
@@ -934,13 +939,20 @@ def learner_quantized(cfg: RunConfig) -> list[str]:
     return [p for p in cfg.rollout.precisions if cfg.quant.wire(p) != "cast"]
 
 
-def sharded_quant_problem(cfg: RunConfig, sharded: bool) -> str | None:
-    """Why a sharded (FSDP) learner cannot serve this fleet, or None. It quantizes bucket by
+def sharded_problem(cfg: RunConfig, sharded: bool) -> str | None:
+    """Why a sharded (FSDP) learner cannot run this config, or None. It quantizes bucket by
     bucket and monitors a layer sample (quant/transfer.py), but calibrating again runs the
-    whole model on one rank."""
-    if sharded and "int8" in learner_quantized(cfg) and cfg.quant.int8.recalibrate == "auto":
+    whole model on one rank; and the 8-bit optimizer's block-wise state is per whole tensor
+    (learner/optim.py)."""
+    if not sharded:
+        return None
+    if "int8" in learner_quantized(cfg) and cfg.quant.int8.recalibrate == "auto":
         return ("quant.int8.recalibrate: auto needs the whole model on one rank to calibrate, and learner.parallel: "
                 "fsdp (the default above one rank) shards it: set quant.int8.recalibrate: warn, or "
+                "learner.parallel: ddp")
+    if cfg.learner.optimizer != "adamw":
+        return (f"learner.optimizer: {cfg.learner.optimizer} keeps its state per whole tensor, and learner.parallel: "
+                "fsdp (the default above one rank) shards the tensors: set learner.optimizer: adamw, or "
                 "learner.parallel: ddp")
     return None
 
