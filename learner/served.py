@@ -29,6 +29,11 @@ def served_dtype(cfg) -> torch.dtype | None:
     return None if (row.scheme and not cfg.learner.lora.rank) or row.dtype == "float32" else getattr(torch, row.dtype)
 
 
+# visible_fraction compares every SAMPLE-th weight of each tensor: 1/8 of a copy, not a whole one.
+SAMPLE = 8
+CHUNK = 1 << 20  # elements per slice when the master is put back: int32 temporaries of 4 MiB, not of a tensor
+
+
 class ServedWeights:
     """The learner's forwards at the weights the rollout engines serve, not at the fp32 master.
 
@@ -43,11 +48,12 @@ class ServedWeights:
     its gradient are those of the served policy; the master values come back before the
     optimizer steps them, so updates below the rounding still accumulate, as in
     mixed-precision training. :meth:`visible_fraction` is the share of (this rank's)
-    weights whose served value changed since :meth:`begin_step`: how much of the update
-    the engines see. Sharded (FSDP2) parameters are rounded shard by shard.
+    weights whose served value changed since :meth:`begin_step` (on every 8th weight: how
+    much of the update the engines see). Sharded (FSDP2) parameters are rounded shard by shard.
 
-    Cost: one fp32 copy of this rank's weights (its shard) for the step, to put the master
-    values back; keeping only what the rounding drops would take half that (not done).
+    Cost: for bf16, the low 16 bits of each fp32 master (what the rounding drops: half an
+    fp32 copy, exact, :func:`split_bf16`); for fp16, whose bits are not the top half of
+    fp32's, a whole fp32 copy.
     """
 
     def __init__(self, params, dtype: torch.dtype | None):
@@ -64,24 +70,68 @@ class ServedWeights:
             return
         local = self._local()
         with torch.no_grad():
-            master = [t.detach().clone() for t in local]
-            for t in local:
-                t.copy_(t.to(self.dtype))
+            if self.dtype == torch.bfloat16:
+                kept = [split_bf16(t) for t in local]
+            else:
+                kept = [t.detach().clone() for t in local]
+                for t in local:
+                    t.copy_(t.to(self.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
-                for t, m in zip(local, master):
-                    t.copy_(m)
+                for t, k in zip(local, kept):
+                    join_bf16(t, *k) if self.dtype == torch.bfloat16 else t.copy_(k)
 
     @torch.no_grad()
     def begin_step(self) -> None:
-        self._before = [t.detach().to(self.dtype) for t in self._local()] if self.dtype is not None else None
+        self._before = [_sample(t).to(self.dtype) for t in self._local()] if self.dtype is not None else None
 
     @torch.no_grad()
     def visible_fraction(self) -> float | None:
         if self._before is None:
             return None
-        now = [t.detach().to(self.dtype) for t in self._local()]
+        now = [_sample(t).to(self.dtype) for t in self._local()]
         changed = sum(int((a != b).sum()) for a, b in zip(now, self._before))
         return changed / max(sum(t.numel() for t in now), 1)
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1)[::SAMPLE]
+
+
+def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round the fp32 tensor ``t`` to bf16 in place (its values on bf16's grid, still fp32) and
+    return what :func:`join_bf16` needs to put the exact master back: each value's low 16 bits
+    (int16, what the rounding dropped), and the flat indices of the ties rounded up.
+
+    bf16 is the top 16 bits of an fp32. Rounding to nearest (even on a tie) keeps them, or adds
+    one to them when the low half is past the midpoint (0x8000), or at it with an odd top half.
+    So from the rounded value and the low half the top half is known, except at an exact tie
+    (about one weight in 65,536), whose direction is kept as an index."""
+    flat = t.detach().view(-1)
+    low = torch.empty(flat.shape, dtype=torch.int16)
+    tied_up = []
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start:start + CHUNK]
+        bits = part.view(torch.int32)
+        low[start:start + CHUNK] = bits.to(torch.int16)  # the low 16 bits, two's complement
+        rounded = part.to(torch.bfloat16).float()
+        up = (rounded.view(torch.int32) >> 16) != (bits >> 16)
+        tie = (bits & 0xFFFF) == 0x8000
+        tied_up.append(torch.nonzero(up & tie).view(-1) + start)
+        part.copy_(rounded)
+    return low, torch.cat(tied_up) if tied_up else torch.empty(0, dtype=torch.long)
+
+
+def join_bf16(t: torch.Tensor, low: torch.Tensor, tied_up: torch.Tensor) -> None:
+    """Put back, in place, the exact fp32 master that :func:`split_bf16` rounded: the top half is
+    the rounded value's, less the one a round-up added."""
+    flat = t.detach().view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        bits = flat[start:start + CHUNK].view(torch.int32)
+        low_u = low[start:start + CHUNK].to(torch.int32) & 0xFFFF
+        up = low_u > 0x8000
+        ties = tied_up[(tied_up >= start) & (tied_up < start + CHUNK)] - start
+        up[ties] = True
+        bits.copy_(bits - (up.to(torch.int32) << 16) + low_u)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.served import ServedWeights, served_dtype
+from learner.served import ServedWeights, join_bf16, served_dtype, split_bf16
 from rlpipe.config import build_config
 from tests.test_learner import params_vector
 from tests.test_microbatch import learner_with, synthetic_groups_cache
@@ -43,6 +43,28 @@ def test_rounded_weights_inside_and_the_exact_master_after():
         for p in layer.parameters():
             p.mul_(1.5)
     assert served.visible_fraction() > 0.9
+
+
+def test_the_master_comes_back_bit_for_bit_from_its_low_half_ties_and_extremes_included():
+    """The bf16 path keeps only each master's low 16 bits (half a copy): values over 60 orders of
+    magnitude, both signs, subnormals, the largest finite floats, and exact ties (low half 0x8000,
+    rounded up or down by their top half's parity) come back bit for bit; forgetting which ties
+    went up gets them wrong."""
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(300_000, generator=gen) * torch.logspace(-30, 30, 300_000)
+    bits = torch.randint(-2**31, 2**31 - 1, (4000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    ties = ((bits & ~0xFFFF) | 0x8000).view(torch.float32)
+    extremes = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38])
+    x = torch.cat([spread, ties[torch.isfinite(ties)], extremes])
+    master = x.clone()
+    low, tied_up = split_bf16(x)
+    assert torch.equal(x, master.to(torch.bfloat16).float())  # served: rounded as an engine casts
+    assert low.dtype == torch.int16 and 0 < len(tied_up) < len(ties)
+    wrong = x.clone()
+    join_bf16(x, low, tied_up)
+    assert torch.equal(x.view(torch.int32), master.view(torch.int32))
+    join_bf16(wrong, low, tied_up[:0])
+    assert not torch.equal(wrong.view(torch.int32), master.view(torch.int32))
 
 
 def test_the_step_is_the_one_at_the_served_weights_and_the_master_keeps_what_rounding_drops(
