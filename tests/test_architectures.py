@@ -75,9 +75,9 @@ def grpo_step(model, record) -> int:
 # (Qwen2 and a Llama with GQA and its own head); RLPIPE_ALL_FAMILIES=1 runs them here too.
 # Gemma's tied head runs in the suite; the others are soak cases, 45-50 s each, over the suite's budget:
 # Qwen3 (q/k norms), Phi-3 (fused projections), GPT-NeoX (the renamed head), Qwen3-MoE (the fused experts,
-# whose engine sync the suite checks end to end in tests/test_moe.py's routing-replay demo), Mixtral and
-# OLMoE (two more MoE layouts on vLLM's CPU fused-MoE path).
-SOAK_FAMILIES = ("qwen3", "phi3", "gpt_neox", "qwen3_moe", "mixtral", "olmoe")
+# whose engine sync the suite checks end to end in tests/test_moe.py's routing-replay demo), Mixtral,
+# OLMoE and Qwen2-MoE (three more MoE layouts on vLLM's CPU fused-MoE path, Qwen2-MoE's with a shared expert).
+SOAK_FAMILIES = ("qwen3", "phi3", "gpt_neox", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 ENGINE_FAMILIES = list(FAMILIES) if os.environ.get("RLPIPE_ALL_FAMILIES") == "1" else \
     [pytest.param(f, marks=pytest.mark.soak) if f in SOAK_FAMILIES else f for f in ("gemma", *SOAK_FAMILIES)]
 
