@@ -115,7 +115,7 @@ def learner_steps(learner, records: list, steps: int, warmup: int) -> list[float
 
 
 def make_learner(model_path: str, redis_url: str, work: Path, groups: int):
-    """A real learner on the toy model, 1 torch thread (as bench/learner.py runs it: on a shared
+    """A real learner on the toy model, 1 torch thread (as bench/learner_speed.py runs it: on a shared
     box, threads that wait on each other spin and one step took 10x longer with 2 than with 1)."""
     from learner.train import Learner
     from rlpipe.config import build_config

@@ -38,8 +38,9 @@ class Part:
     def command(self, quick: bool, json_dir: Path) -> list[str]:
         target = json_dir / f"{self.sections[0]}.json" if self.json_arg == "--json" else json_dir
         args = [a.format(json_dir=json_dir) for a in (self.quick if quick else self.full)]
-        # -P: bench/ is not put on sys.path, where its scripts' names would shadow modules (bench/learner.py
-        # the learner package); the scripts import from the repository root.
+        # -P: bench/ is not put on sys.path, where a script's name could shadow a module (bench/learner.py
+        # shadowed the learner package before it was named learner_speed.py); the scripts import from the
+        # repository root.
         return [sys.executable, "-P", str(ROOT / self.script), *args, self.json_arg, str(target)]
 
 
@@ -56,7 +57,7 @@ PARTS = (
          ("--groups", "24", "--repeats", "2", "--rounds", "2", "--threads", "1"), ("--groups", "4", "--n", "2", "--max-tokens", "8", "--hidden", "128", "--layers", "1", "--threads", "1",
               "--repeats", "1", "--rounds", "1"), ("rollout",)),
     Part("queue", "queue: serialization and Redis per group", "bench/queue_cost.py", (), ("--quick",), ("queue",)),
-    Part("learner", "learner: tokens/s by precision and batching", "bench/learner.py",
+    Part("learner", "learner: tokens/s by precision and batching", "bench/learner_speed.py",
          ("--only", "dtype,microbatch,parallel,checkpoint", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),
          # quick: fp16 left out (its path is bf16's autocast with a loss scaler, which tests/test_learner.py runs)
          ("--quick", "--only", "dtype/fp32,dtype/bf16,microbatch", "--no-gpu", "--out", "{json_dir}/learner-raw.json"),

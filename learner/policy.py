@@ -83,7 +83,7 @@ def compile_layers(model) -> int:
     """``torch.compile`` each decoder layer (``learner.compile``), as FSDP2 expects: one graph
     per layer type, reused by every layer, with dynamic sequence lengths after the second
     shape it sees. Each new shape early in a run costs a compile (tens of seconds for the
-    toy model on a CPU), so it pays only over long runs; bench/learner.py measures it.
+    toy model on a CPU), so it pays only over long runs; bench/learner_speed.py measures it.
     Returns how many layers were compiled."""
     layers = decoder_layers(model)
     for layer in layers:

@@ -1,5 +1,5 @@
 """Synthetic trajectory groups for the learner's benches and tests: one builder, so that a
-bench's groups and a test's are made the same way (bench/learner.py, bench/queue_cost.py,
+bench's groups and a test's are made the same way (bench/learner_speed.py, bench/queue_cost.py,
 and tests/test_learner.py's ``synthetic_groups``, which the learner tests share). It lives
 with the learner, whose code path (``collate``, ``token_logprobs``) it uses, so that both
 the benches and the tests import it without importing each other.

@@ -1,4 +1,4 @@
-"""bench/learner.py's plumbing (not its speeds): two configurations, one round, two steps,
+"""bench/learner_speed.py's plumbing (not its speeds): two configurations, one round, two steps,
 each a real learner process over the embedded Redis; the JSON holds a positive tokens/s
 for both and a ratio that is their quotient."""
 
@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 @pytest.mark.slow
 def test_the_learner_benchmark_runs_two_configurations_and_reports_their_ratio(tmp_path):
     out = tmp_path / "learner.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learner.py"), "--quick", "--only",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learner_speed.py"), "--quick", "--only",
                            "dtype/fp32,dtype/bf16", "--rounds", "1", "--steps", "2", "--no-gpu", "--out", str(out),
                            "--json", str(tmp_path / "report" / "learner.json")],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -44,7 +44,7 @@ def test_the_learner_benchmark_runs_two_configurations_and_reports_their_ratio(t
 def test_flops_per_token_counts_each_pass_the_step_takes():
     """Two epochs of a full fine-tune (with the recompute pass) are 2 x 6N + 2N; one epoch under
     single_pass is 6N; a LoRA epoch's backward takes no weight gradient of the base: 4N."""
-    from bench.learner import flops_per_token
+    from bench.learner_speed import flops_per_token
     from rlpipe.config import build_config
 
     n = 1_000

@@ -1,6 +1,6 @@
 """``learner.compile``: each decoder layer compiled (inductor) computes what eager does, the
 parameter names stay as they are (checkpoints and weight sync read them);
-whether it pays is bench/learner.py's question. A compile costs tens of seconds on a CPU,
+whether it pays is bench/learner_speed.py's question. A compile costs tens of seconds on a CPU,
 so this is the suite's one compile.
 
 Compiled and eager kernels sum in different orders, and which order depends on the CPU (AVX2,

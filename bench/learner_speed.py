@@ -50,9 +50,9 @@ intermediate 4864, vocab 151936) with random weights, with and without
 token plus attention, against the GPU's dense bf16 peak; the recompute is not counted)
 and peak memory. On CPU it prints that it was skipped.
 
-    python bench/learner.py                               # every group, 3 rounds (about 13 min on 2 cores)
-    python bench/learner.py --only dtype,microbatch --rounds 5
-    python bench/learner.py --quick --only dtype/fp32,dtype/bf16 --out /tmp/l.json
+    python bench/learner_speed.py                         # every group, 3 rounds (about 13 min on 2 cores)
+    python bench/learner_speed.py --only dtype,microbatch --rounds 5
+    python bench/learner_speed.py --quick --only dtype/fp32,dtype/bf16 --out /tmp/l.json
 """
 
 from __future__ import annotations
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlpipe.machine import core_peak, cpu_name
 
     peak, gemm = dataclasses.asdict(core_peak()), {d: gemm_gflops(d) for d in ("float32", "bfloat16")}
-    header += (f"; {cpu_name()}; FLOP/s: model FLOPs of the trained tokens (bench/learner.py flops_per_token, "
+    header += (f"; {cpu_name()}; FLOP/s: model FLOPs of the trained tokens (bench/learner_speed.py flops_per_token, "
                f"{args.matmul_params / 1e6:.0f}M matmul weights) against one core's peak, {peak['why']} "
                f"(fp32 {peak['fp32_gflops']:.0f}, bf16 {peak['bf16_gflops'] or 0:.0f} GFLOP/s), and against "
                f"a 1-thread 1024x576x1536 GEMM measured in this run (fp32 {gemm['float32']:.0f}, bf16 "
