@@ -515,8 +515,9 @@ class QueueConfig(Section):
                          "versions after the weights that sampled it (an older one is dropped, counted in "
                          "dropped_stale), dynamic sampling or not; and back-pressure: a worker starts a group only "
                          "while the groups not yet consumed, plus those in flight, fit in the learner's next "
-                         "max_lag + 1 steps (scaled by the sampled-per-trained ratio under dynamic sampling; one "
-                         "fewer per version its weights are behind); 0 = synchronous RL")
+                         "max_lag + 1 steps (under dynamic sampling, each place still free counts the "
+                         "sampled-per-trained ratio of groups; one step fewer per version its weights are "
+                         "behind); 0 = synchronous RL")
     max_staleness: int | None = Field(None, ge=0, description="a looser bound than max_lag, when wanted: groups up to "
                                       "this many versions old are trained instead of dropped (the back-pressure "
                                       "still aims at max_lag; staleness_max reports each step's oldest); null = "

@@ -116,8 +116,14 @@ class TrajectoryQueue:
         wait and the learner waits for it. Without this, a worker slower than ``max_staleness``
         learner steps per group had every group it started dropped stale on arrival (issue 33:
         an fp16 worker beside a bf16 one trained none). So a slow worker paces the fleet, at
-        worst, instead of being starved by it, and the groups it starts are trained. (Under
-        dynamic sampling, the places scale by ``sample_ratio``, so this holds on average.)
+        worst, instead of being starved by it, and the groups it starts are trained.
+
+        Under dynamic sampling the learner reads on past groups without a signal, so each place
+        still free takes ``sample_ratio`` samples (groups sampled per group trained, as the
+        learner measured it): the fleet may have ``(places - unconsumed) * sample_ratio`` in
+        flight. It samples more per version, not further ahead: a step that lacks one group
+        has about ``sample_ratio`` in flight for it, not ``sample_ratio`` steps' worth, whose
+        surplus would arrive after the learner moved on and be dropped stale.
         """
         self._check_cursor()
         raw = self.scripts.hand_out(worker_id, wanted, backpressure)

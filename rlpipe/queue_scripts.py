@@ -36,10 +36,14 @@ local c = redis.call('HMGET', KEYS[5], 'produced', 'dropped_stale', 'dead', 'dup
 for i = 1, 6 do c[i] = tonumber(c[i] or 0) or 0 end
 local unconsumed = c[1] - c[2] - c[3] - c[4] - c[6] - consumed
 local allowance = tonumber(ARGV[2])
--- the places left before the learner is more than `lag` versions past weights `from`
+-- the groups to start before the learner is more than `lag` versions past weights `from`: the
+-- places its next steps have left once the unconsumed groups take theirs, each to be filled by
+-- `ratio` samples (dynamic sampling), less those in flight. Scaling the unconsumed groups too
+-- (places x ratio - unconsumed) let the fleet start ratio x a step's groups for its last place,
+-- and the surplus arrived after the learner moved on: sampled further ahead, dropped stale.
 local function places(lag, from)
   local behind = version - math.min(from, version)
-  return math.floor((1 + lag - behind) * tonumber(ARGV[4]) * ratio + 0.5) - unconsumed - c[5]
+  return math.floor(((1 + lag - behind) * tonumber(ARGV[4]) - unconsumed) * ratio + 0.5) - c[5]
 end
 if #ARGV > 2 then
   allowance = places(tonumber(ARGV[5]), tonumber(ARGV[3]))

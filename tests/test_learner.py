@@ -427,6 +427,23 @@ def test_the_fleet_allowance_grows_by_the_published_sample_ratio_within_bounds(l
     assert len(lease.prompts) == 2 * 4 * factor
 
 
+def test_the_fleet_samples_more_per_version_not_further_ahead(learner):
+    """Under dynamic sampling each place still free takes ``ratio`` samples; the groups already
+    in hand take one place each. With 3 of a 4-group step unconsumed and a ratio of 3, the fleet
+    may start 3 more for the last place, not 4 x 3 - 3 = 9 (whose surplus would arrive after the
+    learner moved on, stale); what is in flight counts against them."""
+    q = learner.queue
+    q.r.hset(q.keys.learner, mapping={"version": 0, "consumed": 0, "sample_ratio": "3"})
+    for i in range(3):
+        q.push(run_record(learner, group_id=f"u{i}", prompt_index=100 + i))
+    lease = q.lease_prompts("w0", 1000, backpressure=(0, 4, 0))
+    assert (lease.unconsumed, lease.allowance, len(lease.prompts)) == (3, 3, 3)
+    again = q.lease_prompts("w1", 1000, backpressure=(0, 4, 0))
+    assert (again.allowance, again.prompts) == (0, [])  # the 3 in flight fill it
+    ahead = q.lease_prompts("w1", 1000, backpressure=(0, 4, 1))  # one more step allowed: its 4 places x 3
+    assert ahead.allowance == 12 and len(ahead.prompts) == 12
+
+
 def test_a_single_pass_step_equals_the_recompute_pass_step(redis_server, toy_model_path, tmp_path, base_model):
     """With one epoch of one minibatch, pi_old from the update's own forward is the recompute
     pass's pi_old exactly: the same update, the same mismatch, one forward fewer."""
