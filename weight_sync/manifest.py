@@ -195,6 +195,17 @@ def chunks(manifest: Manifest) -> list[Chunk]:
     return out
 
 
+def chunk_ring(manifest: Manifest, most: int) -> list[torch.Tensor]:
+    """The buffers a whole version's :func:`chunks` are packed into in turn: ``most`` chunks
+    in flight, but never more bytes than two whole buckets (what a bucket-by-bucket pipeline
+    holds: a sharded learner's memory is measured by it)."""
+    spans = chunks(manifest)
+    largest = max((c.end - c.start for c in spans), default=0)
+    two_buckets = 2 * max((b.nbytes for b in manifest.buckets), default=0)
+    ring = min(most, len(spans), max(2, two_buckets // max(largest, 1)))
+    return [torch.empty(largest, dtype=torch.uint8) for _ in range(ring)]
+
+
 def pack_chunk(bucket: Bucket, chunk: Chunk, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     """Copy the parts of the bucket's tensors that fall in ``chunk`` (cast to the bucket's
     dtype) into ``out``, a uint8 buffer of the chunk's size. A chunk's bounds are multiples

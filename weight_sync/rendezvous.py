@@ -171,6 +171,18 @@ def next_generation(r: redis.Redis, counters: str, key: str, floor: int, fence: 
     return int(fence.run(r.register_script(_NEXT_GENERATION), [counters, key], [key, int(floor)]))
 
 
+def take_generation(r: redis.Redis, counters: str, key: str, last: int, floor: GenerationFloor | None,
+                    fence: Fence | None = None) -> int:
+    """The learner's next generation of sync hash ``key`` (:func:`next_generation`): a
+    number no generation of it had, even if the hash, its counter or all of Redis was lost,
+    or the learner restarted (its ``last``, and its ``floor`` on disk, if any), recorded on
+    disk before it is published."""
+    generation = next_generation(r, counters, key, max(last, floor.get(key) if floor else 0), fence)
+    if floor:
+        floor.record(key, generation)
+    return generation
+
+
 class GenerationFloor:
     """The highest generation number the learner took for each sync hash, in a small JSON
     file on its disk (beside its checkpoints). Redis can lose the counter and the hash

@@ -59,13 +59,19 @@ from rlpipe.keys import Keys
 from weight_sync.delta import bucket_checksums, encode_version
 from weight_sync.gate import Gate
 from weight_sync.ipc import IpcBroadcast
-from weight_sync.manifest import (Manifest, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets,
-                                  refused_manifest)
+from weight_sync.manifest import Manifest, chunk_ring, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets
+from weight_sync.membership import Membership
 from weight_sync.nccl import NcclBroadcast
-from weight_sync.rendezvous import (GenerationFloor, SyncState, generation_id, next_generation, publish_generation,
-                                    publish_members, publish_version)
-from weight_sync.transport import (NOT_CHECKED_IN, GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot,
-                                   publish_manifest)
+from weight_sync.rendezvous import (
+    GenerationFloor,
+    SyncState,
+    generation_id,
+    publish_generation,
+    publish_members,
+    publish_version,
+    take_generation,
+)
+from weight_sync.transport import GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot, publish_manifest
 
 log = logging.getLogger(__name__)
 
@@ -186,26 +192,28 @@ class WeightSender:
         self.state = SyncState()
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []  # the ring a whole version's chunks are packed into in turn
-        self._members: dict[str, str] = {}  # id -> incarnation of the current generation ({} without one)
-        self._ranks: dict[str, int] = {}  # id -> rank of the members not given up on
+        self.roster = Membership()  # who is in the generation, under which rank, and who was left out
         self.straggler_s = min(straggler_s, timeout_s)
-        self.excluded: dict[str, str] = {}  # id -> the incarnation that was left out
-        self.left_out_total = 0
         self.full_every = full_every if device is None else 0
         self.held: tuple[int, list[torch.Tensor], list[int]] | None = None  # (version, buckets, crcs) every member holds
         self.since_full = 0  # versions sent as deltas since the last whole one
 
     @property
     def members(self) -> tuple[str, ...]:
-        return tuple(self._members)
+        return tuple(self.roster.members)
 
-    def candidates(self, live: Mapping[str, str]) -> dict[str, str]:
-        """The live workers (id -> incarnation) minus those left out in their current incarnation."""
-        return {w: inc for w, inc in sorted(live.items()) if self.excluded.get(w) != inc}
+    @property
+    def excluded(self) -> dict[str, str]:
+        """id -> the incarnation that was left out."""
+        return self.roster.excluded
+
+    @property
+    def left_out_total(self) -> int:
+        return self.roster.left_out_total
 
     def needs_forming(self, live: Mapping[str, str]) -> bool:
         """Membership changed, or the sync hash lost this generation (see :meth:`lost`)."""
-        return self.candidates(live) != self._members or self.lost()
+        return self.roster.candidates(live) != self.roster.members or self.lost()
 
     def lost(self) -> bool:
         """Whether the sync hash no longer carries the current generation (deleted, or
@@ -233,21 +241,20 @@ class WeightSender:
         manifest = self.plan(tensors, quant_profile, quant_compat, adapter)
         form_s = 0.0
         if self.group is None or self.needs_forming(live) or manifest != self.manifest:
-            candidates = self.candidates(live)
+            candidates = self.roster.candidates(live)
             if not candidates:
                 self.drop()
                 return SyncStats(members=0, generation=self.state.generation)
             t0 = time.perf_counter()
             self._form(candidates, version, manifest, deadline)
             form_s = time.perf_counter() - t0
-        members = dict(self._members)
+        members, ranks = dict(self.roster.members), dict(self.roster.ranks)
         try:
             stats, failed = self._send(version, tensors)
         except SyncError:
             self.drop()
             raise
-        ranks = dict(self._ranks)
-        self._leave_out_ranks(failed)
+        self.roster.leave_out_ranks(self.state.generation, failed)
         if failed and self.device:
             self.drop()  # one NCCL communicator holds every member: the next sync forms one without them
         elif failed:
@@ -259,11 +266,9 @@ class WeightSender:
     def _forget(self, failed: dict[int, str]) -> None:
         """Members given up on leave the generation (their pairs closed); the others stay in
         it, under the ranks they have, so the next version needs no forming."""
-        for worker, rank in list(self._ranks.items()):
-            if rank in failed:
-                self.group.abandon(rank)
-                del self._ranks[worker], self._members[worker]
-        publish_members(self.r, self.sync_key, self.state.generation_id, list(self._members),
+        for rank in self.roster.forget(failed):
+            self.group.abandon(rank)
+        publish_members(self.r, self.sync_key, self.state.generation_id, list(self.roster.members),
                         self.state.world_size, self.fence)
 
     def _reached_no_worker(self, version: int, failed: dict[int, str]) -> SyncError:
@@ -273,34 +278,17 @@ class WeightSender:
         while its restart, or itself once its receive fails and it asks back in, comes with
         a new incarnation. (Each member has a pair of its own, so a failure names its member:
         in one shared group a hung member closed every pair, and the failures said nothing.)"""
-        self._leave_out_ranks(failed)
+        self.roster.leave_out_ranks(self.state.generation, failed)
         return SyncError(f"version {version} reached no worker: {next(iter(failed.values()))}")
-
-    def _leave_out_ranks(self, failed: dict[int, str]) -> None:
-        """Leave out the members of the current generation whose transfer failed (rank -> why)."""
-        worker_of = {rank: w for w, rank in self._ranks.items()}
-        for rank, why in failed.items():
-            self._leave_out(worker_of[rank], self._members[worker_of[rank]], why)
-
-    def _leave_out(self, worker: str, incarnation: str, why: str) -> None:
-        self.excluded[worker] = incarnation
-        self.left_out_total += 1
-        log.warning("sync generation %d: worker %s left out: %s", self.state.generation, worker, why)
 
     def _form(self, candidates: dict[str, str], version: int, manifest: Manifest, deadline: float) -> None:
         self.drop()
         if self.manifest is None or manifest.hash != self.manifest.hash:
-            self.manifest = manifest
-            spans = chunks(manifest)
-            largest = max((c.end - c.start for c in spans), default=0)
-            # RING chunks in flight, but never more bytes than two whole buckets (what a
-            # bucket-by-bucket pipeline holds: a sharded learner's memory is measured by it)
-            two_buckets = 2 * max((b.nbytes for b in manifest.buckets), default=0)
-            ring = min(RING, len(spans), max(2, two_buckets // max(largest, 1)))
-            self.buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(ring)]
+            self.manifest, self.buffers = manifest, chunk_ring(manifest, RING)
         names = list(candidates)
         store, port, self.gate = GlooGroup.listen(self.host, self.timeout_s, self.token)
-        generation = self._next_generation()
+        generation = take_generation(self.r, self.keys.sync_generations, self.sync_key, self.state.generation,
+                                     self.floor, self.fence)
         publish_manifest(store, generation, manifest.to_json())  # before any worker can read the generation
         self.state = SyncState(generation, self.host, port, 0, tuple(names), (), version,
                                manifest.to_json(), manifest.hash, tuple(candidates.values()), uuid.uuid4().hex[:12])
@@ -309,7 +297,8 @@ class WeightSender:
         slots = [check_in_slot(self.token, generation, c, w, candidates[w], manifest.hash)
                  for c, w in enumerate(names, 1)]
         admitted, left_out = admit(store, generation, slots, deadline)
-        refused = self._refusals({names[c - 1]: why for c, why in left_out.items()}, candidates, manifest)
+        refused = self.roster.refusals(generation, {names[c - 1]: why for c, why in left_out.items()}, candidates,
+                                       manifest.hash)
         if refused:
             self.drop()
             raise IncompatibleWorker("; ".join(f"worker {w} cannot take the learner's weights: {why}"
@@ -331,38 +320,7 @@ class WeightSender:
         except SyncError:
             self.drop()
             raise
-        self._members = {w: candidates[w] for w in members}
-        self._ranks = {w: rank for rank, w in enumerate(members, 1)}
-
-    def _next_generation(self) -> int:
-        """A number no generation of this hash had, even if the hash, its counter or all of
-        Redis was lost, or this learner restarted (weight_sync/rendezvous.py): recorded on
-        disk before it is published."""
-        floor = max(self.state.generation, self.floor.get(self.sync_key) if self.floor else 0)
-        generation = next_generation(self.r, self.keys.sync_generations, self.sync_key, floor, self.fence)
-        if self.floor:
-            self.floor.record(self.sync_key, generation)
-        return generation
-
-    def _refusals(self, left_out: dict[str, str], candidates: dict[str, str], manifest: Manifest) -> dict[str, str]:
-        """Leave out the candidates that did not check in or refused ``manifest`` (worker ->
-        their answer); returns the refusals that must stop this learner: those of its own
-        manifest. A refusal that names another manifest judged one rewritten in the sync hash
-        (a worker before the check of weight_sync/follower.py signed for the hash it read
-        beside it): logged, and that worker is not left out, so the next sync asks it again.
-        A Redis writer without the sync token may cost a worker a version, never the run."""
-        fatal = {}
-        for worker, answer in left_out.items():
-            named, why = refused_manifest(answer)
-            if answer != NOT_CHECKED_IN and named != manifest.hash:
-                log.warning("sync generation %d: worker %s refused manifest %s, not this learner's %s (the sync "
-                            "hash was rewritten?): asked again at the next sync: %s", self.state.generation, worker,
-                            named or "(unnamed)", manifest.hash, why)
-                continue
-            self._leave_out(worker, candidates[worker], why)
-            if answer != NOT_CHECKED_IN:
-                fatal[worker] = why
-        return fatal
+        self.roster.admit(members, candidates)
 
     def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> tuple[SyncStats, dict[int, str]]:
         """Send the header and every bucket to each member; a member whose transfer fails
@@ -375,14 +333,7 @@ class WeightSender:
                             f"restored from an older snapshot) before version {version}; the next sync forms a new one")
 
         def post(buf: torch.Tensor, tag: int) -> dict:
-            works = {}
-            for rank in self._ranks.values():
-                if rank not in failed:
-                    try:
-                        works[rank] = group.send(buf, rank, tag)
-                    except SyncError as e:
-                        failed[rank] = str(e)
-            return works
+            return group.post(buf, tag, self.roster.ranks.values(), failed)
 
         def finish(works: dict) -> None:
             finish_sends(group, works, failed, self.straggler_s)
@@ -411,7 +362,7 @@ class WeightSender:
         del source
         for works in [in_flight, *sending]:
             finish(works)
-        if len(failed) == len(self._ranks):
+        if len(failed) == len(self.roster.ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
@@ -457,7 +408,7 @@ class WeightSender:
             crcs = bucket_checksums(packed)  # while the buckets are on the wire
         for w in works:
             finish(w)
-        if len(failed) == len(self._ranks):
+        if len(failed) == len(self.roster.ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
@@ -477,11 +428,11 @@ class WeightSender:
         and reports a member that fails during the transfer, which is left out after it."""
         finish(headers)
         if failed:
-            self._leave_out_ranks(failed)
+            self.roster.leave_out_ranks(self.state.generation, failed)
             raise SyncError(f"version {version}: {len(failed)} member(s) lost before the {self.device.transport} "
                             f"transfer: {next(iter(failed.values()))}")
         failed = self.device.broadcast(self.manifest, tensors, self.gather)
-        if len(failed) == len(self._ranks):
+        if len(failed) == len(self.roster.ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0
         self.state.version = version
@@ -496,5 +447,5 @@ class WeightSender:
         if self.gate is not None:
             self.gate.close()
         self.group = self.gate = None
-        self._members, self._ranks = {}, {}
+        self.roster.clear()
         self.held = None  # a new generation's members hold nothing: its first version goes whole

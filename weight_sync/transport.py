@@ -48,6 +48,7 @@ import hmac
 import json
 import socket
 import time
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -294,6 +295,19 @@ class GlooGroup:
             raise
         except Exception as e:
             raise SyncError(f"send to rank {dst} failed: {e}") from e
+
+    def post(self, tensor: torch.Tensor, tag: int, ranks: Iterable[int], failed: dict[int, str]) -> dict:
+        """Start sending ``tensor`` to each of ``ranks`` not in ``failed`` (rank -> why);
+        returns rank -> the handle to wait for. A send that cannot start goes into
+        ``failed``."""
+        works = {}
+        for rank in ranks:
+            if rank not in failed:
+                try:
+                    works[rank] = self.send(tensor, rank, tag)
+                except SyncError as e:
+                    failed[rank] = str(e)
+        return works
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int):
         try:
