@@ -407,6 +407,107 @@ def test_a_hung_member_is_given_up_on_alone_and_the_others_get_every_version_on_
         sender.drop()
 
 
+def gloo_pairs(size: int, timeout_s: float) -> list:
+    """A learner (rank 0) and ``size - 1`` members, each member in a thread of this process,
+    joined by real gloo pairs over loopback TCP, as a generation joins them."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from weight_sync.transport import GlooGroup
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = {}
+
+    def join(rank):
+        client = store if rank == 0 else TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[rank] = GlooGroup(client, rank, size, "127.0.0.1", 1, timeout_s, timeout_s)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [groups[rank] for rank in range(size)]
+
+
+def test_the_straggler_rule_gives_up_on_a_member_that_stops_reading_alone_over_gloo_pairs():
+    """weight_sync/stragglers.py, the one rule gloo, nccl and ipc give up on a member by, on
+    real gloo pairs: member 2 takes the first send, then stops reading (alive: its connection
+    stays open). It is given up on ``straggler_s`` after member 1 took the second send, not at
+    the 30 s timeout, and its pair alone is abandoned; member 1 gets that send and the next
+    one on time, bit for bit."""
+    import threading
+
+    from weight_sync.stragglers import StragglerRule
+
+    learner, reader, stopped = gloo_pairs(3, timeout_s=30)
+    rule = StragglerRule(timeout_s=30, straggler_s=1.0)
+    sends = [torch.randn(1 << 20) + i for i in range(3)]  # 4 MiB each
+    got = []
+
+    def read(group, n):
+        for tag in range(n):
+            buf = torch.empty(1 << 20)
+            group.wait(group.recv(buf, 0, tag))
+            got.append((group.rank, buf))
+
+    threads = [threading.Thread(target=read, args=(reader, 3), daemon=True),
+               threading.Thread(target=read, args=(stopped, 1), daemon=True)]
+    for t in threads:
+        t.start()
+    failed, took = {}, []
+    for tag, tensor in enumerate(sends):
+        t0 = time.monotonic()
+        learner.finish(learner.post(tensor, tag, [1, 2], failed), failed, rule)
+        took.append(time.monotonic() - t0)
+        if tag == 0:
+            assert failed == {} and sorted(learner.pairs) == [1, 2]
+    assert list(failed) == [2] and failed[2] == rule.late(another_finished=True) and "stopped reading" in failed[2]
+    assert sorted(learner.pairs) == [1]  # member 2's pair alone abandoned
+    assert 1.0 <= took[1] < 1.0 + 4, took  # the straggler deadline, not the 30 s timeout
+    assert took[2] < 1.0, took  # on time: member 2 is no longer sent to, nor waited for
+    threads[0].join(10)
+    assert sorted(rank for rank, _ in got) == [1, 1, 1, 2]  # member 2 read the first send alone
+    assert all(torch.equal(buf, sends[i]) for i, buf in enumerate(b for r, b in got if r == 1))
+    for group in (learner, reader, stopped):
+        group.close()
+
+
+def test_the_straggler_rule_fails_who_failed_abandons_who_is_late_and_waits_out_the_timeout_for_none_done():
+    """The rule on its own, with calls standing for each member's wait: a member whose call
+    raises is failed, not abandoned (its transport already closed it); one still waiting
+    ``straggler_s`` after another finished is failed and abandoned; with no member done,
+    each is late only at the timeout; one member alone is its call's own."""
+    import threading
+
+    from weight_sync.stragglers import StragglerRule
+
+    never = threading.Event()  # a member that stopped reading: its wait would end only at its own timeout
+
+    def refused():
+        raise SyncError("bucket 0: the engine failed to load it")
+
+    rule = StragglerRule(timeout_s=2.0, straggler_s=0.5)
+    try:
+        failed, abandoned = {}, []
+        t0 = time.monotonic()
+        rule.wait({1: lambda: time.sleep(0.2), 2: never.wait, 3: refused}, failed, abandoned.append)
+        assert 0.2 + 0.5 <= time.monotonic() - t0 < 2.0
+        assert failed == {2: rule.late(True), 3: "bucket 0: the engine failed to load it"} and abandoned == [2]
+        failed, abandoned = {}, []
+        t0 = time.monotonic()
+        rule.wait({1: never.wait, 2: never.wait}, failed, abandoned.append)
+        assert 2.0 <= time.monotonic() - t0 < 2.0 + 3
+        assert failed == {1: rule.late(False), 2: rule.late(False)} and sorted(abandoned) == [1, 2]
+        failed, abandoned = {}, []
+        rule.wait({4: refused}, failed, abandoned.append)
+        assert failed == {4: "bucket 0: the engine failed to load it"} and abandoned == []
+        assert StragglerRule(timeout_s=5, straggler_s=10).straggler_s == 5  # capped by the timeout
+    finally:
+        never.set()
+
+
 def test_a_store_that_is_gone_is_refused_at_once():
     """A worker that read a generation the learner has since dropped spent TCPStore's whole
     retry on the closed port (seen: 10.7 s, past the next generation's check-in deadline,

@@ -23,10 +23,12 @@ its own (weight_sync/transport.py :class:`GlooGroup`), so a member whose transfe
 because it died in the middle or because it is alive but stopped reading, is given up on
 alone: the others still get the version, and the generation goes on without it, with no
 forming at the next sync. One that stopped reading costs the others at most
-``straggler_s`` once (it is given up on when it lags the first member to take a send by
-that much: :func:`finish_sends`). A generation's only member that fails is left out too
-(:meth:`WeightSender._reached_no_worker`): its registry entry outlives it, and the next
-sync would otherwise wait a whole check-in deadline for it.
+``straggler_s`` once (it is given up on when it lags the first member to finish a step by
+that much). That rule is weight_sync/stragglers.py's :class:`StragglerRule`, and the
+bookkeeping of who is in and who was left out is weight_sync/membership.py's. A
+generation's only member that fails is left out too (:meth:`WeightSender._reached_no_worker`):
+its registry entry outlives it, and the next sync would otherwise wait a whole check-in
+deadline for it.
 
 A worker that *refuses* a generation (its engine cannot load the manifest: another model,
 another quantization) raises :class:`~weight_sync.transport.IncompatibleWorker` naming it
@@ -44,10 +46,10 @@ which is the learner's start).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterable, Mapping
 
 import redis
@@ -71,6 +73,7 @@ from weight_sync.rendezvous import (
     publish_version,
     take_generation,
 )
+from weight_sync.stragglers import STRAGGLER_S, StragglerRule
 from weight_sync.transport import GlooGroup, IncompatibleWorker, SyncError, admit, check_in_slot, publish_manifest
 
 log = logging.getLogger(__name__)
@@ -80,61 +83,6 @@ log = logging.getLogger(__name__)
 # for whole 256 MiB buckets at 100M parameters).
 CHUNK_BYTES = 16 * 2**20
 RING = 4
-# A member still receiving a send this long after every other member took it is given up on
-# (capped by the sync timeout): one that stopped reading costs the others this, once.
-STRAGGLER_S = 10.0
-
-
-def finish_sends(group: GlooGroup, works: dict, failed: dict[int, str], straggler_s: float) -> None:
-    """Wait for one send to every member (rank -> work), noting in ``failed`` (rank -> why)
-    each that failed, or that was still receiving ``straggler_s`` after the first member had
-    it: that one is given up on (:meth:`GlooGroup.abandon`), so it holds up none of the
-    others' next sends. Each member's send is waited on in a thread of its own, which holds
-    its pair until the wait ends: a gloo wait cannot be cut short, as one that times out
-    closes every pair of its group (here, only its own). One member alone is waited on
-    here, for the group's whole timeout."""
-    if len(works) == 1:
-        ((rank, work),) = works.items()
-        try:
-            group.wait(work)
-        except SyncError as e:
-            failed.setdefault(rank, str(e))
-        return
-    done: dict[int, str | None] = {}  # rank -> why it failed, None when it took the send
-    changed = threading.Condition()
-
-    def wait(rank: int, work, pair) -> None:
-        try:
-            group.wait(work)
-            why = None
-        except SyncError as e:
-            why = str(e)
-        with changed:
-            done[rank] = why
-            changed.notify()
-        del pair  # the last reference, once its wait is over
-
-    for rank, work in works.items():
-        threading.Thread(target=wait, args=(rank, work, group.pairs.get(rank)), daemon=True).start()
-    deadline = time.monotonic() + group.timeout.total_seconds() + 1.0
-    first = None
-    with changed:
-        while len(done) < len(works):
-            now = time.monotonic()
-            if first is None and None in done.values():
-                first = now
-            limit = deadline if first is None else min(deadline, first + straggler_s)
-            if now >= limit:
-                break
-            changed.wait(limit - now)
-        got = dict(done)
-    for rank, why in got.items():
-        if why is not None:
-            failed.setdefault(rank, why)
-    for rank in works.keys() - got.keys():
-        failed.setdefault(rank, f"still receiving {straggler_s:.1f} s after another member had the same send "
-                                "(stopped reading?)" if first is not None else "send not taken within the sync timeout")
-        group.abandon(rank)
 
 
 @dataclass
@@ -175,7 +123,7 @@ class WeightSender:
         generation numbers taken, on the learner's disk (weight_sync/rendezvous.py): with
         it, a number is never used twice even when Redis lost everything and the learner
         restarted. ``straggler_s``: how long a member may still be receiving a send after
-        every other member took it, before it is given up on alone (see :func:`finish_sends`)."""
+        another member took it, before it is given up on alone (weight_sync/stragglers.py)."""
         self.r, self.keys, self.fence, self.floor = r, keys, fence, floor
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
@@ -193,7 +141,7 @@ class WeightSender:
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []  # the ring a whole version's chunks are packed into in turn
         self.roster = Membership()  # who is in the generation, under which rank, and who was left out
-        self.straggler_s = min(straggler_s, timeout_s)
+        self.rule = StragglerRule(timeout_s, straggler_s)  # when a member is given up on
         self.full_every = full_every if device is None else 0
         self.held: tuple[int, list[torch.Tensor], list[int]] | None = None  # (version, buckets, crcs) every member holds
         self.since_full = 0  # versions sent as deltas since the last whole one
@@ -254,18 +202,22 @@ class WeightSender:
         except SyncError:
             self.drop()
             raise
-        self.roster.leave_out_ranks(self.state.generation, failed)
         if failed and self.device:
+            self.roster.leave_out_ranks(self.state.generation, failed)
             self.drop()  # one NCCL communicator holds every member: the next sync forms one without them
-        elif failed:
-            self._forget(failed)  # the others keep their pairs: the generation goes on without them
+        else:
+            self._give_up(failed)  # the others keep their pairs: the generation goes on without them
         stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
         stats.received = {w: inc for w, inc in members.items() if ranks[w] not in failed}
         return stats
 
-    def _forget(self, failed: dict[int, str]) -> None:
-        """Members given up on leave the generation (their pairs closed); the others stay in
-        it, under the ranks they have, so the next version needs no forming."""
+    def _give_up(self, failed: dict[int, str]) -> None:
+        """Members that failed or were late (rank -> why) are left out and leave the
+        generation (their pairs closed); the others stay in it, under the ranks they have,
+        so the next version needs no forming."""
+        if not failed:
+            return
+        self.roster.leave_out_ranks(self.state.generation, failed)
         for rank in self.roster.forget(failed):
             self.group.abandon(rank)
         publish_members(self.r, self.sync_key, self.state.generation_id, list(self.roster.members),
@@ -332,12 +284,8 @@ class WeightSender:
             raise SyncError(f"the sync hash {self.sync_key} lost generation {self.state.generation} (deleted, or "
                             f"restored from an older snapshot) before version {version}; the next sync forms a new one")
 
-        def post(buf: torch.Tensor, tag: int) -> dict:
-            return group.post(buf, tag, self.roster.ranks.values(), failed)
-
-        def finish(works: dict) -> None:
-            finish_sends(group, works, failed, self.straggler_s)
-
+        post = partial(group.post, ranks=list(self.roster.ranks.values()), failed=failed)  # post(tensor, tag)
+        finish = partial(group.finish, failed=failed, rule=self.rule)  # finish(what post returned)
         if self.manifest.delta:
             return self._send_keeping(version, tensors, post, finish, failed, t0)
         in_flight = post(header_tensor(version, self.manifest.hash), 0)

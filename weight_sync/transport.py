@@ -48,7 +48,7 @@ import hmac
 import json
 import socket
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from weight_sync.gate import Gate, GateClient, listening_socket
+
+if TYPE_CHECKING:
+    from weight_sync.stragglers import StragglerRule
 
 
 class SyncError(RuntimeError):
@@ -227,6 +230,23 @@ class GlooGroup:
         (A thread still waiting on one of its sends holds it until that wait times out.)"""
         self.pairs.pop(peer, None)
 
+    def waiter(self, peer: int, work) -> Callable[[], None]:
+        """A call that waits for ``work`` (a send to or receive from ``peer``) and holds
+        ``peer``'s pair until the wait ends, even once the pair was abandoned: a gloo wait
+        cannot be cut short, and one that times out closes every pair of its group (of a
+        pair, only its own)."""
+        def wait(pair: ProcessGroupGloo | None = self.pairs.get(peer)) -> None:  # the default holds the pair
+            self.wait(work)
+
+        return wait
+
+    def finish(self, works: Mapping[int, object], failed: dict[int, str], rule: StragglerRule) -> None:
+        """Wait for one send or receive with each member (rank -> work) under ``rule``
+        (weight_sync/stragglers.py): a member whose transfer fails goes into ``failed``
+        (rank -> why), and one still at it ``rule.straggler_s`` after another member's
+        ended is abandoned, so it holds up none of the others' next transfers."""
+        rule.wait({rank: self.waiter(rank, work) for rank, work in works.items()}, failed, self.abandon)
+
     @staticmethod
     def listen(host: str, timeout_s: float, token: str | None) -> tuple[TCPStore, int, Gate | None]:
         """The learner's store, on a port the OS picks; returns ``(store, port to publish,
@@ -298,7 +318,7 @@ class GlooGroup:
 
     def post(self, tensor: torch.Tensor, tag: int, ranks: Iterable[int], failed: dict[int, str]) -> dict:
         """Start sending ``tensor`` to each of ``ranks`` not in ``failed`` (rank -> why);
-        returns rank -> the handle to wait for. A send that cannot start goes into
+        returns rank -> the handle for :meth:`finish`. A send that cannot start goes into
         ``failed``."""
         works = {}
         for rank in ranks:
