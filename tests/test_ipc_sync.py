@@ -3,8 +3,10 @@ decision rlpipe makes about it, on CPU. Which transport a run uses and what a la
 refuses; the update info of each bucket (vLLM's own dataclass takes it, and it cuts the
 shared buffer into the bytes the gloo path delivers); the handle on the wire; the sender's
 sequence of headers, handles and acks with real Redis and real gloo followers; a member
-that fails or never acks left out. Only the CUDA calls (allocating the GPU buffer, torch's
-export of it, the stream sync) are stood in by ``CpuIpc``; vLLM's ipc engine never runs."""
+that fails is left out, and one that is late acking is given up on alone by the rule gloo
+follows (weight_sync/stragglers.py) while the generation goes on. Only the CUDA calls
+(allocating the GPU buffer, torch's export of it, the stream sync) are stood in by
+``CpuIpc``, and they are untested without a GPU; vLLM's ipc engine never runs."""
 
 from __future__ import annotations
 
@@ -174,11 +176,14 @@ class CpuIpc(IpcBroadcast):
         self.syncs += 1
 
 
+HANG_S = 6.0  # a "hang" member's load
+
+
 class IpcMember(Member):
     """A rollout worker's gloo side under ipc, as weight_sync/device_updates.py runs it,
     with vLLM's ``update_weights`` stood in by ``load``: it parses the update info with
     vLLM's dataclass and cuts the mapped buffer as vLLM's consumer does. ``fail``: ``"raise"``
-    (the engine fails to load) or ``"hang"`` (it takes past the learner's timeout)."""
+    (the engine fails to load) or ``"hang"`` (it takes :data:`HANG_S`, acking late)."""
 
     def __init__(self, worker_id: str, fail: str = ""):
         super().__init__(worker_id, 1)
@@ -200,13 +205,14 @@ class IpcMember(Member):
         except (SyncError, RuntimeError) as e:
             return SyncOutcome.failed(str(e))
         self.versions.append(version)
+        self.version = version  # what the follower compares the next version with, as Member's
         return SyncOutcome(True)
 
     async def load(self, info: dict) -> None:
         if self.fail == "raise":
             raise RuntimeError("the engine could not load it")
         if self.fail == "hang":
-            await asyncio.sleep(4)
+            await asyncio.sleep(HANG_S)
         self.handles.append(consume(info, self.received))
 
 
@@ -233,12 +239,22 @@ def over_gloo(manifest, tensors) -> dict[str, torch.Tensor]:
     return out
 
 
+def settle(members, versions: list[int]) -> None:
+    """Until each of ``members`` recorded ``versions``: a member records a version just after
+    its last ack, which is what the sender's sync returns on."""
+    deadline = time.monotonic() + 10
+    while any(m.versions != versions for m in members) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def run_members(redis_url, run_id, members):
     stops = [threading.Event() for _ in members]
     return stops, [follow(redis_url, run_id, m, stop) for m, stop in zip(members, stops)]
 
 
 def test_the_sender_hands_each_member_each_bucket_after_its_header_and_waits_for_its_ack(redis_server, r):
+    import vllm.distributed.weight_transfer.ipc_engine  # noqa: F401  (what consume imports: not within a timeout)
+
     run_id = free_run_id("ipc")
     members = [IpcMember("w0"), IpcMember("w1")]
     stops, threads = run_members(redis_server.url, run_id, members)
@@ -252,6 +268,7 @@ def test_the_sender_hands_each_member_each_bucket_after_its_header_and_waits_for
         assert stats.members == 2 and buckets > 2 and plane.syncs == buckets
         assert plane.allocs == [max(b.nbytes for b in sender.manifest.buckets)]  # one buffer, packed in turn
         expected = over_gloo(sender.manifest, tensors)
+        settle(members, [1])
         for m in members:
             assert m.versions == [1] and sorted(m.received) == sorted(expected)
             for name, t in m.received.items():
@@ -263,6 +280,7 @@ def test_the_sender_hands_each_member_each_bucket_after_its_header_and_waits_for
         assert len(handles) == 4  # and every bucket of a version under that member's one export
         assert all(len({a[12] for a in m.handles[:buckets]}) == 1 for m in members)
         expected = over_gloo(sender.manifest, tensors)
+        settle(members, [1, 2])
         for m in members:
             assert m.versions == [1, 2] and all(torch.equal(t, expected[n]) for n, t in m.received.items())
     finally:
@@ -273,26 +291,38 @@ def test_the_sender_hands_each_member_each_bucket_after_its_header_and_waits_for
             t.join(10)
 
 
-def test_a_member_that_fails_a_bucket_or_never_acks_is_left_out_and_the_others_get_the_version(redis_server, r):
+def test_a_member_that_fails_a_bucket_or_acks_late_is_given_up_on_alone_and_the_others_get_the_version(
+        redis_server, r):
+    """w1's engine fails to load the first bucket (it acks the failure: left out at once);
+    w2's takes HANG_S (alive, acking late). w2 is given up on ``straggler_s`` after w0 acked,
+    not when it acks nor at the 30 s sync timeout, by the rule gloo's sends follow; the buffer it may still be
+    reading is retired, so the next bucket goes into a fresh one; w0 gets the version, and
+    the next one on time in the same generation."""
+    import vllm.distributed.weight_transfer.ipc_engine  # noqa: F401  (what consume imports: not within a timeout)
+
     run_id = free_run_id("ipcfail")
     members = [IpcMember("w0"), IpcMember("w1", fail="raise"), IpcMember("w2", fail="hang")]
     stops, threads = run_members(redis_server.url, run_id, members)
-    plane = CpuIpc(2)
-    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 2, 1024, torch.bfloat16, device=plane)
+    plane = CpuIpc(30)
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 30, 1024, torch.bfloat16, device=plane, straggler_s=1.0)
     tensors = weights()
     live = {m.worker_id: "" for m in members}
     try:
         t0 = time.monotonic()
         stats = sender.sync(1, lambda: tensors.items(), live)
-        assert time.monotonic() - t0 < 10
-        assert stats.members == 1 and sender.excluded == {"w1": "", "w2": ""}
-        assert sender.group is None  # dropped: the next sync forms a generation without them
+        assert time.monotonic() - t0 < HANG_S - 1  # the straggler deadline: w2's ack was not waited for
+        assert stats.members == 1 and sender.excluded == {"w1": "", "w2": ""} and sender.left_out_total == 2
+        assert sender.group is not None and sender.members == ("w0",)  # the generation goes on without them
+        assert len(plane.allocs) == 2  # the buffer w2 was reading retired after the first bucket
+        settle(members[:1], [1])
         assert members[0].versions == [1] and members[1].versions == members[2].versions == []
         expected = over_gloo(sender.manifest, tensors)
         assert all(torch.equal(t, expected[n]) for n, t in members[0].received.items())
         assert sorted(members[0].received) == sorted(expected)
+        generation, t0 = stats.generation, time.monotonic()
         stats = sender.sync(2, lambda: tensors.items(), live)
-        assert stats.members == 1 and sender.members == ("w0",)
+        assert time.monotonic() - t0 < 1.0, "on time: no straggler wait, no forming"
+        assert (stats.members, stats.generation, stats.form_s, sender.members) == (1, generation, 0, ("w0",))
     finally:
         for stop in stops:
             stop.set()

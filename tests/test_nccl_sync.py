@@ -2,8 +2,10 @@
 decision rlpipe makes about it, on CPU. Which transport a run uses and where; the gloo
 handshake that places each engine's processes in the NCCL group; the tensors, order,
 dtypes and shapes a version travels as (the same bytes the gloo path delivers); the
-sender's sequence around the broadcast; the engine arguments. Only vLLM's CUDA calls
-(NCCL's init and packed broadcast) are left out: ``CpuBroadcast`` stands in for them."""
+sender's sequence around the broadcast, one communicator per member, and a hung member
+given up on alone by the rule gloo follows; the engine arguments. Only the CUDA calls
+(NCCL's init, the event and the broadcast on a pair's stream) are left out: ``CpuBroadcast``
+stands in for them, and they are untested without a GPU."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with
 from weight_sync.manifest import Manifest, incompatibility, pack_bucket, unpack_bucket
 from weight_sync.nccl import (
+    NUM_BUFFERS,
     NcclBroadcast,
     learner_handshake,
-    rank_offsets,
+    pair_world,
     update_info,
     wire_tensors,
     worker_handshake,
@@ -34,6 +37,9 @@ from weight_sync.receiver import expect_header, join_group
 from weight_sync.sender import WeightSender
 from weight_sync.transport import GlooGroup, SyncError
 from weight_sync.transport_choice import resolve_transport
+
+# Chunks smaller than a tensor (vLLM's pack_tensors warns), so that a version is many of them.
+SMALL_CHUNKS = pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
 
 
 def test_auto_is_nccl_where_cuda_is_and_nccl_is_refused_where_it_is_not():
@@ -62,11 +68,10 @@ def test_a_launch_decides_the_transport_once_for_every_role_and_never_nccl_on_a_
     assert plan_gpus(cfg_with(), 0).learner_env() == {}  # no GPUs: nothing set, each role resolves gloo
 
 
-def test_each_engine_process_gets_its_own_nccl_rank():
-    assert rank_offsets([1, 1]) == ([1, 2], 3)
-    assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8)  # a TP=2 engine takes ranks 1 and 2
+def test_each_engine_process_gets_its_own_rank_in_its_members_communicator():
+    assert pair_world(1) == 2 and pair_world(4) == 5  # the learner is rank 0, a TP=4 engine ranks 1-4
     with pytest.raises(SyncError):
-        rank_offsets([0])
+        pair_world(0)
 
 
 def _gloo_world(size: int, timeout_s: float = 5):
@@ -87,21 +92,21 @@ def _gloo_world(size: int, timeout_s: float = 5):
     return [groups[r] for r in range(size)]
 
 
-def test_the_handshake_gives_every_member_its_place_the_id_and_the_buffer_geometry():
+def test_the_handshake_gives_every_member_its_own_communicator_id_and_the_buffer_geometry():
     learner, tp2, single = _gloo_world(3)
-    unique_id = os.urandom(128)
+    unique_ids = {1: os.urandom(128), 2: os.urandom(128)}
     answers = {}
     threads = [threading.Thread(target=lambda g=g, k=k: answers.__setitem__(k, worker_handshake(g, k)))
                for g, k in ((tp2, 2), (single, 1))]
     for t in threads:
         t.start()
-    assert learner_handshake(learner, unique_id, 64 << 20) == 4
+    assert learner_handshake(learner, unique_ids, 64 << 20) == {1: 3, 2: 2}  # rank -> its communicator's size
     for t in threads:
         t.join()
-    for k, offset in ((2, 1), (1, 3)):
+    for k, rank, world in ((2, 1, 3), (1, 2, 2)):
         info = answers[k]
-        assert (info["rank_offset"], info["world_size"]) == (offset, 4)
-        assert base64.b64decode(info["nccl_unique_id_b64"]) == unique_id
+        assert (info["rank_offset"], info["world_size"]) == (1, world)  # the learner is rank 0 of each
+        assert base64.b64decode(info["nccl_unique_id_b64"]) == unique_ids[rank]  # a communicator of its own
         assert info["packed"] and info["packed_buffer_size_bytes"] == 64 << 20 and info["packed_num_buffers"] == 2
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
@@ -110,14 +115,19 @@ def test_the_handshake_gives_every_member_its_place_the_id_and_the_buffer_geomet
         g.close()
 
 
-def test_a_member_that_never_shakes_hands_fails_the_handshake_within_the_timeout():
-    learner, absent = _gloo_world(2, timeout_s=2)
+def test_a_member_that_never_shakes_hands_is_given_up_on_alone_within_the_timeout():
+    learner, absent, present = _gloo_world(3, timeout_s=2)
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(worker_handshake(present, 1)))
+    thread.start()
+    failed = {}
     t0 = time.monotonic()
-    with pytest.raises(SyncError):
-        learner_handshake(learner, os.urandom(128), 1 << 20)
-    assert time.monotonic() - t0 < 10
-    learner.close()
-    absent.close()
+    assert learner_handshake(learner, {1: os.urandom(128), 2: os.urandom(128)}, 1 << 20, failed=failed) == {2: 2}
+    assert time.monotonic() - t0 < 10 and list(failed) == [1]
+    thread.join(10)
+    assert answer["world_size"] == 2
+    for g in (learner, absent, present):
+        g.close()
 
 
 def weights():
@@ -127,6 +137,7 @@ def weights():
             "layer.q.qweight": torch.randint(-127, 127, (16, 16), dtype=torch.int8, generator=gen)}
 
 
+@SMALL_CHUNKS
 def test_a_version_travels_as_the_update_info_says_and_as_the_same_bytes_as_over_gloo():
     """vLLM's receiver cuts the packed buffers by the update info alone: it must list exactly
     the tensors sent, in order, with their wire dtype and shape; the values must be what the
@@ -141,6 +152,16 @@ def test_a_version_travels_as_the_update_info_says_and_as_the_same_bytes_as_over
     info = update_info(manifest)
     sent = list(wire_tensors(manifest, tensors, "cpu"))
     assert [n for n, _ in sent] == info["names"] and sorted(info["names"]) == sorted(tensors)
+    # The learner's chunks are cut where vLLM's consumer cuts them: tensors until past the buffer size.
+    packed, items = [], iter(sent)
+    while (chunk := NcclBroadcast(64, 5)._pack(items)) is not None:
+        packed.append(chunk.numel())
+    cuts, size = [], 0
+    for n in (t.numel() * t.element_size() for _, t in sent):  # packed_nccl_broadcast_consumer's rule
+        size += n
+        if size > 64:
+            cuts, size = cuts + [size], 0
+    assert len(packed) > 2 and packed == cuts + ([size] if size else [])
     assert [str(t.dtype).removeprefix("torch.") for _, t in sent] == info["dtype_names"]
     assert [list(t.shape) for _, t in sent] == info["shapes"]
     over_gloo = {}
@@ -170,30 +191,61 @@ def test_a_gloo_engine_refuses_an_nccl_generation_naming_the_setting():
     assert "over gloo" in incompatibility(gloo, shapes, transport="nccl")
 
 
-class CpuBroadcast(NcclBroadcast):
-    """The learner's NCCL data plane with vLLM's CUDA calls left out: the handshake is real,
-    the broadcast records what would have been sent."""
+class CpuComm:
+    """A member's communicator as the learner holds it: ``destroy`` is NCCL's abort."""
 
-    def __init__(self, *args):
+    def __init__(self, world):
+        self.world, self.aborted = world, threading.Event()
+
+    def destroy(self):
+        self.aborted.set()
+
+
+class CpuBroadcast(NcclBroadcast):
+    """The learner's NCCL data plane with the CUDA calls left out: the handshake, the pairs,
+    their threads, the chunks and the rule are real; each pair's broadcast records the chunk
+    it would have sent. ``hang``: members whose broadcast never ends (they stopped
+    receiving), until their communicator is aborted, as an NCCL kernel spins until then."""
+
+    def __init__(self, *args, hang=()):
         super().__init__(*args)
-        self.sent: list[list[tuple[str, torch.Tensor]]] = []
-        self.inits: list[int] = []
+        self.hang = set(hang)
+        self.sent: dict[int, list[torch.Tensor]] = {}  # member rank -> the chunks it was sent, in order
+        self.comms: list[CpuComm] = []
+        self.versions = 0
+
+    @property
+    def inits(self) -> list[int]:
+        return sorted(c.world for c in self.comms)
 
     def _unique_id(self):
         return os.urandom(128)
 
     def _init(self, unique_id, world):
-        self.inits.append(world)
-        return self  # as the communicator: closing the generation "destroys" it
-
-    def destroy(self):
-        self.destroyed = True
+        self.comms.append(CpuComm(world))
+        return self.comms[-1]
 
     def _device(self):
         return torch.device("cpu")
 
-    def _send(self, tensors):
-        self.sent.append(list(tensors))
+    def _ready(self):
+        return None
+
+    def _send(self, pair, chunk, ready):
+        if pair.rank in self.hang:
+            pair_comm = pair.comm
+            assert pair_comm.aborted.wait(60)
+            raise RuntimeError("NCCL error: the communicator was aborted")
+        self.sent.setdefault(pair.rank, []).append(chunk.clone())
+
+    def broadcast(self, *args, **kwargs):
+        self.versions += 1
+        return super().broadcast(*args, **kwargs)
+
+    def packed(self, manifest, tensors) -> torch.Tensor:
+        """A whole version's bytes, as they go over each member's communicator."""
+        items = wire_tensors(manifest, tensors, "cpu")
+        return torch.cat(list(iter(lambda: self._pack(items), None)))
 
 
 class Member:
@@ -248,24 +300,26 @@ def follow(redis_url, run_id, member, stopping: threading.Event, worker_id: str 
     return thread
 
 
+@SMALL_CHUNKS
 def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after_its_headers(redis_server, r):
-    """And a member lost before a version is left out before anything goes over NCCL (one
-    broadcast reaches all or hangs on the missing one); the next generation forms without it."""
+    """Each member over a communicator of its own; and a member lost before a version is
+    given up on alone: the other gets the version in the same generation, with no forming."""
     run_id = free_run_id("nccl")
     members = [Member("w0", 2), Member("w1", 1)]
     stops = [threading.Event() for _ in members]
     threads = [follow(redis_server.url, run_id, m, stop) for m, stop in zip(members, stops)]
-    plane = CpuBroadcast(1 << 20, 10)
+    plane = CpuBroadcast(256, 10)
     sender = WeightSender(r, Keys(run_id), "127.0.0.1", 5, 1 << 20, torch.bfloat16, device=plane)
     tensors = weights()
     live = {m.worker_id: "" for m in members}  # without a sync token a candidate checks in under its number
     try:
         stats = sender.sync(1, lambda: tensors.items(), live)
-        assert stats.members == 2 and plane.inits == [4]  # 1 learner + a TP=2 engine + a single one
-        assert [m.info["rank_offset"] for m in members] == [1, 3]
-        assert [n for n, _ in plane.sent[0]] == update_info(sender.manifest)["names"]
+        assert stats.members == 2 and plane.inits == [2, 3]  # the learner + a single engine; + a TP=2 one
+        assert [(m.info["rank_offset"], m.info["world_size"]) for m in members] == [(1, 3), (1, 2)]
+        version = plane.packed(sender.manifest, tensors)
+        assert len(plane.sent[1]) > NUM_BUFFERS and all(torch.equal(torch.cat(plane.sent[r]), version) for r in (1, 2))
         sender.sync(2, lambda: tensors.items(), live)
-        assert plane.inits == [4] and len(plane.sent) == 2  # the generation (and NCCL group) reused
+        assert plane.inits == [2, 3] and plane.versions == 2  # the generation (and its communicators) reused
         deadline = time.monotonic() + 10
         while any(m.versions != [1, 2] for m in members) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -273,11 +327,55 @@ def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after
         stops[1].set()  # w1 dies
         threads[1].join(10)
         members[1].group.close()
-        with pytest.raises(SyncError, match="lost before the nccl transfer"):
-            sender.sync(3, lambda: tensors.items(), live)
-        assert len(plane.sent) == 2 and sender.excluded == {"w1": ""} and plane.comm is None
+        generation = stats.generation
+        stats = sender.sync(3, lambda: tensors.items(), live)
+        assert (stats.members, stats.generation, stats.form_s, sorted(stats.received)) == (1, generation, 0, ["w0"])
+        assert sender.excluded == {"w1": ""} and sender.left_out_total == 1 and sender.members == ("w0",)
+        w1_comm = next(c for c in plane.comms if c.world == 2)
+        assert w1_comm.aborted.is_set() and list(plane.pairs) == [1]  # its communicator alone aborted
+        assert torch.equal(torch.cat(plane.sent[1]), torch.cat([version] * 3))  # w0: every version
+        assert torch.equal(torch.cat(plane.sent[2]), torch.cat([version] * 2))  # w1: none after it died
         stats = sender.sync(4, lambda: tensors.items(), live)  # still registered: its heartbeat lingers
-        assert stats.members == 1 and plane.inits == [4, 3] and len(plane.sent) == 3
+        assert stats.members == 1 and stats.form_s == 0 and plane.inits == [2, 3] and plane.versions == 4
+    finally:
+        for stop in stops:
+            stop.set()
+        sender.drop()
+        for t in threads:
+            t.join(10)
+
+
+@SMALL_CHUNKS
+def test_a_member_that_stops_receiving_over_nccl_is_given_up_on_alone_and_the_other_gets_every_version(
+        redis_server, r):
+    """The nccl counterpart of tests/test_weight_sync.py's hung gloo member, by the same rule
+    (weight_sync/stragglers.py): w1 takes its headers but its broadcast never ends (an NCCL
+    kernel waiting on a peer that stopped). Within ``straggler_s`` of w0 having each chunk it
+    is given up on, its communicator alone aborted; w0 gets that version and the next ones
+    on time in the same generation. (One communicator of everyone cost both the version.)"""
+    run_id = free_run_id("ncclhang")
+    members = [Member("w0", 1), Member("w1", 1)]
+    stops = [threading.Event() for _ in members]
+    threads = [follow(redis_server.url, run_id, m, stop) for m, stop in zip(members, stops)]
+    plane = CpuBroadcast(256, 30, hang={2})
+    sender = WeightSender(r, Keys(run_id), "127.0.0.1", 30, 1 << 20, torch.bfloat16, device=plane, straggler_s=1.0)
+    tensors, live = weights(), {m.worker_id: "" for m in members}
+    try:
+        t0 = time.monotonic()
+        stats = sender.sync(1, lambda: tensors.items(), live)
+        assert time.monotonic() - t0 < 1.0 + 8  # the straggler deadline, not the 30 s sync timeout
+        assert sorted(stats.received) == ["w0"] and sender.excluded == {"w1": ""} and sender.left_out_total == 1
+        assert torch.equal(torch.cat(plane.sent[1]), plane.packed(sender.manifest, tensors)) and 2 not in plane.sent
+        assert sum(c.aborted.is_set() for c in plane.comms) == 1  # w1's communicator alone aborted
+        assert list(plane.pairs) == [1] and not plane.pairs[1].comm.aborted.is_set()
+        generation = stats.generation
+        for version in (2, 3):
+            t0 = time.monotonic()
+            stats = sender.sync(version, lambda: tensors.items(), live)  # w1 still listed, still hung
+            assert time.monotonic() - t0 < 1.0, "on time: no straggler wait, no forming"
+            assert (stats.members, stats.generation, stats.form_s) == (1, generation, 0)
+        assert torch.equal(torch.cat(plane.sent[1]), torch.cat([plane.packed(sender.manifest, tensors)] * 3))
+        assert 2 not in plane.sent and sender.left_out_total == 1
     finally:
         for stop in stops:
             stop.set()

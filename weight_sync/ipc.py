@@ -9,13 +9,18 @@ gloo path's layout, which is vLLM's packed one: each tensor's bytes after the la
 sends each member, over gloo, a CUDA IPC handle of that buffer; the member's engine
 (vLLM's ``ipc`` engine, driven by weight_sync/device_updates.py) maps it, loads the
 bucket from it and acks, and only once every member acked (or failed) is the buffer
-packed again. A member that fails or does not ack within ``sync.timeout_s`` is left out;
-the others go on.
+packed again. Each member's handles and acks go over its own gloo pair, and each bucket
+is one wait per member under the rule every transport follows (weight_sync/stragglers.py):
+a member whose load fails, or that has not acked ``sync.straggler_s`` after another
+member did, is given up on alone (its pair dropped, and the buffer it may still be reading
+retired, so the next bucket is packed into a fresh one); the others go on, and the
+generation goes on without it.
 
-Each member gets its own export of the buffer per version: torch pairs one export with
-one importer's release, and vLLM's importer keeps one mapping across a version's buckets
-and releases it at ``finish_weight_update``; one export shared by several engines would
-be released once per engine and never reclaimed. Until every importer has released it,
+Each member gets its own export of the buffer per version (and of a fresh buffer that
+replaced a retired one mid-version): torch pairs one export with one importer's release,
+and vLLM's importer keeps one mapping across a version's buckets and releases it at
+``finish_weight_update``; one export shared by several engines would be released once per
+engine and never reclaimed. Until every importer has released it,
 torch keeps a freed exported buffer alive, so dropping a generation cannot pull the memory
 from under a late member.
 
@@ -26,9 +31,12 @@ or pipeline parallel) cannot map it, which is why a launch refuses them under ip
 (rollout_service/engine_args.py).
 
 GPU only: the CUDA calls (:meth:`IpcBroadcast._alloc`, ``_export``, ``_synchronize``) and
-vLLM's engine have never run in this project. What rlpipe decides (the transport, the
-update info per bucket, the handle's encoding, the sequence of buckets and acks, who is
-left out) is tested on CPU (tests/test_ipc_sync.py) with those calls stood in.
+vLLM's engine have never run in this project: they are untested without a GPU (vLLM's and
+torch's own tests cover them). What rlpipe decides (the transport, the update info per
+bucket, the handle's encoding, the sequence of buckets and acks, who is given up on and
+when) is tested on CPU (tests/test_ipc_sync.py) with those calls stood in; the rule
+deciding who is late is weight_sync/stragglers.py's, the one tested on gloo
+(tests/test_weight_sync.py).
 """
 
 from __future__ import annotations
@@ -37,13 +45,13 @@ import asyncio
 import base64
 import json
 import logging
-import time
-from typing import Awaitable, Callable, Mapping
+from typing import Awaitable, Callable, Iterable, Mapping
 
 import torch
 
 from weight_sync.manifest import Bucket, Manifest, pack_bucket
 from weight_sync.nccl import describe
+from weight_sync.stragglers import StragglerRule
 from weight_sync.transport import GlooGroup, SyncError
 
 log = logging.getLogger(__name__)
@@ -140,93 +148,102 @@ async def receive_version(group: GlooGroup, manifest: Manifest, load: Callable[[
 
 
 def _ack(group: GlooGroup, index: int, ok: bool) -> None:
-    """``[bucket index + 1, ok]``: never all zeros, which the learner watches for (IpcBroadcast._round)."""
+    """``[bucket index + 1, ok]``: the learner checks it names the bucket it sent (IpcBroadcast._hand)."""
     group.wait(group.send(torch.tensor([index + 1, int(ok)], dtype=torch.int64), 0, _ACK))
 
 
 # -- the learner's half ----------------------------------------------------------------------
 class IpcBroadcast:
     """Learner rank 0's IPC data plane for one generation, the sender's ``device`` seam as
-    :class:`~weight_sync.nccl.NcclBroadcast` is. GPU only: never run here."""
+    :class:`~weight_sync.nccl.NcclBroadcast` is. Each member takes its handles and sends its
+    acks over its own gloo pair, so each bucket is one wait per member, under the rule gloo's
+    own sends follow (weight_sync/stragglers.py :class:`StragglerRule`: the same
+    ``sync.straggler_s``, the same abandon). GPU only: its CUDA calls have never run here,
+    and what it decides is tested on CPU with them stood in (tests/test_ipc_sync.py)."""
 
     transport = "ipc"
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.group: GlooGroup | None = None
+        self.rule = StragglerRule(timeout_s)
         self.buffer: torch.Tensor | None = None
 
-    def open(self, group: GlooGroup) -> None:
+    def open(self, group: GlooGroup, rule: StragglerRule | None = None) -> dict[int, str]:
         """After the gloo generation formed: nothing to rendezvous (vLLM's ipc engine needs
-        none), the group carries the handles and acks."""
-        self.group = group
+        none), the group carries the handles and acks; ``rule``: the sender's. No member can
+        fail here: ``{}``."""
+        self.group, self.rule = group, rule or self.rule
+        return {}
 
     def broadcast(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor],
-                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None) -> dict[int, str]:
-        """One version, a bucket at a time through the shared buffer; returns the members
-        that failed (rank -> why), who got no bucket after their failure."""
+                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None,
+                  ranks: Iterable[int] | None = None) -> dict[int, str]:
+        """One version, a bucket at a time through the shared buffer, to ``ranks`` (every
+        member by default); returns the members that failed or were given up on (rank ->
+        why), who got no bucket after it. Each member gets its own export of the buffer, per
+        version and per buffer (see the module docstring)."""
         assert self.group is not None
-        group, failed = self.group, {}
+        failed: dict[int, str] = {}
+        members = list(range(1, self.group.world_size) if ranks is None else ranks)
         largest = max((b.nbytes for b in manifest.buckets), default=0)
-        if self.buffer is None or self.buffer.numel() < largest:
+        if self.buffer is not None and self.buffer.numel() < largest:
             self.buffer = None  # the smaller one goes before the larger one is made
-            self.buffer = self._alloc(largest)
-        members = range(1, group.world_size)
-        handles = {rank: encode_handle(self._export(self.buffer)) for rank in members}
+        handles: dict[int, torch.Tensor] = {}  # of the buffer in use, for this version
         for index, bucket in enumerate(manifest.buckets):
             live = [rank for rank in members if rank not in failed]
             if not live:
                 break
+            if self.buffer is None:  # the first version, or the last buffer retired (see abandon)
+                self.buffer, handles = self._alloc(largest), {}
+            for rank in live:
+                if rank not in handles:
+                    handles[rank] = encode_handle(self._export(self.buffer))
             source = gather([slot.name for slot in bucket.tensors]) if gather else tensors
             pack_bucket(bucket, source, self.buffer[:bucket.nbytes])  # the last bucket's acks are in: free to reuse
             del source
             self._synchronize()  # the bytes are in before a member maps them
-            self._round(group, index, {rank: handles[rank] for rank in live}, failed)
-        return failed
-
-    def _round(self, group: GlooGroup, index: int, handles: dict[int, torch.Tensor], failed: dict[int, str]) -> None:
-        """Send each member the handle and take its ack; a member whose send, load or ack
-        failed goes into ``failed``.
-
-        The acks are not waited on with gloo's timeout: a wait that times out closes every
-        pair of the group, which would fail the members that did ack part-way through
-        their version. gloo receives into the ack tensor in place (an ack is never all
-        zeros), so its arrival is watched there until ``timeout_s``; a member past it is
-        failed and its receive abandoned, and one that arrived is then waited on (at once)."""
-        sends, acks = {}, {}
-        for rank, message in handles.items():
-            try:
-                sends[rank] = group.send(message, rank, _HANDLE)
-                ack = torch.zeros(2, dtype=torch.int64)
-                acks[rank] = (ack, group.recv(ack, rank, _ACK))
-            except SyncError as e:
-                failed[rank] = str(e)
-        for rank, work in sends.items():
-            try:
-                group.wait(work)
-            except SyncError as e:
-                failed.setdefault(rank, str(e))
-        pending = {rank: a for rank, a in acks.items() if rank not in failed}
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            for rank, (ack, work) in list(pending.items()):
-                if ack[0].item() == 0:
-                    continue
-                del pending[rank]
+            waits = {}
+            for rank in live:
                 try:
-                    group.wait(work)
+                    waits[rank] = self._hand(rank, handles[rank], index)
                 except SyncError as e:
                     failed[rank] = f"bucket {index}: {e}"
-                    continue
-                got, ok = ack.tolist()
-                if got != index + 1 or not ok:
-                    failed[rank] = (f"bucket {index}: the engine failed to load it" if got == index + 1 else
-                                    f"bucket {index}: acked bucket {got - 1}")
-            if pending and time.monotonic() > deadline:
-                for rank in pending:
-                    failed[rank] = f"bucket {index}: no ack within {self.timeout_s:.0f} s"
-                break
-            time.sleep(0.001)
+            self.rule.wait(waits, failed, self.abandon)
+        return failed
+
+    def _hand(self, rank: int, handle: torch.Tensor, index: int) -> Callable[[], None]:
+        """Send one member bucket ``index``'s handle and post the receive of its ack; returns
+        the wait for both, which raises SyncError when the send or the ack failed or the
+        ack says the engine could not load the bucket. (Over its own pair, a wait that
+        times out closes that member's pair alone.)"""
+        group = self.group
+        ack = torch.zeros(2, dtype=torch.int64)
+        sent = group.waiter(rank, group.send(handle, rank, _HANDLE))
+        acked = group.waiter(rank, group.recv(ack, rank, _ACK))
+
+        def wait() -> None:
+            try:
+                sent()
+                acked()
+            except SyncError as e:
+                raise SyncError(f"bucket {index}: {e}") from e
+            got, ok = ack.tolist()
+            if got != index + 1:
+                raise SyncError(f"bucket {index}: acked bucket {got - 1}")
+            if not ok:
+                raise SyncError(f"bucket {index}: the engine failed to load it")
+
+        return wait
+
+    def abandon(self, rank: int) -> None:
+        """Give up on one member: its pair leaves the group, and the buffer it may still be
+        reading is retired (the next bucket goes into a fresh one, exported anew to each
+        member left), so nothing is packed under a late member's load. torch keeps the
+        retired buffer until its importers let go of it."""
+        if self.group is not None:
+            self.group.abandon(rank)
+        self.buffer = None
 
     # -- the CUDA calls, the only part the CPU tests replace -------------------------------
     def _alloc(self, nbytes: int) -> torch.Tensor:

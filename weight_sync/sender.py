@@ -12,19 +12,20 @@ kernel's memory copies, which contend with the cast for the same memory bus, so 
 can hide there and fewer, larger sends are faster: each bucket goes whole, bucket i+1
 packed while bucket i is sent (bench/weight_sync_speed.py measures both). Under ``sync.transport: nccl``
 or ``ipc`` the generation and the headers stay on gloo and the weights go over a device
-data plane: one NCCL broadcast (weight_sync/nccl.py), or CUDA IPC handles of a buffer on
-learner rank 0's GPU (weight_sync/ipc.py).
+data plane: an NCCL communicator of each member's own (weight_sync/nccl.py), or CUDA IPC
+handles of a buffer on learner rank 0's GPU (weight_sync/ipc.py).
 
 Membership: workers are identified by ``id -> incarnation`` (a token each worker
 process draws at start and redraws to ask back in). A worker that does not check in
 before the deadline is left out of the generation and stays out until its incarnation
 changes, so it never costs the learner a second timeout. Each member has a gloo pair of
-its own (weight_sync/transport.py :class:`GlooGroup`), so a member whose transfer fails,
-because it died in the middle or because it is alive but stopped reading, is given up on
-alone: the others still get the version, and the generation goes on without it, with no
-forming at the next sync. One that stopped reading costs the others at most
-``straggler_s`` once (it is given up on when it lags the first member to finish a step by
-that much). That rule is weight_sync/stragglers.py's :class:`StragglerRule`, and the
+its own (weight_sync/transport.py :class:`GlooGroup`), and under nccl an NCCL communicator
+of its own too (weight_sync/nccl.py), so a member whose transfer fails, because it died in
+the middle or because it is alive but stopped reading, is given up on alone: the others
+still get the version, and the generation goes on without it, with no forming at the next
+sync. One that stopped reading costs the others at most ``straggler_s`` once (it is given
+up on when it lags the first member to finish a step by that much). That rule is
+weight_sync/stragglers.py's :class:`StragglerRule`, one for gloo, nccl and ipc, and the
 bookkeeping of who is in and who was left out is weight_sync/membership.py's. A
 generation's only member that fails is left out too (:meth:`WeightSender._reached_no_worker`):
 its registry entry outlives it, and the next sync would otherwise wait a whole check-in
@@ -123,7 +124,8 @@ class WeightSender:
         generation numbers taken, on the learner's disk (weight_sync/rendezvous.py): with
         it, a number is never used twice even when Redis lost everything and the learner
         restarted. ``straggler_s``: how long a member may still be receiving a send after
-        another member took it, before it is given up on alone (weight_sync/stragglers.py)."""
+        another member took it, before it is given up on alone, on every transport
+        (weight_sync/stragglers.py)."""
         self.r, self.keys, self.fence, self.floor = r, keys, fence, floor
         self.sync_key = keys.sync_channel(channel)
         check_sync_exposure(host)
@@ -141,7 +143,7 @@ class WeightSender:
         self.manifest: Manifest | None = None
         self.buffers: list[torch.Tensor] = []  # the ring a whole version's chunks are packed into in turn
         self.roster = Membership()  # who is in the generation, under which rank, and who was left out
-        self.rule = StragglerRule(timeout_s, straggler_s)  # when a member is given up on
+        self.rule = StragglerRule(timeout_s, straggler_s)  # when a member is given up on (every transport)
         self.full_every = full_every if device is None else 0
         self.held: tuple[int, list[torch.Tensor], list[int]] | None = None  # (version, buckets, crcs) every member holds
         self.since_full = 0  # versions sent as deltas since the last whole one
@@ -202,24 +204,22 @@ class WeightSender:
         except SyncError:
             self.drop()
             raise
-        if failed and self.device:
-            self.roster.leave_out_ranks(self.state.generation, failed)
-            self.drop()  # one NCCL communicator holds every member: the next sync forms one without them
-        else:
-            self._give_up(failed)  # the others keep their pairs: the generation goes on without them
+        self._give_up(failed)  # the others keep their pairs: the generation goes on without them
         stats.members, stats.generation, stats.form_s = len(members) - len(failed), self.state.generation, form_s
         stats.received = {w: inc for w, inc in members.items() if ranks[w] not in failed}
         return stats
 
     def _give_up(self, failed: dict[int, str]) -> None:
         """Members that failed or were late (rank -> why) are left out and leave the
-        generation (their pairs closed); the others stay in it, under the ranks they have,
-        so the next version needs no forming."""
+        generation (their gloo pairs and device pairs closed); the others stay in it, under
+        the ranks they have, so the next version needs no forming."""
         if not failed:
             return
         self.roster.leave_out_ranks(self.state.generation, failed)
         for rank in self.roster.forget(failed):
             self.group.abandon(rank)
+            if self.device is not None:
+                self.device.abandon(rank)
         publish_members(self.r, self.sync_key, self.state.generation_id, list(self.roster.members),
                         self.state.world_size, self.fence)
 
@@ -267,12 +267,16 @@ class WeightSender:
             # sent), whatever part of the deadline waiting on a missing candidate took.
             self.group = GlooGroup(store, 0, self.state.world_size, self.host, generation, self.timeout_s,
                                    self.timeout_s)
-            if self.device:
-                self.device.open(self.group)
+            failed = self.device.open(self.group, self.rule) if self.device else {}
         except SyncError:
             self.drop()
             raise
         self.roster.admit(members, candidates)
+        self._give_up(failed)  # under nccl: who did not join its communicator in time (weight_sync/nccl.py)
+        if not self.roster.ranks:
+            self.drop()
+            raise SyncError(f"generation {generation}: no member joined the {self.device.transport} transfer: "
+                            f"{next(iter(failed.values()))}")
 
     def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> tuple[SyncStats, dict[int, str]]:
         """Send the header and every bucket to each member; a member whose transfer fails
@@ -369,17 +373,16 @@ class WeightSender:
 
     def _broadcast_device(self, version: int, tensors: dict[str, torch.Tensor], headers: dict, finish: Callable,
                           failed: dict[int, str], t0: float) -> tuple[SyncStats, dict[int, str]]:
-        """The version over the device data plane, once every member took its header. One
-        NCCL broadcast reaches all of them or none (a member that failed would hang the
-        rest), so a member lost at the header is left out and the generation re-formed
-        before anything is sent; IPC, member by member, keeps the rule (one rule for both)
-        and reports a member that fails during the transfer, which is left out after it."""
+        """The version over the device data plane to the members that took its header. Each
+        member has a data plane of its own (an NCCL communicator; under ipc its gloo pair,
+        for the handles and acks), so a member lost at the header, or failed or late during
+        the transfer by the rule gloo's sends follow (weight_sync/stragglers.py), is given
+        up on alone: the others get the version."""
         finish(headers)
-        if failed:
-            self.roster.leave_out_ranks(self.state.generation, failed)
-            raise SyncError(f"version {version}: {len(failed)} member(s) lost before the {self.device.transport} "
-                            f"transfer: {next(iter(failed.values()))}")
-        failed = self.device.broadcast(self.manifest, tensors, self.gather)
+        live = [rank for rank in self.roster.ranks.values() if rank not in failed]
+        if live:
+            for rank, why in self.device.broadcast(self.manifest, tensors, self.gather, live).items():
+                failed.setdefault(rank, why)
         if len(failed) == len(self.roster.ranks):
             raise self._reached_no_worker(version, failed)
         total = time.perf_counter() - t0

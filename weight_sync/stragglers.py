@@ -1,22 +1,26 @@
-"""The rule by which the learner gives up on a member alone.
+"""The one rule by which the learner gives up on a member alone, on every transport.
 
-The learner hands a version to each member separately, over something of that member's
-own (under gloo its two-rank gloo group, "pair": weight_sync/transport.py
-:class:`~weight_sync.transport.GlooGroup`). So each step of a transfer is one wait per
-member, and :meth:`StragglerRule.wait` decides when a member is given up on:
+Every transport hands a version to each member separately, over something of that
+member's own: under gloo its two-rank gloo group ("pair", weight_sync/transport.py
+:class:`~weight_sync.transport.GlooGroup`); under nccl its own NCCL communicator with
+the learner (weight_sync/nccl.py); under ipc its gloo pair, over which it acks each
+bucket (weight_sync/ipc.py). So each step of a transfer is one wait per member, and
+:meth:`StragglerRule.wait` decides, for all three, when a member is given up on:
 
 - a member whose wait fails (it died, its engine refused a bucket) is failed, with why;
 - once any member has finished the step, each other one has ``straggler_s`` more (the
   ``sync.straggler_s`` setting, capped by ``sync.timeout_s``); one still not done then is
   *late*: failed ("stopped reading?") and abandoned through the transport's ``abandon``
-  (gloo drops its pair), so it holds up none of the others' next steps;
+  (gloo drops its pair, nccl aborts its communicator, ipc drops its pair and the buffer
+  it may still be reading), so it holds up none of the others' next steps;
 - when no member finishes, each is failed by its own wait's timeout, or at
   ``timeout_s`` (plus a second) as late.
 
 The sender (weight_sync/sender.py) then leaves every failed member out, in its
-incarnation, and the generation goes on without it. The rule is tested on CPU with gloo
-pairs between processes and threads (tests/test_weight_sync.py). It knows nothing of
-gloo: a member's wait is any call, so that the device transports can follow it too.
+incarnation, with the same log line and the same ``left_out_total`` whatever the
+transport, and the generation goes on without it. The rule is tested on CPU with gloo
+pairs between processes and threads (tests/test_weight_sync.py); nccl and ipc call this
+same code, with their CUDA calls the only part not run here.
 """
 
 from __future__ import annotations
