@@ -10,6 +10,10 @@ with ``queue.max_staleness: 4``, the bound before it was hard, for the compariso
 
     python -P bench/staleness_cost.py --loose         # max_lag 0 and 1, hard and loosened, 12 steps each
     python -P bench/staleness_cost.py --steps 2 --lags 0   # a smoke run
+
+``--earlier ROWS.json --earlier-label TEXT`` adds, beside this run's arms, the arms of an earlier
+run of this script (its ``--json`` section, made at another commit on the same machine), each
+marked with the label: a change to the hand-out measured side by side, one code after the other.
 """
 
 from __future__ import annotations
@@ -51,21 +55,22 @@ def arm(max_lag: int, max_staleness: int | None, steps: int, runs_dir: str) -> d
             "seconds": round(time.monotonic() - t0, 1)}
 
 
-def section(rows: list[dict], machine: str, command: str):
-    """The results section: each bound's books side by side."""
+def section(rows: list[dict], machine: str, command: str, earlier: list[dict] | None = None, label: str = ""):
+    """The results section: each bound's books side by side (with ``earlier``'s arms, labelled, after them)."""
     from launch.results import Section
 
     sec = Section("staleness", "The staleness bound under dynamic sampling: what it costs (toy, max_lag 0 and 1)",
                   command)
+    arms = [("this code", r) for r in rows] + [(label or "an earlier run", r) for r in earlier or []]
     sec.table("Each arm a whole demo: 2 answers a prompt, 8 groups a step", [
-        "queue.max_lag", "queue.max_staleness", "steps", "largest staleness trained", "mean staleness",
-        "produced", "trained", "filtered", "dropped stale", "dropped / produced", "workers idle"],
-        [[r["max_lag"], "null (= max_lag)" if r["max_staleness"] is None else r["max_staleness"], r["steps"],
+        "code", "queue.max_lag", "queue.max_staleness", "steps", "largest staleness trained", "mean staleness",
+        "produced", "trained", "filtered", "dropped stale", "dropped / produced", "workers idle", "seconds"],
+        [[code, r["max_lag"], "null (= max_lag)" if r["max_staleness"] is None else r["max_staleness"], r["steps"],
           r["staleness_max"], r["staleness_mean"], r["produced"], r["trained"], r["filtered"], r["dropped_stale"],
-          r["dropped_fraction"], r["rollout_idle_fraction"]] for r in rows])
+          r["dropped_fraction"], r["rollout_idle_fraction"], r.get("seconds")] for code, r in arms])
     sec.note(f"On {machine}. The bound holds by construction (the learner drops an older group and counts it); "
              "the cost is the groups sampled for a version that arrive after the learner moved on.")
-    sec.data = {"machine": machine, "rows": rows}
+    sec.data = {"machine": machine, "rows": rows, "earlier": earlier or [], "earlier_label": label}
     return sec
 
 
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lags", default="0,1", help="the queue.max_lag values, comma-separated")
     p.add_argument("--loose", action="store_true", help="also each lag at queue.max_staleness 4")
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--earlier", type=Path, help="an earlier run's --json section, whose arms are shown beside these")
+    p.add_argument("--earlier-label", default="", help="what the earlier arms ran (e.g. the commit)")
     args = p.parse_args(argv)
     print(cpu_name(), file=sys.stderr)  # the model, the cores and the SIMD flags that choose the kernels
     lags = [int(x) for x in args.lags.split(",")]
@@ -88,7 +95,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         command = f"python -P bench/staleness_cost.py --steps {args.steps} --lags {args.lags}" + \
             (" --loose" if args.loose else "")
-        section(rows, cpu_name(), command).write(args.json)
+        earlier = json.loads(args.earlier.read_text())["data"]["rows"] if args.earlier else None
+        if earlier:
+            command += f" --earlier {args.earlier.name} --earlier-label '{args.earlier_label}'"
+        section(rows, cpu_name(), command, earlier, args.earlier_label).write(args.json)
     return rows
 
 
