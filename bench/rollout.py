@@ -77,7 +77,7 @@ def run_offline(args, model: str) -> list[dict]:
 
     from quant.precision_profile import profile_for
     from rollout_service.engine import RolloutEngine
-    from rollout_service.loop import group_seed
+    from rollout_service.groups import group_seed
     from rollout_service.tasks import make_task
 
     cfg = make_config(args, model)

@@ -1,4 +1,6 @@
 """The rollout loop of one worker: take prompts, generate groups, push them to the stream.
+What one prompt's group is made of (generated, scored, written as a record) is
+rollout_service/groups.py's; this module decides when groups start, and what becomes of them.
 
 Three asyncio tasks share the engine:
 
@@ -19,11 +21,8 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import redis
 
 from rlpipe import checkpoints, registry
@@ -31,12 +30,10 @@ from rlpipe.config import RunConfig
 from rlpipe.faults import GROUP_DELAY_ENV, injected_delay
 from rlpipe.queue import TrajectoryQueue
 from rlpipe.redis_link import RedisUnavailable, RestartWatch
-from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine, WeightsCorrupted
-from rollout_service.episodes import EpisodeRunner
-from rollout_service.inline_tools import answer_with_tool, load_tool
+from rollout_service.groups import Group, GroupGenerator
 from rollout_service.metrics import RolloutMetrics
-from rollout_service.tasks import BadRewardResult, PromptEncoder, RewardError, RewardUnavailable, Task
+from rollout_service.tasks import BadRewardResult, RewardError, RewardUnavailable, Task
 from weight_sync.follower import Checkpoint, Synced, WeightFollower
 
 log = logging.getLogger(__name__)
@@ -48,21 +45,6 @@ log = logging.getLogger(__name__)
 STALL_FLOOR_S = 600.0
 MIN_TOKENS_PER_S = 10.0
 STUCK_EXIT_S = 30.0  # then the supervisor (rlpipe up, a Kubernetes pod) restarts it within the minute
-TOOL_SEED_STRIDE = 7919  # the seeds of a group's answers with a tool: apart by more than their pauses
-
-
-def group_seed(run_seed: int, index: int) -> int:
-    """The sampling seed of the group for prompt ``index``: reproducible on any worker."""
-    return (run_seed * 1_000_003 + index) % (2**31)
-
-
-@dataclass
-class _Group:
-    """One prompt's group in flight. Until it reaches ``pushing`` it can still be given back."""
-
-    index: int
-    attempt: int = 0
-    phase: str = "generating"  # generating -> scoring -> pushing, or -> failed (given back by the group itself)
 
 
 class Watchdog:
@@ -88,12 +70,12 @@ class Watchdog:
     def stall_limit_s(self) -> float:
         """How long :meth:`busy_without_push` may grow before the loop counts as stuck."""
         cfg = self.loop.cfg
-        turns = cfg.rollout.session_max_turns if self.loop.episodes is not None else 1
+        turns = cfg.rollout.session_max_turns if self.loop.generator.episodes is not None else 1
         return STALL_FLOOR_S + cfg.sampling.max_tokens * turns / MIN_TOKENS_PER_S
 
     def calls_stuck(self) -> str | None:
         """Why the task's reward or the environment takes no more calls (too many abandoned, still running)."""
-        return getattr(self.loop.task, "stuck", None) or getattr(self.loop.episodes, "stuck", None)
+        return getattr(self.loop.task, "stuck", None) or getattr(self.loop.generator.episodes, "stuck", None)
 
     def stuck(self, now: float | None = None) -> str | None:
         """Why the loop cannot make progress, or None: its reward's or environment's calls are
@@ -130,7 +112,7 @@ class FailedGroups:
         # against its prompt: a failure counts only then, so an outage counts once at most (reward_failed).
         self.reward_worked = False
 
-    async def __call__(self, group: _Group, e: Exception) -> None:
+    async def __call__(self, group: Group, e: Exception) -> None:
         """A reward or environment that timed out or raised is :meth:`reward_failed`'s; any other
         failure gives the prompt back once: a prompt that failed twice here (one the engine or the
         record cannot take, or whose reward's result no record can take) is skipped."""
@@ -151,7 +133,7 @@ class FailedGroups:
         await asyncio.to_thread(loop.queue.give_back, loop.worker_id, [index])
         loop.metrics.prompts_given_back.inc()
 
-    async def reward_failed(self, group: _Group, e: RewardError) -> None:
+    async def reward_failed(self, group: Group, e: RewardError) -> None:
         """The reward or environment timed out or raised on a group: the prompt goes back, and
         after ``queue.max_deliveries`` failures counted against it (on any worker) it is settled
         as dead, with a dead letter naming the error (TrajectoryQueue.reward_failed); it was
@@ -186,6 +168,9 @@ class FailedGroups:
 
 
 class RolloutLoop:
+    """Leases prompts within the back-pressure allowance, keeps their groups in flight, pushes or
+    gives back what they become, and keeps this worker's weight sync and registry entry going."""
+
     def __init__(self, cfg: RunConfig, worker_id: str, address: str, engine: RolloutEngine,
                  queue: TrajectoryQueue, task: Task, tokenizer, metrics: RolloutMetrics,
                  on_fatal: Callable[[str], None], api_slots: Callable[[], int] = lambda: 0):
@@ -197,13 +182,9 @@ class RolloutLoop:
         self.r = queue.r
         self.keys = queue.keys
         self.task = task
-        self.tokenizer = tokenizer
-        self.encode = PromptEncoder(cfg.task, tokenizer, cfg.model.path or "the model")  # text -> the engine's ids
-        # task.environment: each sample is a multi-turn episode (rollout_service/episodes.py)
-        self.episodes = EpisodeRunner(cfg, tokenizer, engine, metrics) if cfg.task.environment else None
-        # task.tool: each answer is written with an in-turn tool (rollout_service/inline_tools.py)
-        self.tool = load_tool(cfg.task.tool) if cfg.task.tool else None
         self.metrics = metrics
+        # what a prompt becomes: its group, generated, scored and written as a record (rollout_service/groups.py)
+        self.generator = GroupGenerator(cfg, worker_id, engine, task, tokenizer, metrics)
         self.on_fatal = on_fatal  # called once when this worker cannot go on (its engine died)
         self.api_slots = api_slots  # group slots /v1/generate holds now (rollout_service.worker.ApiShare)
         # Weight sync: follows the learner's generations on this precision's channel.
@@ -213,7 +194,7 @@ class RolloutLoop:
             fatal=(WeightsCorrupted,))
         self.last_sync: dict = {}
         self.stopping = asyncio.Event()
-        self.groups: dict[asyncio.Task, _Group] = {}
+        self.groups: dict[asyncio.Task, Group] = {}
         self.tasks: list[asyncio.Task] = []
         self.last_error: str | None = None
         self.backlog: dict = {}  # what the last back-pressure check saw (for /v1/status)
@@ -282,7 +263,7 @@ class RolloutLoop:
                     await asyncio.sleep(0.05)
                     continue
                 for index, attempt in leased:
-                    group = _Group(index, attempt)
+                    group = Group(index, attempt)
                     task = asyncio.create_task(self._run_group(group))
                     self._enter(task, group)
                     task.add_done_callback(self._group_done)
@@ -323,7 +304,7 @@ class RolloutLoop:
                         "fleet_inflight_groups": lease.fleet_leased, "allowance": lease.allowance}
         return lease.prompts
 
-    def _enter(self, task: asyncio.Task, group: _Group) -> None:
+    def _enter(self, task: asyncio.Task, group: Group) -> None:
         """A group is in flight: an idle period (none were) ends now."""
         closed, since = self._idle
         if since is not None:
@@ -352,14 +333,14 @@ class RolloutLoop:
             self.last_error = repr(task.exception())
             log.error("group task failed: %r", task.exception())
 
-    async def _run_group(self, group: _Group) -> None:
+    async def _run_group(self, group: Group) -> None:
         """Generate, score and push one group. A group that fails before its push is done
         gives its prompt back (FailedGroups), whatever failed, the push included: a push
         refused before it reached Redis (msgpack or the schema refused the record) once kept
         its lease for good, and 32 of them held the whole allowance (issue 33 item 12)."""
         index = group.index
         try:
-            record = await self._generate_group(group)
+            record = await self.generator(group)
             await asyncio.sleep(injected_delay(GROUP_DELAY_ENV))
         except asyncio.CancelledError:
             raise  # stop() gives the prompt back
@@ -389,75 +370,6 @@ class RolloutLoop:
         self.metrics.groups.inc()
         self.metrics.tokens.inc(sum(len(x.tokens) for x in record.samples))
         self.metrics.generate_seconds.observe(record.gen_seconds)
-
-    async def _generate_group(self, group: _Group) -> GroupRecord | None:
-        s = self.cfg.sampling
-        prompt = self.task.prompt(group.index)
-        if self.episodes is not None:
-            return await self._generate_episodes(group, prompt)
-        prompt_ids = self.encode(prompt.text, prompt.messages)  # the record keeps these ids, as the engine got them
-        if len(prompt_ids) + s.max_tokens > self.cfg.rollout.max_model_len:
-            log.warning("skipping prompt %s: %d tokens + max_tokens %d exceed rollout.max_model_len %d",
-                        prompt.prompt_id, len(prompt_ids), s.max_tokens, self.cfg.rollout.max_model_len)
-            self.metrics.prompts_skipped.inc()
-            return None
-        seed = group_seed(self.cfg.seed, group.index)
-        t0 = time.perf_counter()
-        if self.tool is not None:
-            return await self._generate_with_tool(group, prompt, prompt_ids, seed, t0)
-        results, v0, v1 = await self.engine.generate(
-            prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            max_tokens=s.max_tokens, seed=seed)
-        gen_seconds = time.perf_counter() - t0
-        group.phase = "scoring"
-        # Rewards read the decoded text; the record keeps the token ids exactly as sampled.
-        texts = [self.tokenizer.decode(res.tokens, skip_special_tokens=True) for res in results]
-        scores = await self.task.score(prompt, texts)
-        samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info, routes=res.routes)
-                   for res, (reward, info) in zip(results, scores)]
-        return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
-
-    async def _generate_with_tool(self, group: _Group, prompt, prompt_ids: list[int], seed: int,
-                                  t0: float) -> GroupRecord:
-        """``sampling.n`` answers written with ``task.tool`` (rollout_service/inline_tools.py), each its own
-        request and seed, scored by the task on the whole message (the tool's values in it)."""
-        s = self.cfg.sampling
-        answers = await asyncio.gather(*(
-            answer_with_tool(self.engine, self.tokenizer, prompt_ids, self.tool(), s.max_tokens,
-                             (seed + TOOL_SEED_STRIDE * i) % 2**31, temperature=s.temperature, top_p=s.top_p,
-                             top_k=s.top_k) for i in range(s.n)))
-        gen_seconds = time.perf_counter() - t0
-        group.phase = "scoring"
-        v0, v1 = min(a.v0 for a in answers), max(a.v1 for a in answers)
-        scores = await self.task.score(prompt, [self.tokenizer.decode(a.tokens, skip_special_tokens=True)
-                                                for a in answers])
-        samples = [Sample(a.tokens, a.logprobs, a.finish_reason, reward, a.versions if (a.versions != v0).any() else None,
-                          {**(info or {}), "tool_calls": a.calls}, mask=a.mask)
-                   for a, (reward, info) in zip(answers, scores)]
-        return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
-
-    async def _generate_episodes(self, group: _Group, prompt) -> GroupRecord:
-        """``sampling.n`` episodes of ``task.environment`` on the prompt, rewarded by it."""
-        seed = group_seed(self.cfg.seed, group.index)
-        t0 = time.perf_counter()
-        prompt_ids, samples, v0, v1 = await self.episodes.group(prompt, self.cfg.sampling.n, seed)
-        return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, time.perf_counter() - t0)
-
-    def _record(self, group: _Group, prompt, prompt_ids, samples: list[Sample], v0: int, v1: int, seed: int,
-                gen_seconds: float) -> GroupRecord:
-        s = self.cfg.sampling
-        return GroupRecord(
-            run_id=self.cfg.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
-            worker_id=self.worker_id, policy_version=v0, policy_version_end=v1,
-            precision=self.engine.profile.precision, quant_profile=self.engine.quant_profile,
-            sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                      "max_tokens": s.max_tokens, "seed": seed},
-            prompt_tokens=np.asarray(prompt_ids, dtype=np.int32), samples=samples, gen_seconds=gen_seconds,
-            prompt_index=group.index, attempt=group.attempt,
-            # routing replay: the engine's experts travel with the samples (an aborted one has none: the
-            # reader refuses the group, as the learner could not replay it)
-            routing=self.engine.routing if any(x.routes is not None for x in samples) else None,
-        )
 
     # -- weight sync --------------------------------------------------------------------
     @property

@@ -143,12 +143,12 @@ def make_loop(cfg, tokenizer, engine=None):
 
 @pytest.mark.parametrize("system", ["", SYSTEM], ids=["no_system", "system"])
 def test_record_keeps_the_prompt_ids_the_engine_was_given(tokenizer, dataset, system):
-    from rollout_service.loop import _Group
+    from rollout_service.groups import Group
 
     cfg = task_cfg(dataset, chat_template=True, system_prompt=system)
     engine = FakeEngine()
     loop = make_loop(cfg, tokenizer, engine)
-    record = asyncio.run(loop._generate_group(_Group(index=1)))
+    record = asyncio.run(loop.generator(Group(index=1)))
     text = make_task(cfg.task).prompt(1).text
     assert engine.given == [by_hand(tokenizer, text, system)]
     assert record.prompt_tokens.dtype == np.int32 and record.prompt_tokens.tolist() == engine.given[0]
