@@ -25,7 +25,9 @@ request gets 429 with ``Retry-After``.
 
 Each route is a few lines over the app's one ``Worker`` (rollout_service/worker.py), which
 holds the engine and, with a Redis URL in the config, runs the rollout loop; without one it
-only serves ``/v1/generate`` (a plain sampling server, as the tests use it).
+only serves ``/v1/generate`` (a plain sampling server, as the tests use it). The probes and
+``/v1/status`` ask the worker itself; the API's requests go to its ``api``
+(rollout_service/api_requests.py).
 """
 
 from __future__ import annotations
@@ -192,27 +194,27 @@ async def status(worker: TheWorker):
 async def open_session(req: models.OpenSession, worker: TheWorker):
     """Open a multi-turn session on a prompt: chat messages (rendered with the chat template),
     text or token ids. Its ids are kept exactly from here on (rollout_service/sessions.py)."""
-    return await worker.open_session(req)
+    return await worker.api.open_session(req)
 
 
 @api.post("/v1/sessions/{session_id}/turn", response_model=models.TurnResult, responses=SESSION_ERRORS)
 async def session_turn(session_id: str, req: models.Turn, worker: TheWorker):
     """Append a non-model message (tokenized once, now), then sample the model's next turn on
     every id so far; answers the turn's ids, behavior log-probs and versions."""
-    return await worker.session_turn(session_id, req)
+    return await worker.api.session_turn(session_id, req)
 
 
 @api.post("/v1/sessions/{session_id}/finish", response_model=models.Episode, responses=SESSION_ERRORS)
 async def finish_session(session_id: str, worker: TheWorker, req: models.Finish | None = None):
     """Close the session with a reward (or none: the caller scores it); answers the episode:
     ids, loss mask, behavior log-probs and versions per token."""
-    return worker.finish_session(session_id, req or models.Finish())
+    return worker.api.finish_session(session_id, req or models.Finish())
 
 
 @api.post("/v1/chat/completions", responses=SESSION_ERRORS)
 async def chat_completions(req: ChatRequest, worker: TheWorker, x_session_id: SessionHeader = None):
     """OpenAI's chat completion; with a session id, the session's next turn."""
-    return await worker.chat_completion(req, x_session_id)
+    return await worker.api.chat_completion(req, x_session_id)
 
 
 @api.get("/v1/models", responses={401: ERRORS[401]})
@@ -224,7 +226,7 @@ async def models_list(request: Request):
 @api.post("/v1/completions", responses=SESSION_ERRORS)
 async def completions(req: CompletionRequest, worker: TheWorker, x_session_id: SessionHeader = None):
     """OpenAI's text completion; with a session id, a plain session's next turn."""
-    return await worker.completion(req, x_session_id)
+    return await worker.api.completion(req, x_session_id)
 
 
 async def generate(req: GenerateRequest, worker: TheWorker):
@@ -232,7 +234,7 @@ async def generate(req: GenerateRequest, worker: TheWorker):
 
     For multi-turn use, send the whole conversation as ``prompt_token_ids`` built from
     earlier responses' ``tokens``: re-tokenizing their text can give other ids."""
-    return await worker.generate(req)
+    return await worker.api.generate(req)
 
 
 def with_body(endpoint, model: type[BaseModel]):
