@@ -11,35 +11,31 @@ loop in learner/train.py so that file reads top to bottom.
 Every forward goes through micro-batches of at most a token budget (:func:`token_budget`),
 so no batch, however long its rows, can take more activation memory than the learner was
 given (a 2,048-token record OOM-killed the learner when it padded the whole batch at once).
+
+The step's metrics, from what it measured, are learner/step_metrics.py's.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 
-from learner.batch import Batch, collate, microbatches
+from learner.batch import collate, microbatches
+from learner.lora import trainable
 from learner.loss import (
     POLICY_LOSSES,
     ISSettings,
-    after_tool_k3,
     compute_advantages,
+    imitation_sum,
     importance_weights,
     kl_terms,
     loss_denominator,
-    imitation_sum,
     loss_sum,
     masked_mean,
-    mismatch_metrics,
     sequence_kl,
 )
 from learner.policy import token_logprobs
-from learner.routing import take_tally
-from learner.lora import trainable
 from learner.served import ServedWeights, served_dtype
+from learner.step_metrics import StepMetrics, StepOutcome, UpdateStats
 
 # Activation memory per token of a decoder forward kept for the backward: about 17 values
 # per hidden unit per layer (Korthikanti et al. 2022: 34 bytes in 16-bit, attention's
@@ -66,33 +62,6 @@ def takes_single_pass(lc, has_reference: bool) -> bool:
     return lc.single_pass and lc.ppo_epochs == 1 and lc.minibatches == 1 and not has_reference
 
 
-@dataclass
-class UpdateStats:
-    """What the optimizer steps of one learner step measured."""
-
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    skipped: int = 0  # fp16 steps skipped on overflow
-    ppo_rows: list[dict] = field(default_factory=list)  # PPO statistics per minibatch
-    kl_losses: list[float] = field(default_factory=list)  # kl_in loss: the KL term of each optimizer step
-
-
-@dataclass
-class StepOutcome:
-    """Everything a learner step's metrics are computed from."""
-
-    records: list
-    rewards: torch.Tensor  # (G, n)
-    informative: torch.Tensor  # (G,) bool: groups with a learning signal
-    batch: Batch
-    pi_old: torch.Tensor
-    entropy: torch.Tensor
-    mask: torch.Tensor  # the batch's, less rows bypass never measured
-    is_metrics: dict
-    update: UpdateStats
-    kl_metrics: dict = field(default_factory=dict)
-
-
 def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
     """Per-micro-batch PPO statistics (token means) as one mean over all their tokens."""
     if len(parts) == 1:
@@ -107,7 +76,9 @@ class PPOStep:
     def __init__(self, cfg, ranks, model, train_model, opt, scaler, counters, staleness_histogram, reference=None):
         self.cfg, self.ranks, self.model, self.train_model = cfg, ranks, model, train_model
         self.reference = reference  # the frozen base model of the KL penalty (learner/reference.py), or None
-        self.opt, self.scaler, self.counters, self.staleness = opt, scaler, counters, staleness_histogram
+        self.opt, self.scaler, self.counters = opt, scaler, counters
+        # the step's metrics from what it measured (learner/step_metrics.py)
+        self.step_metrics = StepMetrics(cfg, model, opt, scaler, counters, staleness_histogram)
         self.device = ranks.device
         lc = cfg.learner
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
@@ -151,8 +122,8 @@ class PPOStep:
         weights, is_metrics = importance_weights(pi_old, mu, batch.mask, self.is_settings)
         ref = mu if self.is_settings.against_mu else pi_old
         update = self._update(batch, informative, weights, ref, ref_lp)
-        metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
-                                                 is_metrics, update, kl_metrics))
+        metrics = self.step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, batch.mask,
+                                                is_metrics, update, kl_metrics))
         if (visible := self.served.visible_fraction()) is not None:
             metrics["learner_served_visible_fraction"] = visible
         return metrics
@@ -246,8 +217,8 @@ class PPOStep:
         entropy = ranks.share_rows(entropy[seen.bool()], everyone[seen.bool()], n_rows)
         mask = batch.mask * ranks.share_rows(seen, everyone, n_rows).clamp(max=1)[:, None]
         _, is_metrics = importance_weights(mu if bypass else pi_old, mu, mask, self.is_settings)
-        metrics = self._step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
-                                                 is_metrics, update, kl_metrics))
+        metrics = self.step_metrics(StepOutcome(records, rewards, informative, batch, pi_old, entropy, mask,
+                                                is_metrics, update, kl_metrics))
         if (visible := self.served.visible_fraction()) is not None:
             metrics["learner_served_visible_fraction"] = visible
         return metrics
@@ -332,74 +303,6 @@ class PPOStep:
         in a single pass its own forward's, pi_old = pi detached."""
         if weights is not None:
             return weights[part, :width], ref[part, :width]
-        lc = self.cfg.learner
         old = pi.detach()
         w, _ = importance_weights(old, mb.behavior_logprobs, mb.mask, self.is_settings)
         return w, mb.behavior_logprobs if self.is_settings.against_mu else old
-
-    def _step_metrics(self, o: StepOutcome) -> dict:
-        records, rewards, informative, batch = o.records, o.rewards, o.informative, o.batch
-        pi_old, mu, mask, entropy = o.pi_old, batch.behavior_logprobs, o.mask, o.entropy
-        losses, grad_norms, skipped, ppo_rows = o.update.losses, o.update.grad_norms, o.update.skipped, o.update.ppo_rows
-        is_metrics, kl_metrics = o.is_metrics, dict(o.kl_metrics)
-        if o.update.kl_losses:  # kl_in loss: the KL term, averaged over the step's optimizer updates
-            kl_metrics["kl_loss"] = sum(o.update.kl_losses) / len(o.update.kl_losses)
-        clamp = self.cfg.learner.log_ratio_clamp
-        finite = [g for g in grad_norms if math.isfinite(g)]
-        if finite:
-            step_norm = sum(finite) / len(finite)
-            a = self.cfg.learner.grad_norm_ema
-            self.counters.grad_norm_smoothed = step_norm if self.counters.grad_norm_smoothed is None else \
-                a * self.counters.grad_norm_smoothed + (1 - a) * step_norm
-        self.counters.groups_skipped_total += int((~informative).sum())
-        by_precision, staleness_by_precision = {}, {}  # a slow precision's groups are the staler ones
-        precisions = [r.precision for r in records for _ in r.samples]
-        for p in sorted(set(precisions)):
-            rows = torch.tensor([q == p for q in precisions], device=mask.device)
-            by_precision[p] = mismatch_metrics(pi_old[rows], mu[rows], mask[rows], clamp)
-            lag = batch.staleness[rows.to(batch.staleness.device)]
-            staleness_by_precision[p] = {"staleness_mean": lag.float().mean().item(),
-                                         "staleness_max": int(lag.max().item())}
-        fresh = batch.staleness == 0  # the precision effect alone, without policy lag
-        staleness = Counter(int(self.version - r.oldest_version) for r in records)  # oldest model token
-        for s, count in staleness.items():
-            for _ in range(count):
-                self.staleness.observe(s)
-        return {
-            "reward_mean": rewards.mean().item(),
-            "response_length_mean": batch.mask.sum(1).float().mean().item(),
-            "entropy": masked_mean(entropy, mask).item(),
-            "learner_loss": sum(losses) / len(losses) if losses else 0.0,
-            "learner_grad_norm": sum(finite) / len(finite) if finite else 0.0,
-            "learner_grad_norm_max": max(finite) if finite else 0.0,
-            "learner_grad_norm_smoothed": self.counters.grad_norm_smoothed or 0.0,
-            "learner_lr": self.opt.param_groups[0]["lr"],
-            "learner_loss_scale": self.scaler.scale,
-            "learner_skipped_steps": skipped,
-            "learner_skipped_steps_total": self.scaler.skipped_steps,
-            "groups": len(records),
-            "groups_by_precision": {p: sum(r.precision == p for r in records) for p in sorted({r.precision for r in records})},
-            "reward_by_precision": {p: rewards[[r.precision == p for r in records]].mean().item()
-                                    for p in sorted({r.precision for r in records})},
-            "groups_skipped_equal_reward": int((~informative).sum()),
-            "groups_skipped_total": self.counters.groups_skipped_total,
-            "tokens": int(batch.mask.sum().item()),  # model tokens: the environment's are context only
-            "tokens_masked": sum(int((~s.model_mask()).sum()) for r in records for s in r.samples),
-            "model_turns_mean": sum(s.model_turns() for r in records for s in r.samples)
-            / max(1, sum(len(r.samples) for r in records)),
-            "staleness_mean": batch.staleness.float().mean().item(),
-            "staleness_max": int(batch.staleness.max().item()),
-            "staleness_hist": {str(s): c for s, c in sorted(staleness.items())},
-            "staleness_by_precision": staleness_by_precision,
-            **mismatch_metrics(pi_old, mu, mask, clamp),
-            "mismatch_kl_fresh": mismatch_metrics(pi_old[fresh], mu[fresh], mask[fresh], clamp)["mismatch_kl"]
-            if fresh.any() else None,
-            "mismatch_by_precision": by_precision,
-            "mismatch_k3_after_tool": after_tool_k3(pi_old, mu, mask, batch.env_mask, clamp),
-            **is_metrics,
-            **kl_metrics,
-            # PPO statistics averaged over the step's minibatches (on rank 0's rows under DDP)
-            **{k: sum(m[k] for m in ppo_rows) / len(ppo_rows) for k in (ppo_rows[0] if ppo_rows else {})},
-            # routes recorded by the engines: how often this rank's forwards of the step chose the same experts
-            **take_tally(self.model).metrics(),
-        }
