@@ -4,7 +4,7 @@ scored by the task, and written as a GroupRecord.
 
 This is the loop's one job that is about a single group and not about the fleet: what a prompt
 becomes. The loop (rollout_service/loop.py) decides when a group starts, leases its prompt and
-pushes or gives back what comes out of here; it was one 350-line class doing both, so the
+pushes or gives back what comes out of here; it was one 349-line class doing both, so the
 making of a group lives here on its own.
 """
 
