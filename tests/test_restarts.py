@@ -55,6 +55,36 @@ def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_
     assert books["lost"] == 0 and books["trained_twice"] == 0
 
 
+@pytest.mark.soak
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_the_hard_staleness_bound_holds_across_learner_restarts_under_dynamic_sampling(tmp_path, toy_model_path,
+                                                                                      max_lag):
+    """queue.max_lag as the hard bound (no max_staleness), dynamic sampling filtering groups,
+    the learner killed twice: over the whole run, every step of every learner process, no
+    trained group is older than max_lag versions; the groups dropped stale are counted, and
+    nothing is lost or trained twice."""
+    settings = {**SETTINGS, "steps": 21, "queue.max_lag": max_lag, "queue.max_staleness": None,
+                "learner.dynamic_sampling": True, "sampling.n": 2}
+    cluster = Cluster(tmp_path, toy_model_path, workers=2, **settings)
+    with audited(cluster) as books:
+        for w in ("w0", "w1"):
+            cluster.start_worker(w, wait=False)
+        cluster.start_learner()
+        for kill_at in (7, 14):
+            cluster.wait_step(kill_at)
+            cluster.kill_learner()
+            cluster.start_learner()
+        cluster.wait_done()
+    rows = cluster.metrics()
+    report = {"max_lag": max_lag, "steps": len(rows), "staleness_max": max(r["staleness_max"] for r in rows),
+              "dropped_stale": sum(r["dropped_stale_step"] for r in rows),
+              "trained": sum(r["groups"] for r in rows), "books": books}
+    print(report)
+    assert len(segments(rows)) == 3, report
+    assert report["staleness_max"] <= max_lag, report
+    assert books["lost"] == 0 and books["trained_twice"] == 0, report
+
+
 # soak: a fault run of minutes; test_rollout_loop and test_queue cover leases given back in the suite
 @pytest.mark.soak
 def test_a_dead_or_paused_worker_loses_no_prompt_and_none_is_trained_twice(tmp_path, toy_model_path):
