@@ -23,7 +23,7 @@ from rlpipe.config import ConfigError
 from rlpipe.keys import Keys
 from tests.conftest import free_run_id
 from tests.test_gpus import cfg_with
-from tests.test_nccl_sync import Member, follow, weights
+from tests.test_nccl_sync import Member, follow, release, weights
 from weight_sync.ipc import INIT_INFO, IpcBroadcast, bucket_update_info, decode_handle, encode_handle, receive_version
 from weight_sync.manifest import incompatibility, pack_bucket, unpack_bucket
 from weight_sync.nccl import NcclBroadcast, wire_tensors
@@ -284,11 +284,7 @@ def test_the_sender_hands_each_member_each_bucket_after_its_header_and_waits_for
         for m in members:
             assert m.versions == [1, 2] and all(torch.equal(t, expected[n]) for n, t in m.received.items())
     finally:
-        for stop in stops:
-            stop.set()
-        sender.drop()
-        for t in threads:
-            t.join(10)
+        release(stops, sender, threads)
 
 
 def test_a_member_that_fails_a_bucket_or_acks_late_is_given_up_on_alone_and_the_others_get_the_version(
@@ -324,11 +320,7 @@ def test_a_member_that_fails_a_bucket_or_acks_late_is_given_up_on_alone_and_the_
         assert time.monotonic() - t0 < 1.0, "on time: no straggler wait, no forming"
         assert (stats.members, stats.generation, stats.form_s, sender.members) == (1, generation, 0, ("w0",))
     finally:
-        for stop in stops:
-            stop.set()
-        sender.drop()
-        for t in threads:
-            t.join(10)
+        release(stops, sender, threads)
 
 
 class FakeLLM:
@@ -396,9 +388,7 @@ def test_a_rollout_engine_under_ipc_drives_vllms_transfer_lifecycle_bucket_by_bu
         assert sorted(engine.llm.received) == sorted(expected)
         assert all(torch.equal(t, expected[n]) for n, t in engine.llm.received.items())
     finally:
-        stop.set()
-        sender.drop()
-        thread.join(10)
+        release([stop], sender, [thread])
 
 
 def test_weight_syncs_ipc_receiver_loads_each_bucket_from_its_handle_and_acks_it(redis_server, r, tmp_path):
@@ -429,6 +419,4 @@ def test_weight_syncs_ipc_receiver_loads_each_bucket_from_its_handle_and_acks_it
         expected = over_gloo(sender.manifest, tensors)
         assert sorted(received) == sorted(expected) and all(torch.equal(t, expected[n]) for n, t in received.items())
     finally:
-        stop.set()
-        sender.drop()
-        thread.join(10)
+        release([stop], sender, [thread])

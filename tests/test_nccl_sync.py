@@ -272,6 +272,16 @@ class Member:
         return SyncOutcome(True)
 
 
+def release(stops, sender, threads) -> None:
+    """The end of every sync test here: the followers told to stop, the sender's store and pairs
+    dropped (which ends any receive still waiting), then the follower threads joined."""
+    for stop in stops:
+        stop.set()
+    sender.drop()
+    for t in threads:
+        t.join(10)
+
+
 def follow(redis_url, run_id, member, stopping: threading.Event, worker_id: str = ""):
     """``member`` followed as a rollout worker follows the learner (``worker_id``: its
     own, unless given), in a thread of its own until ``stopping``."""
@@ -338,11 +348,7 @@ def test_the_sender_opens_nccl_after_admission_and_broadcasts_each_version_after
         stats = sender.sync(4, lambda: tensors.items(), live)  # still registered: its heartbeat lingers
         assert stats.members == 1 and stats.form_s == 0 and plane.inits == [2, 3] and plane.versions == 4
     finally:
-        for stop in stops:
-            stop.set()
-        sender.drop()
-        for t in threads:
-            t.join(10)
+        release(stops, sender, threads)
 
 
 @SMALL_CHUNKS
@@ -377,11 +383,7 @@ def test_a_member_that_stops_receiving_over_nccl_is_given_up_on_alone_and_the_ot
         assert torch.equal(torch.cat(plane.sent[1]), torch.cat([plane.packed(sender.manifest, tensors)] * 3))
         assert 2 not in plane.sent and sender.left_out_total == 1
     finally:
-        for stop in stops:
-            stop.set()
-        sender.drop()
-        for t in threads:
-            t.join(10)
+        release(stops, sender, threads)
 
 
 def test_a_launch_refuses_nccl_without_cuda_and_a_tp_engine_without_nccl():
@@ -505,6 +507,4 @@ def test_weight_syncs_nccl_receiver_joins_shakes_hands_and_loads_each_version_as
         described = ("load", update_info(sender.manifest))
         assert updates == ["start", described, ("finish", 1), "start", described, ("finish", 2)]
     finally:
-        stop.set()
-        sender.drop()
-        thread.join(10)
+        release([stop], sender, [thread])

@@ -26,18 +26,24 @@ from tests.conftest import wait_for
 pytestmark = pytest.mark.slow
 
 
+def run_killing_the_learner(cluster: Cluster, kill_at: tuple[int, ...]) -> None:
+    """Two workers and the learner, the learner SIGKILLed at each of ``kill_at``'s steps and
+    started again at once, until the run is done."""
+    for w in ("w0", "w1"):
+        cluster.start_worker(w, wait=False)
+    cluster.start_learner()
+    for step in kill_at:
+        cluster.wait_step(step)
+        cluster.kill_learner()
+        cluster.start_learner()
+    cluster.wait_done()
+
+
 @pytest.mark.soak
 def test_learner_restarts_return_the_pipeline_to_its_steady_state(tmp_path, toy_model_path):
     cluster = Cluster(tmp_path, toy_model_path, workers=2, password="s3cret-file", **SETTINGS)
     with audited(cluster) as books:
-        for w in ("w0", "w1"):
-            cluster.start_worker(w, wait=False)
-        cluster.start_learner()
-        for kill_at in (9, 17):
-            cluster.wait_step(kill_at)
-            cluster.kill_learner()
-            cluster.start_learner()
-        cluster.wait_done()
+        run_killing_the_learner(cluster, (9, 17))
         cluster.check_alive(learner_may_exit=True)  # the workers served throughout
     parts = segments(cluster.metrics())
     assert len(parts) == 3, [len(p) for p in parts]
@@ -67,14 +73,7 @@ def test_the_hard_staleness_bound_holds_across_learner_restarts_under_dynamic_sa
                 "learner.dynamic_sampling": True, "sampling.n": 2}
     cluster = Cluster(tmp_path, toy_model_path, workers=2, **settings)
     with audited(cluster) as books:
-        for w in ("w0", "w1"):
-            cluster.start_worker(w, wait=False)
-        cluster.start_learner()
-        for kill_at in (7, 14):
-            cluster.wait_step(kill_at)
-            cluster.kill_learner()
-            cluster.start_learner()
-        cluster.wait_done()
+        run_killing_the_learner(cluster, (7, 14))
     rows = cluster.metrics()
     report = {"max_lag": max_lag, "steps": len(rows), "staleness_max": max(r["staleness_max"] for r in rows),
               "dropped_stale": sum(r["dropped_stale_step"] for r in rows),
