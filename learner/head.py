@@ -77,7 +77,9 @@ class _ChunkedHead(torch.autograd.Function):
             gz = gz.to(ctx.dtype)
             if want_h:
                 grad_h[sl] = (gz @ w).to(hidden.dtype)
-            if want_w:
+            if want_w and ctx.dtype == torch.float32:
+                grad_w.addmm_(gz.T, h)  # in place: no (V, H) temporary beside the gradient
+            elif want_w:
                 grad_w += (gz.T @ h.to(ctx.dtype)).float()
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None, None
 

@@ -8,7 +8,7 @@ import torch
 
 from launch.checks import validate_run
 from learner.checkpoint import host_copy, load_optimizer_state, optimizer_state
-from learner.optim import make_optimizer, state_bytes
+from learner.optim import BLOCK, chunked_adamw_8bit, make_optimizer, state_bytes
 from rlpipe.config import ConfigError, build_config
 
 pytest.importorskip("bitsandbytes")
@@ -72,6 +72,26 @@ def test_eight_bit_adamw_takes_the_steps_fp32_adamw_takes():
     assert move.norm().item() == pytest.approx(ref.norm().item(), rel=0.1)
     assert losses[-1] < 0.7 * losses[0] and abs(losses[-1] - ref_losses[-1]) < 0.1 * ref_losses[0]
     assert torch.nn.functional.cosine_similarity(ref, runs["sgd"][0], dim=0).item() < 0.9
+
+
+@pytest.mark.parametrize("slice_size", [4 * BLOCK, 5 * BLOCK])
+def test_a_large_tensor_updated_slice_by_slice_takes_bitsandbytes_own_steps_bit_for_bit(slice_size):
+    """The learner's 8-bit AdamW updates a tensor above its slice size in slices (the kernel's fp32
+    temporaries of one slice, not of the whole tensor): the weights and the 8-bit moments after 5
+    steps are bitsandbytes' own, to the bit. A slice given the block scales of the next slice
+    quantizes against the wrong scale and fails this; a slice size off the blocks is refused."""
+    import bitsandbytes as bnb
+
+    runs = {}
+    for name, cls in (("whole", bnb.optim.AdamW8bit), ("sliced", chunked_adamw_8bit(slice_size))):
+        model = small_model()  # 32,768 and 16,384-weight tensors: several slices each, and a part slice
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.01)
+        train(model, opt, 5)
+        runs[name] = (flat(model), torch.cat([opt.state[p]["state2"].reshape(-1).float() for p in model.parameters()]))
+    assert torch.equal(runs["sliced"][0], runs["whole"][0])
+    assert torch.equal(runs["sliced"][1], runs["whole"][1])
+    with pytest.raises(AssertionError, match="whole blocks"):
+        chunked_adamw_8bit(BLOCK + 1)
 
 
 def test_eight_bit_state_survives_a_checkpoint_round_trip():
