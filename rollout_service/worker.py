@@ -248,8 +248,8 @@ class Worker:
             # load_s; pause_s: the activation pause, generation paused) and activated_at
             "last_sync": loop.last_sync if loop else {},
             "idle_seconds_total": loop.idle_seconds() if loop else 0.0,  # no group in flight while serving
-            # updates after which running requests kept the prefix cache from being reset
-            "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,
+            # the prefix-cache salt new requests get: one per weights loaded (rollout_service/prefix_cache.py)
+            "prefix_cache_salt": engine.salts.current,
             "adapters": engine.adapters.versions,  # learner.lora: the versions whose adapters the engine holds
             "last_error": loop.last_error if loop else None,
         }
