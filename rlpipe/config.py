@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from rlpipe import transports
 from rlpipe.corrections import IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
 from rlpipe.datasets import check_dataset, is_path
 from rlpipe.machine import auto_precision
@@ -555,11 +556,7 @@ class SyncConfig(Section):
                                   "first version, versions travel as what changed against the one before "
                                   "(weight_sync/delta.py) and every Nth whole; 0 = always whole. bf16 never: nearly "
                                   "every value moves each update")
-    transport: Literal["auto", "gloo", "nccl", "ipc"] = Field(
-        "auto", description="how versions travel: gloo (staged in host memory, any device), nccl (GPU to GPU, "
-        "weight_sync/nccl.py), ipc (CUDA IPC to engines on the learner's first GPU, weight_sync/ipc.py); "
-        "auto = where CUDA is present, nccl when the learner's first GPU is no worker's, ipc when it is every "
-        "worker's, else gloo; under learner.lora, gloo (a version is its adapter: nccl and ipc are refused)")
+    transport: transports.Choice = Field(transports.AUTO, description=transports.describe())
 
 
 class Int8Quant(Section):
