@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from quant.precision_profile import PrecisionProfile
+from rlpipe import sampler_topk
 from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
 from rollout_service.adapters import AdapterVersions, LoraServe, lora_engine_kwargs
@@ -75,6 +76,9 @@ class SampleResult:
     routes: np.ndarray | None = None
     cache_salt: str = ""  # the prefix-cache salt it was sampled under: a session's later turns pass it on
     cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of forwarded
+    # (L, k) the sampler's top-k ids and log-probs of each token, on request (rlpipe/sampler_topk.py)
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
 
 @dataclass
@@ -96,11 +100,11 @@ class _Tracked:
 
 class RolloutEngine:
     def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0,
-                 transport: str = "gloo", lora: LoraServe | None = None):
+                 transport: str = "gloo", lora: LoraServe | None = None, sampler_topk: int = 0):
         """``transport``: the run's resolved ``sync.transport``; under nccl or ipc updates go
         through vLLM's own weight-transfer engine (weight_sync/device_updates.py). ``lora``:
         versions are adapters on a base held for good (rollout_service/adapters.py)."""
-        self.lora = lora
+        self.lora, self.sampler_topk = lora, sampler_topk  # sampler_topk: how many top log-probs with_topk returns
         self.adapters = AdapterVersions()
         self.model_path = model_path
         self.transport = transport
@@ -153,6 +157,7 @@ class RolloutEngine:
             # a cached prefix is not forwarded: its tokens would have no routes
             **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
             **({"enable_return_routed_experts": True} if self.native_routes else {}),
+            **({"max_logprobs": self.sampler_topk} if self.sampler_topk > 20 else {}),  # vLLM's default: 20
         )
 
     async def start(self) -> None:
@@ -216,10 +221,10 @@ class RolloutEngine:
     async def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float = 1.0,
                        top_k: int = -1, max_tokens: int = 16, min_tokens: int = 0, seed: int | None = None,
                        stop: list[str] | None = None, cache_salt: str | None = None,
-                       ) -> tuple[list[SampleResult], int, int]:
-        """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``.
-        ``cache_salt``: a session's (its first request's ``SampleResult.cache_salt``), else
-        the current weights' (rollout_service/prefix_cache.py)."""
+                       with_topk: bool = False) -> tuple[list[SampleResult], int, int]:
+        """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``. ``cache_salt``: a
+        session's (its first request's ``SampleResult.cache_salt``), else the current weights' (prefix_cache.py).
+        ``with_topk``: each sample's ``topk_ids``/``topk_logprobs`` too, its tokens' ``sampler_topk`` best."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
@@ -231,8 +236,8 @@ class RolloutEngine:
             # caller decodes the final tokens itself.
             params = SamplingParams(
                 n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                min_tokens=min_tokens, seed=seed, stop=stop or None, logprobs=0, detokenize=bool(stop),
-                output_kind=RequestOutputKind.DELTA,
+                min_tokens=min_tokens, seed=seed, stop=stop or None, detokenize=bool(stop),
+                logprobs=self.sampler_topk if with_topk else 0, output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMValidationError, ValueError) as e:
             raise InvalidRequest.from_vllm(e) from None
@@ -243,6 +248,7 @@ class RolloutEngine:
         self._active[request_id] = tracked
         tokens: dict[int, list[int]] = {i: [] for i in range(n)}
         logprobs: dict[int, list[float]] = {i: [] for i in range(n)}
+        steps: dict[int, list[dict]] = {i: [] for i in range(n)}  # with_topk: each token's candidates
         finish: dict[int, str] = {}
         routed: dict[int, np.ndarray] = {}  # vLLM's own routes, each child's at its end (GPU)
         try:
@@ -252,6 +258,7 @@ class RolloutEngine:
                     cached[c.index] = out.num_cached_tokens or 0
                     tokens[c.index] += c.token_ids
                     logprobs[c.index] += [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                    steps[c.index] += c.logprobs if with_topk else []
                     tracked.counts[c.index] = len(tokens[c.index])
                     if c.finish_reason is not None:
                         finish[c.index] = c.finish_reason
@@ -271,7 +278,8 @@ class RolloutEngine:
                              bool(stop), FINISH_REASONS)
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
                                 FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])),
-                                routes.get(i), salt, cached.get(i, 0))
+                                routes.get(i), salt, cached.get(i, 0),
+                                *(sampler_topk.from_steps(steps[i], self.sampler_topk) if with_topk else ()))
                    for i in range(n)]
         end_version = tracked.changes[-1][1] if tracked.changes else tracked.start_version
         return results, tracked.start_version, end_version

@@ -84,7 +84,8 @@ class Worker:
         self.limits = cfg.rollout
         self.profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
         self.engine = RolloutEngine(cfg.model.path, self.profile, cfg.rollout, seed=cfg.seed,
-                                    transport=role_transport(cfg), lora=lora_serve(cfg))
+                                    transport=role_transport(cfg), lora=lora_serve(cfg),
+                                    sampler_topk=cfg.learner.score_centering_k)
         self.metrics = RolloutMetrics(worker_id, self.profile.precision, cfg.run_id, str(cfg.model.path or ""),
                                       cfg.rollout.vllm_metrics)
         self.api_share = ApiShare(cfg)
