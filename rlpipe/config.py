@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from rlpipe import transports
-from rlpipe.corrections import IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
+from rlpipe.corrections import CENTERING_WEIGHT, IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
 from rlpipe.datasets import check_dataset, is_path
 from rlpipe.machine import auto_precision
 from rlpipe.precisions import SPECS, Precision, WireKind
@@ -393,6 +393,10 @@ class LearnerConfig(HttpTimeouts):
                             "corrects the loss: token_tis truncates it per token at is_cap; the others (seq_tis, "
                             "*_mis, geo_mask, icepop, ablations) are in learner/loss.py")
     is_cap: float = Field(2.0, gt=0, description="C: the truncation (tis) or rejection (mis) threshold")
+    score_centering_k: int = Field(0, ge=0, le=1024, description="score centering: the engines return the top-k "
+                                   "log-probs of each sampled token (k of these; 6 bytes each on the wire) and the "
+                                   "loss adds the term that cancels the sampler's drift (learner/score_centering.py), "
+                                   "alone or with is_mode (not ppo_is or bypass); 0 = off")
     retokenize: bool = Field(False, description="a comparison arm, off by default: train on each answer's text "
                              "tokenized again, as a trainer that keeps episodes as text does, instead of the ids the "
                              "engine sampled (learner/retokenize.py; bench/tool_tokens.py measures the difference)")
@@ -499,6 +503,14 @@ class LearnerConfig(HttpTimeouts):
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")
+
+    @model_validator(mode="after")
+    def _centers_a_weight(self) -> LearnerConfig:
+        if self.score_centering_k and self.is_mode not in CENTERING_WEIGHT:
+            raise ValueError(f"learner.score_centering_k: not with is_mode {self.is_mode} (it corrects through the "
+                             f"PPO ratio, whose clip has no per-token weight to centre); one of "
+                             f"{sorted(CENTERING_WEIGHT)}")
+        return self
 
     @model_validator(mode="after")
     def _nodes_meet(self) -> LearnerConfig:
@@ -763,6 +775,13 @@ class RunConfig(Section):
         if self.learner.tool_imitation and not self.task.tool:
             raise ValueError("learner.tool_imitation: set, but task.tool is not: only an in-turn tool's tokens "
                              "are written into the model's answer for it to imitate")
+        return self
+
+    @model_validator(mode="after")
+    def _centers_sampled_tokens(self) -> RunConfig:
+        if self.learner.score_centering_k and (self.task.tool or self.task.environment):
+            raise ValueError("learner.score_centering_k: not with task.tool or task.environment (their answers hold "
+                             "tokens no sampler drew, and the engines' top-k is kept for plain samples only)")
         return self
 
     @model_validator(mode="after")
