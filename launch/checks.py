@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rlpipe.config import ConfigError, RunConfig, sharded_problem
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
+from rlpipe.transports import STAGED
 
 
 def check_model_path(path: str | None, builds_toy: bool = True) -> None:
@@ -236,7 +237,7 @@ def validate_run(cfg: RunConfig) -> None:
         transport = role_transport(cfg)
     except ConfigError as e:
         problems.append(str(e))
-        transport = "gloo"
+        transport = STAGED
     problems += lora_problems(cfg)
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems

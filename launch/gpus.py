@@ -41,7 +41,7 @@ class GpuPlan:
     learner: tuple[int, ...] = ()
     workers: tuple[tuple[int, ...], ...] = ()  # worker i runs on workers[i % len(workers)]
     names: tuple[str, ...] = ()  # device i is names[i] in the children's CUDA_VISIBLE_DEVICES
-    transport: str = ""  # sync.transport, resolved once for every role ("" = no GPUs: each resolves gloo)
+    transport: str = ""  # sync.transport, resolved once for every role ("" = no GPUs: each resolves alone)
 
     def learner_env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": self._visible(self.learner), **self._transport()} if self.learner else {}
@@ -73,7 +73,7 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
         if missing := [i for i in ids if i >= n_devices]:
             raise ConfigError(f"{key}: GPUs {missing} do not exist here (devices 0-{n_devices - 1})")
     if n_devices == 0:
-        _resolve(cfg.sync.transport, 0)  # nccl on a machine without CUDA: refused here
+        _resolve(cfg.sync.transport, 0)  # a transport that needs CUDA, on a machine without: refused here
         return GpuPlan()
     if learner and len(learner) != ranks:
         raise ConfigError(f"learner.gpus: {len(learner)} GPUs for learner.ranks {ranks}: one GPU per rank")
@@ -93,40 +93,18 @@ def plan_gpus(cfg: RunConfig, n_devices: int, visible: str = "") -> GpuPlan:
                           f"for {cfg.worker_slots} workers; {hint}")
     names = tuple(v.strip() for v in visible.split(",")) if visible.strip() else ()
     return GpuPlan(tuple(learner), tuple(slices), names[:n_devices] if len(names) >= n_devices else (),
-                   plan_transport(cfg.sync.transport, n_devices, learner[0], slices[:cfg.worker_slots],
-                                  adapters=cfg.learner.lora.rank > 0))
+                   _resolve(cfg.sync.transport, n_devices, cfg.learner.lora.rank > 0,
+                            (learner[0], slices[:cfg.worker_slots])))
 
 
-def plan_transport(requested: str, n_devices: int, sender_gpu: int, slices: list[tuple[int, ...]],
-                   adapters: bool = False) -> str:
+def _resolve(requested: str, n_devices: int, adapters: bool = False, placement=None) -> str:
     """The transport every role of the run uses, decided once here (the children get it in
-    their environment, so a learner and its workers never resolve ``auto`` apart). Learner
-    rank 0 sends every update. NCCL cannot place two ranks on one GPU, so it reaches only
-    workers off rank 0's GPU; CUDA IPC only those on it. A run has one transport, so
-    ``auto`` is nccl when no worker shares rank 0's GPU, ipc when every one does, and gloo
-    for a fleet of both; ``nccl`` or ``ipc`` that cannot reach a worker is refused. Under
-    ``learner.lora`` (``adapters``) gloo reaches every worker, and is the transport."""
-    transport = _resolve(requested, n_devices, adapters)
-    if adapters:
-        return transport
-    shared = [i for i, s in enumerate(slices) if sender_gpu in s]
-    apart = [i for i, s in enumerate(slices) if sender_gpu not in s]
-    if requested == "auto" and transport == "nccl" and shared:
-        return "ipc" if not apart else "gloo"
-    if transport == "nccl" and shared:
-        raise ConfigError(f"sync.transport: nccl cannot reach worker {shared[0]}, which shares GPU {sender_gpu} "
-                          f"with learner rank 0 (NCCL needs one GPU per rank); give them separate GPUs, or use ipc "
-                          f"or gloo")
-    if transport == "ipc" and apart:
-        raise ConfigError(f"sync.transport: ipc cannot reach worker {apart[0]}, which is not on GPU {sender_gpu} "
-                          f"with learner rank 0 (CUDA IPC shares memory on one GPU); use nccl or gloo")
-    return transport
-
-
-def _resolve(requested: str, n_devices: int, adapters: bool = False) -> str:
+    their environment, so a learner and its workers never resolve ``auto`` apart).
+    ``placement``: learner rank 0's GPU (it sends every update) and each worker's, which
+    decide whom each transport reaches (weight_sync/transport_choice.py)."""
     from weight_sync.transport_choice import resolve_for_config  # torch, imported once a plan is made
 
-    return resolve_for_config(requested, n_devices, adapters)
+    return resolve_for_config(requested, n_devices, adapters, placement)
 
 
 def launch_plan(cfg: RunConfig) -> GpuPlan:

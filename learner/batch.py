@@ -15,6 +15,11 @@ model token's version.
 Routing replay (issue 36): when the records carry routes, ``routes`` holds each position's
 experts in the row's own layout, (N, T, MoE layers, top_k), -1 where the engine forwarded
 nothing (the last token, the padding); learner/routing.py replays them in every forward.
+
+Score centering (``learner.score_centering_k``): when the records carry the sampler's top-k,
+``sampler_topk_ids`` and ``sampler_topk_logprobs`` (N, T-1, K) hold each response position's
+candidates where ``targets`` holds its sampled token; off the mask the ids are 0 and the
+log-probs -inf (no candidate: learner/score_centering.py leaves them out).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Batch:
     top_k: torch.Tensor  # (N,) long: each row's top-k (-1 or 0: off)
     routes: torch.Tensor | None = None  # (N, T, layers, top_k) int32 expert ids, -1: none; routing replay only
     env_mask: torch.Tensor | None = None  # (N, T-1) float: 1 on environment tokens inside a response (a tool's)
+    sampler_topk_ids: torch.Tensor | None = None  # (N, T-1, K) long; score centering only
+    sampler_topk_logprobs: torch.Tensor | None = None  # (N, T-1, K) float, -inf: no candidate
 
     @property
     def num_tokens(self) -> int:
@@ -133,7 +140,31 @@ def collate(records: list[GroupRecord], advantages: torch.Tensor, version: int, 
                            dtype=torch.long),
         routes=_routes(records, width),
         env_mask=env,
+        **_sampler_topk(records, width),
     )
+
+
+def _sampler_topk(records: list[GroupRecord], width: int) -> dict:
+    """The records' sampler top-k laid out as their rows' targets (collate: response token j of a
+    sample with prompt P at position P - 1 + j), or {} when no record carries any."""
+    ks = {rec.sampler_topk for rec in records}
+    if ks == {0}:
+        return {}
+    if len(ks) > 1:
+        raise ValueError(f"records with different sampler_topk in one batch: {sorted(ks)}")
+    k = ks.pop()
+    n_rows = sum(len(rec.samples) for rec in records)
+    ids = torch.zeros((n_rows, width - 1, k), dtype=torch.long)
+    logprobs = torch.full((n_rows, width - 1, k), float("-inf"))
+    i = 0
+    for rec in records:
+        start = len(rec.prompt_tokens) - 1
+        for s in rec.samples:
+            end = start + len(s.tokens)
+            ids[i, start:end] = torch.from_numpy(s.topk_ids.astype("int64"))
+            logprobs[i, start:end] = torch.from_numpy(s.topk_logprobs.astype("float32"))
+            i += 1
+    return {"sampler_topk_ids": ids, "sampler_topk_logprobs": logprobs}
 
 
 def _routes(records: list[GroupRecord], width: int) -> torch.Tensor | None:

@@ -31,24 +31,24 @@ def chunkable_head(module) -> torch.nn.Parameter | None:
 
 
 def _chunk_logp(h, w, targets, scale, top_k, top_p):
-    """One chunk's masked log-softmax (C, V), in fp32, and whether each target is kept (C,)."""
+    """One chunk's masked log-softmax (C, V), in fp32, and whether each target is kept (C, J)."""
     z = (h.to(w.dtype) @ w.T).float() * scale[:, None]
     logp, keep = truncated_log_softmax(z[:, None, :], top_k, top_p)  # each position its own "row"
     if keep is None:
         return logp[:, 0], None
-    return logp[:, 0], keep[:, 0].gather(-1, targets[:, None]).squeeze(-1)
+    return logp[:, 0], keep[:, 0].gather(-1, targets)
 
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, scale, top_k, top_p, dtype, chunk, entropy_grad):
         w = weight.detach().to(dtype)
-        logp = hidden.new_empty(len(hidden), dtype=torch.float32)
-        entropy = torch.empty_like(logp)
+        logp = hidden.new_empty(targets.shape, dtype=torch.float32)  # (M, J)
+        entropy = hidden.new_empty(len(hidden), dtype=torch.float32)
         for s in range(0, len(hidden), chunk):
             sl = slice(s, s + chunk)
             lp_all, _ = _chunk_logp(hidden[sl].detach(), w, targets[sl], scale[sl], top_k[sl], top_p[sl])
-            logp[sl] = lp_all.gather(-1, targets[sl, None]).squeeze(-1)
+            logp[sl] = lp_all.gather(-1, targets[sl])
             entropy[sl] = -(lp_all.exp() * lp_all).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, scale, top_k, top_p, entropy)
         ctx.dtype, ctx.chunk, ctx.entropy_grad = dtype, chunk, entropy_grad
@@ -68,9 +68,9 @@ class _ChunkedHead(torch.autograd.Function):
             h = hidden[sl].detach()
             lp_all, kept = _chunk_logp(h, w, targets[sl], scale[sl], top_k[sl], top_p[sl])
             p = lp_all.exp()  # 0 outside the kept set
-            g = g_logp[sl] if kept is None else g_logp[sl] * kept
-            gz = -p * g[:, None]
-            gz.scatter_add_(-1, targets[sl, None], g[:, None])
+            g = g_logp[sl] if kept is None else g_logp[sl] * kept  # (C, J): a target outside the kept set is constant
+            gz = -p * g.sum(-1, keepdim=True)
+            gz.scatter_add_(-1, targets[sl], g)
             if ctx.entropy_grad and g_entropy is not None:
                 gz -= g_entropy[sl, None] * p * (lp_all + entropy[sl, None])
             gz *= scale[sl, None]
@@ -89,6 +89,9 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
                   entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target and its distribution's entropy, both (M,) fp32, from ``hidden``
     (M, H) and the head ``weight`` (V, H), each position with its own temperature, top-k and top-p
-    (M,). The entropy carries a gradient only with ``entropy_grad``."""
-    return _ChunkedHead.apply(hidden, weight, targets, 1.0 / temperature.float(), top_k, top_p, dtype,
-                              max(1, chunk), entropy_grad)
+    (M,). The entropy carries a gradient only with ``entropy_grad``. ``targets`` (M, J): J tokens'
+    log-probs a position, (M, J) (the sampled token and the sampler's top-k, score centering)."""
+    flat = targets.dim() == 1
+    logp, entropy = _ChunkedHead.apply(hidden, weight, targets[:, None] if flat else targets,
+                                       1.0 / temperature.float(), top_k, top_p, dtype, max(1, chunk), entropy_grad)
+    return (logp[:, 0] if flat else logp), entropy

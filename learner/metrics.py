@@ -84,6 +84,14 @@ _TRAIN = {
                 "wrote into the trained answers",
     "ppo_ratio_mean": "mean PPO ratio of the training policy to the step's old policy",
     "cispo_clip_fraction": "loss cispo: fraction of tokens whose importance-ratio weight was clipped",
+    "score_centering_drift": "learner.score_centering_k only: mean over tokens of sum |c_v| over the sampler's top-k, "
+                             "the centering coefficients (0 when the sampler matches the training policy)",
+    "score_centering_term": "learner.score_centering_k only: mean per-token value of the centering term A sum_H c_v "
+                            "log p_v added to the loss",
+    "score_centering_head_mass": "learner.score_centering_k only: mean sampler probability mass of the top-k "
+                                 "candidates the records carry",
+    "score_centering_rho": "learner.score_centering_k only: mean ratio of the sampler's tail mass to the training "
+                           "policy's outside the top-k (rho)",
     "kl_ref": "mean per-token KL estimate of the policy against the frozen reference model (learner.kl_coef > 0)",
     "kl_loss": "KL penalty of the step: its loss term (kl_in loss) or mean reward penalty per sample (kl_in reward)",
     "mismatch_kl": "k1 estimate of KL(rollout || training policy) per token (can dip below 0)",

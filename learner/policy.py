@@ -15,6 +15,7 @@ log-probs are of the same distribution vLLM reports as ``processed_logprobs``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -106,7 +107,7 @@ def response_start(batch: Batch) -> int:
 
 def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool = False,
                    entropy_grad: bool = False, response_only: bool = True,
-                   share_prompt: bool = False, head_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   share_prompt: bool = False, head_chunk: int = 0, with_topk: bool = False) -> tuple:
     """Log-prob of each target token and the entropy of its distribution, both (N, T-1), fp32.
 
     ``model`` may be wrapped (DistributedDataParallel): its forward is what runs, so
@@ -140,7 +141,15 @@ def token_logprobs(model, batch: Batch, dtype: str = "fp32", fp32_lm_head: bool 
     ones) would otherwise build one on every learner forward, for nothing, and under
     activation checkpointing the recomputed layers appended their keys to it a second time
     (a shape error: tests/test_activation_checkpointing.py, every family).
+
+    ``with_topk`` (score centering): a third tensor (N, T-1, K), the log-probs at the batch's
+    ``sampler_topk_ids``, from the same distributions (and the same gradients) as the targets'.
     """
+    if with_topk:  # the targets become (N, T-1, 1 + K): the sampled token, then the sampler's top-k
+        ids = torch.cat([batch.targets[..., None], batch.sampler_topk_ids], dim=-1)
+        logp, entropy = token_logprobs(model, dataclasses.replace(batch, targets=ids), dtype, fp32_lm_head,
+                                       entropy_grad, response_only, share_prompt, head_chunk)
+        return logp[..., 0], entropy, logp[..., 1:]
     inner = getattr(model, "module", model)
     plain_only = batch.routes is not None or hasattr(model, "module") or (fp32_lm_head and dtype != "fp32")
     if share_prompt and not plain_only:
@@ -165,7 +174,7 @@ def _head_at(inner, hidden: torch.Tensor, valid: torch.Tensor, batch: Batch, row
     lp, ent = head_logprobs(hidden[r, c], chunkable_head(inner), targets[r, c], batch.temperature[at],
                             batch.top_k[at], batch.top_p[at], head_dtype, head_chunk, entropy_grad)
     zeros = hidden.new_zeros(valid.shape, dtype=torch.float32)
-    return zeros.index_put((r, c), lp), zeros.index_put((r, c), ent)
+    return zeros.new_zeros(targets.shape).index_put((r, c), lp), zeros.index_put((r, c), ent)
 
 
 def _chunked_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
@@ -181,9 +190,7 @@ def _chunked_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool
     rows = torch.arange(len(batch.input_ids), device=batch.input_ids.device)
     logp, entropy = _head_at(inner, hidden, valid, batch, rows, batch.targets[:, start:], dtype, fp32_lm_head,
                              entropy_grad, head_chunk)
-    if start:
-        logp, entropy = (torch.nn.functional.pad(t, (start, 0)) for t in (logp, entropy))
-    return logp, entropy
+    return _from_start(logp, start), _from_start(entropy, start)
 
 
 def _token_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, entropy_grad: bool,
@@ -205,18 +212,24 @@ def _token_logprobs(model, inner, batch: Batch, dtype: str, fp32_lm_head: bool, 
                            use_cache=False, logits_to_keep=width - start).logits[:, :-1]
     rows = torch.arange(len(batch.input_ids), device=batch.input_ids.device)
     logp, entropy = _logp_entropy(logits, batch, rows, batch.targets[:, start:], entropy_grad)
-    if start:  # the prompt positions, which no loss or metric reads, as 0
-        logp, entropy = (torch.nn.functional.pad(t, (start, 0)) for t in (logp, entropy))
-    return logp, entropy
+    return _from_start(logp, start), _from_start(entropy, start)
+
+
+def _from_start(t: torch.Tensor, start: int) -> torch.Tensor:
+    """``t`` (N, L, ...) from position ``start`` on, as (N, start + L, ...): the prompt positions
+    before it, which no loss or metric reads, as 0."""
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (start, 0)) if start else t
 
 
 def _logp_entropy(logits: torch.Tensor, batch: Batch, rows: torch.Tensor, targets: torch.Tensor,
                   entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of ``targets`` and entropies from ``logits`` (R, L, V) of ``batch``'s ``rows``:
-    each row's temperature, top-k and top-p applied as vLLM's sampler does, in fp32."""
+    """Log-probs of ``targets`` (R, L), or (R, L, J) for J tokens a position, and entropies (R, L)
+    from ``logits`` (R, L, V) of ``batch``'s ``rows``: each row's temperature, top-k and top-p applied
+    as vLLM's sampler does, in fp32."""
     scaled = logits.float() / batch.temperature[rows, None, None]  # (R, L, V)
     logp_all, _ = truncated_log_softmax(scaled, batch.top_k[rows], batch.top_p[rows])
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    logp = logp_all.gather(-1, targets if targets.dim() == 3 else targets[..., None])
+    logp = logp if targets.dim() == 3 else logp.squeeze(-1)
     return logp, token_entropy(logp_all if entropy_grad else logp_all.detach())
 
 
@@ -235,7 +248,7 @@ def shared_prompt_logprobs(model, batch: Batch, dtype: str = "fp32", entropy_gra
     """
     n_rows, width = batch.input_ids.shape
     device = batch.input_ids.device
-    logp = torch.zeros(n_rows, width - 1, device=device)
+    logp = torch.zeros(batch.targets.shape, device=device)  # (N, T-1), or (N, T-1, J) with J tokens a position
     entropy = torch.zeros(n_rows, width - 1, device=device)
     for g in torch.unique(batch.group_index).tolist():
         rows = torch.nonzero(batch.group_index == g).squeeze(1)

@@ -34,6 +34,7 @@ from learner.loss import (
     sequence_kl,
 )
 from learner.policy import token_logprobs
+from learner.score_centering import centering_terms
 from learner.served import ServedWeights, served_dtype
 from learner.step_metrics import StepMetrics, StepOutcome, UpdateStats
 
@@ -83,6 +84,7 @@ class PPOStep:
         lc = cfg.learner
         self.loss_norm_length = lc.loss_norm_length or cfg.sampling.max_tokens
         self.is_settings = ISSettings.of(lc)  # the mismatch correction, one value for every call
+        self.centering = lc.score_centering_k > 0  # score centering: the records carry the sampler's top-k
         self.max_tokens = lc.max_tokens_per_microbatch or token_budget(
             model.config, lc.activation_memory_gib, lc.activation_checkpointing, lc.head_chunk)
         # the weights the engines compute with (under LoRA the adapter: the base is served as it is, learner/lora.py)
@@ -265,15 +267,15 @@ class PPOStep:
                         width = mb.mask.shape[1]
                         weight = share if i < n_parts else 0.0
                         with ranks.no_sync(self.train_model, sync=i == len(parts) - 1):
-                            pi, ent = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
-                                                     entropy_grad=lc.entropy_coef > 0,
-                                                     response_only=lc.response_logits,
-                                                     share_prompt=self.share_prompt, head_chunk=lc.head_chunk)
+                            pi, ent, *topk = token_logprobs(self.train_model, mb, lc.dtype, lc.fp32_lm_head,
+                                                            entropy_grad=lc.entropy_coef > 0,
+                                                            response_only=lc.response_logits,
+                                                            share_prompt=self.share_prompt, head_chunk=lc.head_chunk,
+                                                            with_topk=self.centering)
                             if first_epoch and epoch == 0 and i < n_parts:
                                 first_epoch(part, pi, ent, share > 0)
                             w_part, ref_part = self._weights(mb, pi, weights, ref, part, width)
-                            per_token, ppo_m = policy_terms(pi, ref_part, mb.advantages, mb.mask, w_part, *eps,
-                                                            lc.log_ratio_clamp)
+                            per_token, ppo_m = self._policy_terms(policy_terms, pi, topk, mb, w_part, ref_part, eps)
                             if kl_in_loss:
                                 kl = lc.kl_coef * kl_terms(pi, ref_lp[part, :width], mb.mask, lc.kl_estimator,
                                                            lc.log_ratio_clamp)
@@ -297,6 +299,17 @@ class PPOStep:
                 if kl_in_loss:
                     out.kl_losses.append(kl_loss / denom)
         return out
+
+    def _policy_terms(self, policy_terms, pi, topk, mb, weights, ref, eps) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's policy loss per token (``learner.loss``, each token scaled by its mismatch
+        weight) and its metrics; with ``learner.score_centering_k``, plus the score-centering term
+        (learner/score_centering.py) of ``topk``, [the log-probs at the sampler's top-k ids]."""
+        per_token, metrics = policy_terms(pi, ref, mb.advantages, mb.mask, weights, *eps, self.cfg.learner.log_ratio_clamp)
+        if topk:
+            term, centering = centering_terms(topk[0], mb.sampler_topk_logprobs, mb.advantages, mb.mask, weights,
+                                              self.is_settings)
+            per_token, metrics = per_token + term, {**metrics, **centering}
+        return per_token, metrics
 
     def _weights(self, mb, pi, weights, ref, part, width):
         """A micro-batch's IS weights and PPO reference: the step's (sliced to its rows), or

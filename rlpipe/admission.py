@@ -66,6 +66,8 @@ class RunCheck:
     version: int = 0  # the learner's weights version, kept current by the learner
     # routing replay: the model's (MoE layers, top_k, experts) every record's routes must have; None: no routes
     routing: tuple[int, int, int] | None = None
+    # score centering (learner.score_centering_k): the sampler's top-k every record must carry; 0: none
+    sampler_topk: int = 0
 
     @classmethod
     def for_run(cls, cfg, vocab_size: int, routing: tuple[int, int, int] | None = None) -> "RunCheck":
@@ -74,7 +76,8 @@ class RunCheck:
                    sampling={"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                              "max_tokens": s.max_tokens},
                    max_tokens=s.max_tokens, max_model_len=cfg.rollout.max_model_len,
-                   precisions=tuple(cfg.rollout.precisions), routing=routing)
+                   precisions=tuple(cfg.rollout.precisions), routing=routing,
+                   sampler_topk=cfg.learner.score_centering_k)
 
     def check(self, rec: GroupRecord, handed_out: int, reissued: int) -> None:
         """Raise SchemaError naming the first field that does not fit the run.
@@ -90,6 +93,9 @@ class RunCheck:
                               f"0..{self.version}, the learner's version")
         self._check_sampling(rec.sampling)
         self._check_routing(rec.routing)
+        if rec.sampler_topk != self.sampler_topk:
+            raise SchemaError(f"sampler_topk: {rec.sampler_topk}, this run's learner.score_centering_k is "
+                              f"{self.sampler_topk}")
         if len(rec.samples) != self.n:
             raise SchemaError(f"samples: {len(rec.samples)} samples, the run's sampling.n is {self.n}")
         prompt = len(rec.prompt_tokens)
@@ -108,6 +114,8 @@ class RunCheck:
                 raise SchemaError(f"{where}tokens: prompt {prompt} + response {len(s.tokens)} tokens exceed "
                                   f"rollout.max_model_len {self.max_model_len}")
             self._check_tokens(where + "tokens", s.tokens)
+            if s.topk_ids is not None:
+                self._check_tokens(where + "topk_ids", s.topk_ids)
             if s.versions is not None:
                 self._check_versions(where, rec, s)
         if rec.prompt_index >= 0:  # -1: not from the cursor (imported data, tools)

@@ -19,7 +19,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from rlpipe.corrections import IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
+from rlpipe import transports
+from rlpipe.corrections import CENTERING_WEIGHT, IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
 from rlpipe.datasets import check_dataset, is_path
 from rlpipe.machine import auto_precision
 from rlpipe.precisions import SPECS, Precision, WireKind
@@ -392,6 +393,10 @@ class LearnerConfig(HttpTimeouts):
                             "corrects the loss: token_tis truncates it per token at is_cap; the others (seq_tis, "
                             "*_mis, geo_mask, icepop, ablations) are in learner/loss.py")
     is_cap: float = Field(2.0, gt=0, description="C: the truncation (tis) or rejection (mis) threshold")
+    score_centering_k: int = Field(0, ge=0, le=1024, description="score centering: the engines return the top-k "
+                                   "log-probs of each sampled token (k of these; 6 bytes each on the wire) and the "
+                                   "loss adds the term that cancels the sampler's drift (learner/score_centering.py), "
+                                   "alone or with is_mode (not ppo_is or bypass); 0 = off")
     retokenize: bool = Field(False, description="a comparison arm, off by default: train on each answer's text "
                              "tokenized again, as a trainer that keeps episodes as text does, instead of the ids the "
                              "engine sampled (learner/retokenize.py; bench/tool_tokens.py measures the difference)")
@@ -500,6 +505,14 @@ class LearnerConfig(HttpTimeouts):
                                              "StatefulSet would restart an exited learner in a loop)")
 
     @model_validator(mode="after")
+    def _centers_a_weight(self) -> LearnerConfig:
+        if self.score_centering_k and self.is_mode not in CENTERING_WEIGHT:
+            raise ValueError(f"learner.score_centering_k: not with is_mode {self.is_mode} (it corrects through the "
+                             f"PPO ratio, whose clip has no per-token weight to centre); one of "
+                             f"{sorted(CENTERING_WEIGHT)}")
+        return self
+
+    @model_validator(mode="after")
     def _nodes_meet(self) -> LearnerConfig:
         if self.nodes > 1 and not self.rendezvous:
             raise ValueError("learner.rendezvous: host:port on node 0 is needed when learner.nodes > 1")
@@ -555,11 +568,7 @@ class SyncConfig(Section):
                                   "first version, versions travel as what changed against the one before "
                                   "(weight_sync/delta.py) and every Nth whole; 0 = always whole. bf16 never: nearly "
                                   "every value moves each update")
-    transport: Literal["auto", "gloo", "nccl", "ipc"] = Field(
-        "auto", description="how versions travel: gloo (staged in host memory, any device), nccl (GPU to GPU, "
-        "weight_sync/nccl.py), ipc (CUDA IPC to engines on the learner's first GPU, weight_sync/ipc.py); "
-        "auto = where CUDA is present, nccl when the learner's first GPU is no worker's, ipc when it is every "
-        "worker's, else gloo; under learner.lora, gloo (a version is its adapter: nccl and ipc are refused)")
+    transport: transports.Choice = Field(transports.AUTO, description=transports.describe())
 
 
 class Int8Quant(Section):
@@ -766,6 +775,13 @@ class RunConfig(Section):
         if self.learner.tool_imitation and not self.task.tool:
             raise ValueError("learner.tool_imitation: set, but task.tool is not: only an in-turn tool's tokens "
                              "are written into the model's answer for it to imitate")
+        return self
+
+    @model_validator(mode="after")
+    def _centers_sampled_tokens(self) -> RunConfig:
+        if self.learner.score_centering_k and (self.task.tool or self.task.environment):
+            raise ValueError("learner.score_centering_k: not with task.tool or task.environment (their answers hold "
+                             "tokens no sampler drew, and the engines' top-k is kept for plain samples only)")
         return self
 
     @model_validator(mode="after")

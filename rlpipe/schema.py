@@ -25,6 +25,10 @@ response's except the last sampled one (it is never forwarded): ``P + L - 1`` ro
 ``layers x top_k`` expert ids, uint8 when ``experts`` <= 256 and little-endian uint16 up to
 65,536, the smallest integer that holds an id (1 byte a (token, layer, k) on any model
 with at most 256 experts: 96 bytes a token for 48 layers of top-2).
+
+The sampler's top-k (score centering, ``learner.score_centering_k``; optional too): the group's
+``sampler_topk`` is k, and each sample's ``topk_ids`` and ``topk_logprobs`` hold the k best
+candidates of every response position (rlpipe/sampler_topk.py packs and checks them).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from rlpipe import sampler_topk
 from rlpipe.precisions import PRECISIONS
 
 SCHEMA_VERSION = 1
@@ -74,6 +79,9 @@ class Sample:
     mask: np.ndarray | None = None
     # (P + L - 1, layers, top_k) expert ids, routing replay only (the module docstring)
     routes: np.ndarray | None = None
+    # (L, k) int32 ids and float16 log-probs of the sampler's top-k at each position (score centering only)
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
     def model_mask(self) -> np.ndarray:
         """(L,) bool: which tokens the model sampled (all of them without a ``mask``)."""
@@ -119,6 +127,7 @@ class GroupRecord:
     attempt: int = 0
     # (layers, top_k, experts) when the samples carry ``routes``, else None
     routing: tuple[int, int, int] | None = None
+    sampler_topk: int = 0  # k when the samples carry the sampler's top-k (score centering), else 0
 
     @property
     def rewards(self) -> list[float]:
@@ -205,6 +214,8 @@ def encode_group(rec: GroupRecord) -> bytes:
             m["mask"] = _pack_array(s.mask, U8)
         if s.routes is not None:
             m["routes"] = _pack_array(s.routes, route_dtype(rec.routing[2]) if rec.routing else U8)
+        if s.topk_ids is not None:
+            m.update(sampler_topk.pack(s.topk_ids, s.topk_logprobs))
         samples.append(m)
     payload = {
         "schema": rec.schema,
@@ -226,6 +237,8 @@ def encode_group(rec: GroupRecord) -> bytes:
         payload.update(prompt_index=int(rec.prompt_index), attempt=int(rec.attempt))
     if rec.routing is not None:
         payload["routing"] = dict(zip(ROUTING_KEYS, map(int, rec.routing)))
+    if rec.sampler_topk:
+        payload["sampler_topk"] = int(rec.sampler_topk)
     data = msgpack.packb(payload, use_bin_type=True)
     decode_group(data)  # the writer holds itself to the reader's rules
     return data
@@ -329,8 +342,9 @@ def _routes(s: dict, routing: tuple[int, int, int] | None, rows: int, where: str
     return ids
 
 
-def _sample(s, i: int, prompt_len: int, routing: tuple[int, int, int] | None) -> Sample:
-    """Sample ``i`` of a group, validated (its routes against the group's ``routing``)."""
+def _sample(s, i: int, prompt_len: int, routing: tuple[int, int, int] | None, topk: int = 0) -> Sample:
+    """Sample ``i`` of a group, validated (its routes against the group's ``routing``, its top-k
+    against the group's ``sampler_topk``)."""
     where = f"samples[{i}]."
     if not isinstance(s, dict):
         raise SchemaError(f"samples[{i}]: expected map")
@@ -357,7 +371,11 @@ def _sample(s, i: int, prompt_len: int, routing: tuple[int, int, int] | None) ->
     if problem:
         raise SchemaError(f"{where}{problem}")
     routes = _routes(s, routing, prompt_len + len(tokens) - 1, where)
-    return Sample(tokens, logprobs, finish, float(reward), versions, info, mask, routes)
+    try:
+        topk_ids, topk_logprobs = sampler_topk.unpack(s, topk, len(tokens), where)
+    except ValueError as e:
+        raise SchemaError(str(e)) from None
+    return Sample(tokens, logprobs, finish, float(reward), versions, info, mask, routes, topk_ids, topk_logprobs)
 
 
 def decode_group(data: bytes) -> GroupRecord:
@@ -389,7 +407,11 @@ def decode_group(data: bytes) -> GroupRecord:
     if not len(prompt_tokens):
         raise SchemaError("prompt_tokens: empty prompt")
     routing = _routing(m)
-    samples = [_sample(s, i, len(prompt_tokens), routing) for i, s in enumerate(raw_samples)]
+    try:
+        topk = sampler_topk.check_k(m.get("sampler_topk", 0))
+    except ValueError as e:
+        raise SchemaError(str(e)) from None
+    samples = [_sample(s, i, len(prompt_tokens), routing, topk) for i, s in enumerate(raw_samples)]
     for key in ("prompt_index", "attempt"):
         if key in m and (isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 0):
             raise SchemaError(f"{key}: expected a non-negative int, got {m[key]!r}")
@@ -412,4 +434,5 @@ def decode_group(data: bytes) -> GroupRecord:
         prompt_index=prompt_index,
         attempt=attempt,
         routing=routing,
+        sampler_topk=topk,
     )

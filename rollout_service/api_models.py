@@ -157,6 +157,8 @@ class Choice(BaseModel):
                                        "happened during this request")
     finish_reason: str = Field(description="stop, length or abort")
     text: str = Field(description="the tokens decoded, for reading; train on the tokens")
+    cached_tokens: int = Field(0, description="prompt tokens read from the prefix cache instead of forwarded "
+                               "(only KV of the weights this request started on)")
 
 
 class GenerateResponse(BaseModel):
@@ -281,6 +283,8 @@ class TurnResult(BaseModel):
     total_tokens: int = Field(description="ids the session holds now")
     policy_version: int
     policy_version_end: int
+    cached_tokens: int = Field(0, description="ids read from the prefix cache instead of forwarded: the "
+                               "session's earlier turns, kept under the weights its first turn started on")
 
 
 class Finish(BaseModel):

@@ -82,7 +82,7 @@ class ApiRequests:
             prompt_token_ids=list(prompt_ids),
             choices=[Choice(tokens=r.tokens.tolist(), logprobs=r.logprobs.tolist(),
                             versions=None if r.versions is None else r.versions.tolist(),
-                            finish_reason=r.finish_reason,
+                            finish_reason=r.finish_reason, cached_tokens=r.cached_tokens,
                             text=self.tokenizer.decode(r.tokens, skip_special_tokens=True)) for r in results],
             policy_version=v0, policy_version_end=v1, precision=self.worker.profile.precision,
         )

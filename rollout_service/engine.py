@@ -6,8 +6,10 @@ weight updates in flight.
 - Token ids flow unchanged from the engine into the result; nothing is re-tokenized.
 - An update is received in the background while generation goes on; then the scheduler
   pauses with ``mode="keep"`` (running requests are frozen, not aborted), the new weights
-  are loaded, the prefix cache is reset and generation resumes. Every request in flight
-  records at which of its tokens the version changed.
+  are loaded and generation resumes. Every request in flight records at which of its tokens
+  the version changed. The prefix cache is kept: each request is salted with the weights
+  it (its session) started on, so no request reads another version's KV
+  (rollout_service/prefix_cache.py).
 - An update runs one way: the weight follower (weight_sync/follower.py) calls this
   engine, which runs the slow steps in its worker process through ``collective_rpc``
   (the binding, rollout_service/worker_ext.py, and its ``WeightStager``,
@@ -28,10 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from quant.precision_profile import PrecisionProfile
+from rlpipe import sampler_topk
 from rlpipe.config import ConfigError, RolloutConfig
 from rollout_service import vllm_compat
 from rollout_service.adapters import AdapterVersions, LoraServe, lora_engine_kwargs
 from rollout_service.engine_args import engine_args_problems, engine_processes
+from rollout_service.prefix_cache import CacheSalts
 from rollout_service.transfer_engine import VllmTransferEngine
 from rollout_service.worker_ext import EXTENSION_CLS
 from weight_sync.device_updates import DeviceUpdates
@@ -70,6 +74,11 @@ class SampleResult:
     # (P + L - 1, layers, top_k) expert ids of every forwarded token, routing replay only
     # (rollout.routing_replay; rollout_service/routes.py)
     routes: np.ndarray | None = None
+    cache_salt: str = ""  # the prefix-cache salt it was sampled under: a session's later turns pass it on
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of forwarded
+    # (L, k) the sampler's top-k ids and log-probs of each token, on request (rlpipe/sampler_topk.py)
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
 
 @dataclass
@@ -91,11 +100,11 @@ class _Tracked:
 
 class RolloutEngine:
     def __init__(self, model_path: str, profile: PrecisionProfile, cfg: RolloutConfig, seed: int = 0,
-                 transport: str = "gloo", lora: LoraServe | None = None):
+                 transport: str = "gloo", lora: LoraServe | None = None, sampler_topk: int = 0):
         """``transport``: the run's resolved ``sync.transport``; under nccl or ipc updates go
         through vLLM's own weight-transfer engine (weight_sync/device_updates.py). ``lora``:
         versions are adapters on a base held for good (rollout_service/adapters.py)."""
-        self.lora = lora
+        self.lora, self.sampler_topk = lora, sampler_topk  # sampler_topk: how many top log-probs with_topk returns
         self.adapters = AdapterVersions()
         self.model_path = model_path
         self.transport = transport
@@ -113,7 +122,7 @@ class RolloutEngine:
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
         self.paused_seconds_total = 0.0
-        self.prefix_cache_reset_failures = 0
+        self.salts = CacheSalts()  # the prefix cache's, one per weights loaded (prefix_cache.py)
         self.routing: tuple[int, int, int] | None = None  # (layers, top_k, experts) under routing replay
         # vLLM records the routes itself (GPU, vllm_compat.native_routes); else the capture hook
         self.native_routes = cfg.routing_replay and vllm_compat.native_routes()
@@ -148,6 +157,7 @@ class RolloutEngine:
             # a cached prefix is not forwarded: its tokens would have no routes
             **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
             **({"enable_return_routed_experts": True} if self.native_routes else {}),
+            **({"max_logprobs": self.sampler_topk} if self.sampler_topk > 20 else {}),  # vLLM's default: 20
         )
 
     async def start(self) -> None:
@@ -210,8 +220,11 @@ class RolloutEngine:
 
     async def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float = 1.0,
                        top_k: int = -1, max_tokens: int = 16, min_tokens: int = 0, seed: int | None = None,
-                       stop: list[str] | None = None) -> tuple[list[SampleResult], int, int]:
-        """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``."""
+                       stop: list[str] | None = None, cache_salt: str | None = None,
+                       with_topk: bool = False) -> tuple[list[SampleResult], int, int]:
+        """Sample ``n`` responses; returns ``(samples, version_at_start, version_at_end)``. ``cache_salt``: a
+        session's (its first request's ``SampleResult.cache_salt``), else the current weights' (prefix_cache.py).
+        ``with_topk``: each sample's ``topk_ids``/``topk_logprobs`` too, its tokens' ``sampler_topk`` best."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
@@ -223,24 +236,29 @@ class RolloutEngine:
             # caller decodes the final tokens itself.
             params = SamplingParams(
                 n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                min_tokens=min_tokens, seed=seed, stop=stop or None, logprobs=0, detokenize=bool(stop),
-                output_kind=RequestOutputKind.DELTA,
+                min_tokens=min_tokens, seed=seed, stop=stop or None, detokenize=bool(stop),
+                logprobs=self.sampler_topk if with_topk else 0, output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMValidationError, ValueError) as e:
             raise InvalidRequest.from_vllm(e) from None
         request_id = f"r{next(self._ids)}"
         tracked = _Tracked(start_version=self.version)
+        salt = cache_salt or self.salts.current
+        cached: dict[int, int] = {}
         self._active[request_id] = tracked
         tokens: dict[int, list[int]] = {i: [] for i in range(n)}
         logprobs: dict[int, list[float]] = {i: [] for i in range(n)}
+        steps: dict[int, list[dict]] = {i: [] for i in range(n)}  # with_topk: each token's candidates
         finish: dict[int, str] = {}
         routed: dict[int, np.ndarray] = {}  # vLLM's own routes, each child's at its end (GPU)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                               request_id=request_id, lora_request=self.adapters.current):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt),
+                                               params, request_id=request_id, lora_request=self.adapters.current):
                 for c in out.outputs:  # each event carries the new tokens of one child
+                    cached[c.index] = out.num_cached_tokens or 0
                     tokens[c.index] += c.token_ids
                     logprobs[c.index] += [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                    steps[c.index] += c.logprobs if with_topk else []
                     tracked.counts[c.index] = len(tokens[c.index])
                     if c.finish_reason is not None:
                         finish[c.index] = c.finish_reason
@@ -260,7 +278,8 @@ class RolloutEngine:
                              bool(stop), FINISH_REASONS)
         results = [SampleResult(np.asarray(tokens[i], dtype=np.int32), np.asarray(logprobs[i], dtype=np.float32),
                                 FINISH_REASONS.get(finish.get(i), "abort"), tracked.versions_for(i, len(tokens[i])),
-                                routes.get(i))
+                                routes.get(i), salt, cached.get(i, 0),
+                                *(sampler_topk.from_steps(steps[i], self.sampler_topk) if with_topk else ()))
                    for i in range(n)]
         end_version = tracked.changes[-1][1] if tracked.changes else tracked.start_version
         return results, tracked.start_version, end_version
@@ -338,6 +357,7 @@ class RolloutEngine:
             return written
         await self.adapters.adopt(self.llm, version, written["adapter_dir"])
         self.version, self.synced, self.weights_source = version, True, source
+        self.salts.loaded(version)
         await self.adapters.retire(self.llm, {t.start_version for t in self._active.values()})
         return {"ok": True, "load_s": time.perf_counter() - t0, "pause_s": 0.0, "activated_at": time.time()}
 
@@ -346,8 +366,9 @@ class RolloutEngine:
 
     async def _apply(self, version: int, source: str, load=None) -> dict:
         """Load new weights with generation paused ("keep": running requests are frozen, not
-        aborted) and record the version change in every request in flight. ``load``: how
-        (default: the weights staged in the engine process; under nccl or ipc, the transfer itself)."""
+        aborted), give new requests a new prefix-cache salt and record the version change in
+        every request in flight. ``load``: how (default: the weights staged in the engine
+        process; under nccl or ipc, the transfer itself)."""
         t0 = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
@@ -360,12 +381,9 @@ class RolloutEngine:
         try:
             if result.get("ok"):
                 self.version, self.synced, self.weights_source = version, True, source
+                self.salts.loaded(version)  # no reset: new requests read none of the old weights' KV
                 for tracked in self._active.values():
                     tracked.changes.append((dict(tracked.counts), version))
-                if not await self.llm.reset_prefix_cache():
-                    # Blocks held by running requests keep old-weight KV; the recorded
-                    # behavior log-probs stay exact, only prefix reuse may lag a version.
-                    self.prefix_cache_reset_failures += 1
         finally:
             await self.llm.resume_generation()
         # The activation pause: from asking the scheduler to pause until it resumed on the new

@@ -8,14 +8,15 @@ starts. Values are vLLM's to check, when the engine starts.
 
 Some fields rlpipe sets itself: the error names the run's key that sets them.
 
-Tensor and pipeline parallelism need ``sync.transport: nccl``: vLLM's nccl weight-transfer
-engine gives every process of the engine its own rank and loads each its shard
-(weight_sync/nccl.py). Under gloo the weight follower (rollout_service/worker_ext.py)
-receives each update in the one engine process of the ``uni`` executor, so a TP engine is
-refused there, at launch, not at its first weight sync. Data parallelism inside one engine
-is refused under both: run more workers instead (each is its own engine and member).
-Under ``sync.transport: ipc`` an engine must be one process: the learner's buffer is
-exported from one GPU, and vLLM's ipc engine maps it only on that GPU (weight_sync/ipc.py).
+Tensor and pipeline parallelism need a transport whose row of rlpipe/transports.py feeds
+``sharded_engines`` (nccl: vLLM's nccl weight-transfer engine gives every process of the
+engine its own rank and loads each its shard, weight_sync/nccl.py). Under the others an
+engine must be one process, each row saying why (gloo: the weight follower,
+rollout_service/worker_ext.py, receives each update in the one engine process of the
+``uni`` executor; ipc: the learner's buffer is exported from one GPU, and vLLM's ipc engine
+maps it only on that GPU), so such an engine is refused at launch, not at its first weight
+sync. Data parallelism inside one engine is refused under every transport: run more
+workers instead (each is its own engine and member).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from functools import cache
+
+from rlpipe.transports import SPECS, STAGED, either, spec
 
 # EngineArgs fields rlpipe sets, and the run's key (or the reason) behind each.
 SET_BY_RLPIPE = {
@@ -55,7 +58,7 @@ def engine_fields() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
 
 
-def engine_args_problems(engine: dict, transport: str = "gloo") -> list[str]:
+def engine_args_problems(engine: dict, transport: str = STAGED) -> list[str]:
     """What is wrong with ``rollout.engine`` under the run's resolved ``transport``, one line
     per key ([] when nothing)."""
     if not engine:
@@ -70,11 +73,14 @@ def engine_args_problems(engine: dict, transport: str = "gloo") -> list[str]:
             close = difflib.get_close_matches(key, sorted(fields), n=3)
             problems.append(f"{where}: not a vLLM engine argument" + (f" (did you mean {', '.join(close)}?)"
                                                                       if close else ""))
-        elif key in PARALLEL and value not in (None, 1) and (transport != "nccl" or key == "data_parallel_size"):
+        elif key in PARALLEL and value not in (None, 1) and (key == "data_parallel_size"
+                                                              or not spec(transport).sharded_engines):
             why = ("an engine's own data parallelism is not supported" if key == "data_parallel_size" else
-                   "under ipc the learner's buffer is shared from its one GPU, which the engine's other "
-                   "processes are not on; it needs sync.transport nccl" if transport == "ipc" else
-                   "under gloo the weight follower receives updates in one engine process; it needs "
-                   "sync.transport nccl (CUDA)")
+                   f"under {transport} {spec(transport).one_process_why}; it needs sync.transport {sharding()}")
             problems.append(f"{where}: {value}: {why}; run more workers instead")
     return problems
+
+
+def sharding() -> str:
+    """The transports that feed an engine of several processes, each marked (CUDA) where it needs it."""
+    return either(f"{s.name} (CUDA)" if s.cuda else s.name for s in SPECS.values() if s.sharded_engines)

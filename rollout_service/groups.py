@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlpipe.config import RunConfig
+from rlpipe.config import ConfigError, RunConfig
 from rlpipe.schema import GroupRecord, Sample
 from rollout_service.engine import RolloutEngine
 from rollout_service.episodes import EpisodeRunner
@@ -58,6 +58,9 @@ class GroupGenerator:
         self.episodes = EpisodeRunner(cfg, tokenizer, engine, metrics) if cfg.task.environment else None
         # task.tool: each answer is written with an in-turn tool (rollout_service/inline_tools.py)
         self.tool = load_tool(cfg.task.tool) if cfg.task.tool else None
+        if cfg.learner.score_centering_k > len(tokenizer):  # vLLM's top-k of more ids than the vocabulary kills it
+            raise ConfigError(f"learner.score_centering_k: {cfg.learner.score_centering_k} is more than the model's "
+                              f"{len(tokenizer)} token ids")
 
     async def __call__(self, group: Group) -> GroupRecord | None:
         s = self.cfg.sampling
@@ -76,13 +79,14 @@ class GroupGenerator:
             return await self._with_tool(group, prompt, prompt_ids, seed, t0)
         results, v0, v1 = await self.engine.generate(
             prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            max_tokens=s.max_tokens, seed=seed)
+            max_tokens=s.max_tokens, seed=seed, with_topk=self.cfg.learner.score_centering_k > 0)
         gen_seconds = time.perf_counter() - t0
         group.phase = "scoring"
         # Rewards read the decoded text; the record keeps the token ids exactly as sampled.
         texts = [self.tokenizer.decode(res.tokens, skip_special_tokens=True) for res in results]
         scores = await self.task.score(prompt, texts)
-        samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info, routes=res.routes)
+        samples = [Sample(res.tokens, res.logprobs, res.finish_reason, reward, res.versions, info, routes=res.routes,
+                          topk_ids=res.topk_ids, topk_logprobs=res.topk_logprobs)  # score centering's, when asked
                    for res, (reward, info) in zip(results, scores)]
         return self._record(group, prompt, prompt_ids, samples, v0, v1, seed, gen_seconds)
 
@@ -125,4 +129,5 @@ class GroupGenerator:
             # routing replay: the engine's experts travel with the samples (an aborted one has none: the
             # reader refuses the group, as the learner could not replay it)
             routing=self.engine.routing if any(x.routes is not None for x in samples) else None,
+            sampler_topk=self.cfg.learner.score_centering_k if samples[0].topk_ids is not None else 0,
         )

@@ -127,13 +127,14 @@ async def answer_with_tool(engine, tokenizer, prompt_ids: list[int], tool, max_t
     (module docstring). ``max_tokens`` bounds the answer's tokens, the tool's included."""
     tokens, logprobs, mask, versions = [], [], [], []
     special = set(tokenizer.all_special_ids)
-    finish, v_first, v_last, pause = "length", None, None, 0
+    finish, v_first, v_last, pause, salt = "length", None, None, 0, None
     while len(tokens) < max_tokens:
         stop = list(tool.stop) if getattr(tool, "calls", 0) < getattr(tool, "max_calls", 1 << 30) else None
         results, v0, v1 = await engine.generate(prompt_ids + tokens, n=1, max_tokens=max_tokens - len(tokens),
                                                 seed=None if seed is None else (seed + pause) % 2**31, stop=stop,
-                                                **sampling)
+                                                cache_salt=salt, **sampling)
         res, pause = results[0], pause + 1
+        salt = salt or getattr(res, "cache_salt", None)  # each pause reads the answer's KV so far (prefix_cache.py)
         v_first, v_last = v0 if v_first is None else v_first, v1
         new = [int(t) for t in res.tokens]
         tokens += new

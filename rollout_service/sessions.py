@@ -71,6 +71,9 @@ class Session:
     touched: float = field(default_factory=time.monotonic)
     busy: bool = False
     held_bytes: int = 0  # messages and tools as JSON, and the model's turns' text (rollout.session_max_bytes)
+    # the prefix-cache salt of its first turn, which every later turn keeps, so that each reads the
+    # KV of the turns before it (rollout_service/prefix_cache.py); None before the first turn
+    cache_salt: str | None = None
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None, versions: list[int]) -> None:
         self.ids += ids
@@ -322,7 +325,8 @@ class Sessions:
                                            f"in session {session.id}: {self.max_tokens} (rollout.session_max_tokens) "
                                            f"less its {len(session.ids)} ids and {len(context)} to append",
                                            max_tokens_field or "max_tokens")
-            result, v0, v1 = await self.sample(session.ids + context, req.sampling(max_tokens))
+            result, v0, v1 = await self.sample(session.ids + context,
+                                               {**req.sampling(max_tokens), "cache_salt": session.cache_salt})
         finally:
             session.busy, session.touched = False, time.monotonic()
         session.held_bytes += added
@@ -342,13 +346,15 @@ class Sessions:
         if session.messages is not None:
             session.messages = session.messages + new_messages + [{"role": "assistant", "content": text}]
         session.last_turn = tokens
+        session.cache_salt = session.cache_salt or getattr(result, "cache_salt", None)
         session.finish_reasons.append(result.finish_reason)
         if self.metrics is not None:
             self.metrics.session_context_tokens.inc(len(context))
         return TurnResult(session_id=session.id, turn=len(session.finish_reasons), text=text, token_ids=tokens,
                           logprobs=[float(x) for x in result.logprobs], versions=versions,
                           finish_reason=result.finish_reason, context_token_ids=context,
-                          total_tokens=len(session.ids), policy_version=v0, policy_version_end=v1)
+                          total_tokens=len(session.ids), policy_version=v0, policy_version_end=v1,
+                          cached_tokens=getattr(result, "cached_tokens", 0))
 
     def finish(self, session: Session, req: Finish) -> Episode:
         """Close the session and hand back its whole episode. The session is given back only once

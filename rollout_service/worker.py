@@ -84,7 +84,8 @@ class Worker:
         self.limits = cfg.rollout
         self.profile = profile_for(cfg.rollout.precision, quant=cfg.quant, model_path=cfg.model.path)
         self.engine = RolloutEngine(cfg.model.path, self.profile, cfg.rollout, seed=cfg.seed,
-                                    transport=role_transport(cfg), lora=lora_serve(cfg))
+                                    transport=role_transport(cfg), lora=lora_serve(cfg),
+                                    sampler_topk=cfg.learner.score_centering_k)
         self.metrics = RolloutMetrics(worker_id, self.profile.precision, cfg.run_id, str(cfg.model.path or ""),
                                       cfg.rollout.vllm_metrics)
         self.api_share = ApiShare(cfg)
@@ -248,8 +249,8 @@ class Worker:
             # load_s; pause_s: the activation pause, generation paused) and activated_at
             "last_sync": loop.last_sync if loop else {},
             "idle_seconds_total": loop.idle_seconds() if loop else 0.0,  # no group in flight while serving
-            # updates after which running requests kept the prefix cache from being reset
-            "prefix_cache_reset_failures": engine.prefix_cache_reset_failures,
+            # the prefix-cache salt new requests get: one per weights loaded (rollout_service/prefix_cache.py)
+            "prefix_cache_salt": engine.salts.current,
             "adapters": engine.adapters.versions,  # learner.lora: the versions whose adapters the engine holds
             "last_error": loop.last_error if loop else None,
         }

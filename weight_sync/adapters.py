@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from rlpipe.transports import SPECS, either
+
 CONFIG = "adapter_config.json"
 TENSORS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -76,8 +78,9 @@ def adapter_incompatibility(manifest, expected: dict[str, tuple[int, ...]], quan
     for adapters up to rank ``lora_rank`` (0: not started for adapters), or None. An int8
     base's adapter is rewritten for its smoothing (quant/int8.py ``smoothed_adapter``), so
     it fits that profile alone: another one is refused, naming both."""
-    if transport != "gloo" or manifest.transport != "gloo":
-        return f"LoRA versions travel over gloo only (the learner sends over {manifest.transport})"
+    carriers = [s.name for s in SPECS.values() if s.adapters]
+    if transport not in carriers or manifest.transport not in carriers:
+        return f"LoRA versions travel over {either(carriers)} only (the learner sends over {manifest.transport})"
     if manifest.quant_compat != quant_compat:
         return (f"the learner's adapter is for a {manifest.quant_compat or 'unquantized'} base, this worker's engine "
                 f"holds a {quant_compat or 'unquantized'} one")

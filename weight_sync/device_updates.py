@@ -2,7 +2,8 @@
 ``nccl`` (``sync.transport: nccl``; the protocol is in weight_sync/nccl.py) and ``ipc`` (an
 engine on learner rank 0's GPU; weight_sync/ipc.py), as weight_sync/stager.py is gloo's.
 One lifecycle for both; only the engine's init info and how a version's bytes arrive
-differ (:meth:`DeviceUpdates._init_info`, :meth:`DeviceUpdates._receive`).
+differ, and those come from the transport's own module (weight_sync/device_plane.py's
+``engine_init_info`` and ``engine_receive``), so nothing here names a transport.
 
 The gloo side runs in the rollout server's process, not in the engine's worker as under
 gloo: it only checks in, shakes hands (nccl) and takes each version's header (and, under
@@ -37,10 +38,9 @@ import asyncio
 import logging
 from typing import Protocol
 
+from weight_sync.device_plane import plane
 from weight_sync.follower import SyncOutcome
-from weight_sync.ipc import INIT_INFO, receive_version
 from weight_sync.manifest import Manifest, incompatibility, refusal
-from weight_sync.nccl import update_info, worker_handshake
 from weight_sync.receiver import expect_header, join_group
 from weight_sync.transport import LeftOut, SyncError
 
@@ -71,7 +71,8 @@ class DeviceUpdates:
     def __init__(self, engine: TransferEngine, transport: str, shapes: dict[str, tuple[int, ...]],
                  quant_compat: str, engine_ranks: int):
         self.engine = engine  # the engine's transfer engine: its lifecycle
-        self.transport = transport  # nccl or ipc: vLLM's weight_transfer_config backend
+        self.transport = transport  # a row of rlpipe/transports.py with an engine_backend
+        self.plane = plane(transport)  # its module: the engine's init info and receive
         self.shapes, self.quant_compat = shapes, quant_compat  # what a manifest must fit
         self.engine_ranks = engine_ranks  # the engine's processes, each a rank of the NCCL group
         self.group = self.relay = None
@@ -86,7 +87,7 @@ class DeviceUpdates:
         try:
             self.group, self.relay = await asyncio.to_thread(join_group, host, port, slot, generation, timeout_s,
                                                              None if refuse is None else refusal(manifest, refuse))
-            info = await self._init_info()
+            info = await self.plane.engine_init_info(self.group, self.engine_ranks)
         except LeftOut as e:
             return SyncOutcome.failed(refuse or str(e), refused=refuse is not None)
         except SyncError as e:
@@ -99,13 +100,6 @@ class DeviceUpdates:
             return SyncOutcome.failed(f"{self.transport} init: {e!r}")
         self.initialized, self.manifest = True, manifest
         return SyncOutcome(True)
-
-    async def _init_info(self) -> dict:
-        """The transfer engine's init info: nccl's place in the learner's NCCL group, from
-        the handshake; ipc's needs no rendezvous."""
-        if self.transport == "ipc":
-            return dict(INIT_INFO)
-        return await asyncio.to_thread(worker_handshake, self.group, self.engine_ranks)
 
     async def expect(self, version: int, manifest: Manifest) -> str | None:
         """Take ``version``'s header over gloo, while generating; why not (the generation
@@ -123,17 +117,9 @@ class DeviceUpdates:
         """Receive and load ``version`` (the engine has paused generation): an exception
         here may leave a mix of old and new layers."""
         await self.engine.start()
-        await self._receive(manifest)
+        await self.plane.engine_receive(self.group, manifest, self.engine.load)
         await self.engine.finish(version)
         return {"ok": True}
-
-    async def _receive(self, manifest: Manifest) -> None:
-        """The version's bytes into the engine: nccl's in one packed broadcast described by
-        the manifest; ipc's a bucket at a time, each handle taken and acked over gloo."""
-        if self.transport == "ipc":
-            await receive_version(self.group, manifest, self.engine.load)
-        else:
-            await self.engine.load(update_info(manifest))
 
     async def leave(self) -> None:
         if self.initialized:

@@ -263,3 +263,18 @@ class IpcBroadcast:
         self.group = self.buffer = None  # torch keeps an exported buffer until its importers let go
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+
+# -- the seam weight_sync/device_plane.py reads (this transport's row names this module) -----
+def broadcast(bucket_bytes: int, timeout_s: float) -> IpcBroadcast:
+    """The learner's half: one bucket at a time through the manifest's bucket sizes, so
+    ``bucket_bytes`` is already in the manifest."""
+    return IpcBroadcast(timeout_s)
+
+
+async def engine_init_info(group: GlooGroup, engine_ranks: int) -> dict:
+    """The engine's init info: no rendezvous, only that every bucket comes packed."""
+    return dict(INIT_INFO)
+
+
+engine_receive = receive_version  # each bucket's handle taken, loaded and acked over gloo

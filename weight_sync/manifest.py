@@ -18,6 +18,8 @@ from typing import Iterable
 
 import torch
 
+from rlpipe.transports import STAGED
+
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -55,7 +57,7 @@ class Manifest:
     buckets: tuple[Bucket, ...]
     quant_profile: str = ""  # hash of the quantization profile the tensors were made with ("" = none)
     quant_compat: str = ""  # what an engine must have been started for to load them (quant/quant_profile.py)
-    transport: str = "gloo"  # how versions travel: gloo (in the buckets), nccl or ipc (weight_sync/nccl.py, ipc.py)
+    transport: str = STAGED  # how versions travel: a row of rlpipe/transports.py (the staged one: in the buckets)
     delta: bool = False  # versions after the first of a generation may travel as deltas (weight_sync/delta.py)
     chunk_bytes: int = 0  # gloo sends a whole version in chunks of this many bytes (0: a bucket a send)
     # a LoRA adapter's peft adapter_config.json: the tensors are the adapter alone, for the base the
@@ -69,7 +71,7 @@ class Manifest:
     def to_json(self) -> str:
         data = {"buckets": [asdict(b) for b in self.buckets], "quant_profile": self.quant_profile,
                 "quant_compat": self.quant_compat}
-        if self.transport != "gloo":  # gloo's manifests read as they always did
+        if self.transport != STAGED:  # the staged transport's manifests read as they always did
             data["transport"] = self.transport
         if self.delta:
             data["delta"] = True
@@ -87,7 +89,7 @@ class Manifest:
             slots = tuple(TensorSlot(t["name"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in b["tensors"])
             buckets.append(Bucket(b["dtype"], b["nbytes"], slots))
         return cls(tuple(buckets), data.get("quant_profile", ""), data.get("quant_compat", ""),
-                   data.get("transport", "gloo"), data.get("delta", False), data.get("chunk_bytes", 0),
+                   data.get("transport", STAGED), data.get("delta", False), data.get("chunk_bytes", 0),
                    data.get("adapter", ""))
 
     @cached_property  # a manifest is frozen: its hash is computed once, not at every check
@@ -129,7 +131,7 @@ def header_tensor(version: int, manifest_hash: str, base: int = -1, index_nbytes
 
 
 def plan_buckets(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, quant_profile: str = "",
-                 quant_compat: str = "", transport: str = "gloo", delta: bool = False,
+                 quant_compat: str = "", transport: str = STAGED, delta: bool = False,
                  chunk_bytes: int = 0, adapter: str = "") -> Manifest:
     """Group tensors by dtype, in the given order, into buckets of at most ``bucket_bytes``.
 
@@ -231,7 +233,7 @@ def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch
 
 
 def incompatibility(manifest: Manifest, expected: dict[str, tuple[int, ...]], quant_compat: str = "",
-                    transport: str = "gloo", quant_profile: str = "", lora_rank: int = 0) -> str | None:
+                    transport: str = STAGED, quant_profile: str = "", lora_rank: int = 0) -> str | None:
     """Why ``manifest`` cannot load into a model whose tensors have the ``expected``
     shapes and whose engine was started for quantization ``quant_compat`` (profile
     ``quant_profile``) and weight ``transport`` (a learner that trains another model,

@@ -37,12 +37,13 @@ untested without a GPU: they are thin calls into vLLM's and torch's code, which 
 authors test. Untested too, for want of a GPU: that a hung pair's kernel, until its abort,
 holds up no other pair's (it runs on its own stream; a device-wide synchronize would wait
 for it). ``sync.transport: ipc`` (weight_sync/ipc.py) shares this module's update-info
-helpers; which transport a run uses and each one's two halves are
-weight_sync/transport_choice.py's.
+helpers; which transport a run uses is weight_sync/transport_choice.py's, and the two
+halves reach this module through its row of rlpipe/transports.py (weight_sync/device_plane.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import queue
@@ -50,7 +51,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Awaitable, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -345,3 +346,19 @@ class NcclBroadcast:
         for pair in self.pairs.values():
             pair.close()
         self.pairs = {}
+
+
+# -- the seam weight_sync/device_plane.py reads (this transport's row names this module) -----
+def broadcast(bucket_bytes: int, timeout_s: float) -> NcclBroadcast:
+    """The learner's half: packed buffers of ``bucket_bytes`` over each member's pair."""
+    return NcclBroadcast(bucket_bytes, timeout_s)
+
+
+async def engine_init_info(group: GlooGroup, engine_ranks: int) -> dict:
+    """The engine's init info: its place in the learner's NCCL pair, from the handshake."""
+    return await asyncio.to_thread(worker_handshake, group, engine_ranks)
+
+
+async def engine_receive(group: GlooGroup, manifest: Manifest, load: Callable[[dict], Awaitable]) -> None:
+    """A version's bytes into the engine: one packed broadcast, described by the manifest."""
+    await load(update_info(manifest))

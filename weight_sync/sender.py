@@ -59,12 +59,12 @@ import torch
 from rlpipe.auth import check_sync_exposure, is_loopback, sync_token
 from rlpipe.fence import Fence
 from rlpipe.keys import Keys
+from rlpipe.transports import STAGED
 from weight_sync.delta import bucket_checksums, encode_version
+from weight_sync.device_plane import DeviceBroadcast
 from weight_sync.gate import Gate
-from weight_sync.ipc import IpcBroadcast
 from weight_sync.manifest import Manifest, chunk_ring, chunks, header_tensor, pack_bucket, pack_chunk, plan_buckets
 from weight_sync.membership import Membership
-from weight_sync.nccl import NcclBroadcast
 from weight_sync.rendezvous import (
     GenerationFloor,
     SyncState,
@@ -107,7 +107,7 @@ class WeightSender:
     def __init__(self, r: redis.Redis, keys: Keys, host: str, timeout_s: float, bucket_bytes: int,
                  wire_dtype: torch.dtype | None, channel: str = "",
                  gather: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None, fence: Fence | None = None,
-                 device: NcclBroadcast | IpcBroadcast | None = None, full_every: int = 0,
+                 device: DeviceBroadcast | None = None, full_every: int = 0,
                  chunk_bytes: int | None = None, floor: GenerationFloor | None = None,
                  straggler_s: float = STRAGGLER_S):
         """``gather(names)``: for tensors that are shards (a learner under FSDP), those
@@ -177,7 +177,7 @@ class WeightSender:
         specs = [(name, self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype,
                   tuple(t.shape)) for name, t in tensors.items()]
         return plan_buckets(specs, self.bucket_bytes, quant_profile, quant_compat,
-                            self.device.transport if self.device else "gloo", delta=self.full_every > 0,
+                            self.device.transport if self.device else STAGED, delta=self.full_every > 0,
                             chunk_bytes=0 if self.device else self.chunk_bytes, adapter=adapter)
 
     def sync(self, version: int, named: Callable[[], Iterable[tuple[str, torch.Tensor]]],
