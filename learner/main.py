@@ -16,11 +16,13 @@ log = logging.getLogger(__name__)
 
 
 def main(cfg: RunConfig) -> int:
+    from learner.allocator import set_mmap_threshold
     from learner.app import serve_in_thread
     from learner.dist import exit_rank
     from learner.train import Learner
     from weight_sync.transport import IncompatibleWorker
 
+    set_mmap_threshold(cfg.learner.mmap_threshold_mib)  # before the model's tensors are allocated
     learner = Learner(cfg)
 
     def on_term(signum, frame):
