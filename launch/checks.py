@@ -13,6 +13,7 @@ from pathlib import Path
 from rlpipe.config import ConfigError, RunConfig, sharded_problem
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
 from rlpipe.task_config import MathTask
+from rlpipe.teacher_check import teacher_problem
 from rlpipe.transports import STAGED
 
 
@@ -239,6 +240,8 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append(str(e))
         transport = STAGED
     problems += lora_problems(cfg)
+    if cfg.learner.teacher.path and (why := teacher_problem(cfg.learner.teacher.path, cfg.model.path)):
+        problems.append(why)  # on-policy distillation: the teacher must read the student's ids
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems
 

@@ -241,6 +241,21 @@ class LoraSection(Section):
                                "adapter; [] = every linear of the decoder layers (not the LM head)")
 
 
+class TeacherSection(Section):
+    """``learner.teacher``: on-policy distillation (learner/distillation.py). A frozen teacher scores the
+    tokens the student sampled, and each token's advantage gains the negative reverse KL between them,
+    beside the task's reward (Thinking Machines' on-policy distillation)."""
+
+    path: str = Field("", description="the teacher: a Hugging Face model directory whose tokenizer is the "
+                      "student's (model.path's; checked at launch); '' = off, and no teacher is loaded. "
+                      "`rlpipe build-model` prints the directory of a toy or built-in model to use here")
+    kl_coef: float = Field(1.0, ge=0, description="the teacher's weight against the task reward: each response "
+                           "token's advantage is the sample's task advantage less kl_coef x (log mu(y_t) - log "
+                           "teacher(y_t)), the reverse KL's estimate on the student's own token (mu: the sampler's "
+                           "log-prob); every group then has a signal, even one whose rewards are all equal (set "
+                           "learner.dynamic_sampling false to train those too)")
+
+
 class LearnerConfig(HttpTimeouts):
     """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
@@ -401,6 +416,7 @@ class LearnerConfig(HttpTimeouts):
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
     lora: LoraSection = LoraSection()
+    teacher: TeacherSection = TeacherSection()
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")
