@@ -29,16 +29,15 @@ from __future__ import annotations
 
 import torch
 
-from learner.lora import BaseView
 from learner.loss import kl_terms, masked_mean
 from learner.reference import frozen_model
 
 
-def load_teacher(cfg, device: torch.device, policy=None, collective: bool = False):
+def load_teacher(cfg, device: torch.device):
     """The teacher on ``device``, frozen; None when ``learner.teacher.path`` is empty. The tokenizer
     match is checked at launch (rlpipe/teacher_check.py) and here again, for a learner started by hand.
-    Under ``learner.lora`` a teacher that is the student's own base is the policy with its adapter off
-    (no second copy of the weights)."""
+    Always its own copy, even of the student's base under ``learner.lora``: that base is held as the
+    engines serve it (int8 included, learner/lora.py), and the teacher is the model as it is."""
     path = cfg.learner.teacher.path
     if not path:
         return None
@@ -46,15 +45,7 @@ def load_teacher(cfg, device: torch.device, policy=None, collective: bool = Fals
 
     if why := teacher_problem(path, str(cfg.model.path)):
         raise SystemExit(why)
-    if cfg.learner.lora.rank and _same_dir(path, str(cfg.model.path)):
-        return BaseView(policy, collective)
     return frozen_model(path, cfg, device)
-
-
-def _same_dir(a: str, b: str) -> bool:
-    from pathlib import Path
-
-    return Path(a).resolve() == Path(b).resolve()
 
 
 def distill_advantages(advantages: torch.Tensor, student_lp: torch.Tensor, teacher_lp: torch.Tensor,

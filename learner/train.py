@@ -143,7 +143,7 @@ class Learner(Durability):
         self.run_counters = RunCounters()
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
                            self.metrics.staleness, load_reference(cfg, self.device, self.model, self.ranks.sharded),
-                           load_teacher(cfg, self.device, self.model, self.ranks.sharded))
+                           load_teacher(cfg, self.device))
         # An MoE's routers count their load; with rollout.routing_replay they replay the rollout's experts too
         for model in (m for m in (self.model, self.ppo.reference)
                       if isinstance(m, torch.nn.Module) and replay_problem(m) is None):
