@@ -39,7 +39,7 @@ def load_reference(cfg, device: torch.device, policy=None, collective: bool = Fa
 def frozen_model(path: str, cfg, device: torch.device):
     """The model at ``path`` on ``device``, frozen and in eval mode, its weights rounded as the engines
     hold the policy's when the learner runs at served weights: the reference, and the distillation
-    teacher (learner/distillation.py), so that one equal to the student grades it at exactly 0."""
+    teacher (learner/distillation.py), so that one equal to the student is the served student."""
     model = load_policy(path).to(device)
     model.requires_grad_(False)
     if (dtype := served_dtype(cfg)) is not None:
