@@ -75,7 +75,7 @@ def engine_run(model: str, precision: str, profile: str, prompts: int, n: int, m
     from vllm.inputs import TokensPrompt
 
     from quant.precision_profile import profile_for
-    from rlpipe.config import Int8Quant, QuantConfig, RolloutConfig, TaskConfig
+    from rlpipe.config import ArithTask, Int8Quant, QuantConfig, RolloutConfig
     from rollout_service.engine import RolloutEngine
     from rollout_service.tasks import make_task
 
@@ -85,7 +85,7 @@ def engine_run(model: str, precision: str, profile: str, prompts: int, n: int, m
 
     cfg = RolloutConfig(max_model_len=64 + max_tokens, kv_cache_gib=2)
     llm = LLM(**RolloutEngine(model, engine_profile, cfg).engine_kwargs())
-    tok, task = AutoTokenizer.from_pretrained(model), make_task(TaskConfig())
+    tok, task = AutoTokenizer.from_pretrained(model), make_task(ArithTask())
     ids = [TokensPrompt(prompt_token_ids=tok(task.prompt(i).text)["input_ids"]) for i in range(prompts)]
     params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=i) for i in range(prompts)]
     out = []

@@ -43,7 +43,7 @@ def arm(max_lag: int, max_staleness: int | None, steps: int, runs_dir: str) -> d
     summary = run_demo(cfg, runs_dir=runs_dir, progress=False)
     rows = read_jsonl(Path(runs_dir) / run_id / "metrics.jsonl")
     produced = summary["groups_produced"]
-    idle = [r["fleet_idle_fraction"] for r in rows if r.get("fleet_idle_fraction") is not None]
+    idle = idle_fraction(rows)
     return {"max_lag": max_lag, "max_staleness": max_staleness, "steps": len(rows),
             "staleness_max": max(r["staleness_max"] for r in rows),
             "staleness_mean": round(sum(r["staleness_mean"] * r["groups"] for r in rows)
@@ -51,8 +51,20 @@ def arm(max_lag: int, max_staleness: int | None, steps: int, runs_dir: str) -> d
             "produced": produced, "trained": summary["groups_trained"], "filtered": summary["groups_filtered"],
             "dropped_stale": summary["groups_dropped_stale"],
             "dropped_fraction": round(summary["groups_dropped_stale"] / max(1, produced), 3),
-            "rollout_idle_fraction": round(sum(idle) / len(idle), 3) if idle else None,
+            "rollout_idle_fraction": None if idle is None else round(idle, 3),
             "seconds": round(time.monotonic() - t0, 1)}
+
+
+def idle_fraction(rows: list[dict]) -> float | None:
+    """The workers' idle fraction over the whole run: the change of their idle seconds (a running
+    total in every metrics row) over workers x the seconds between the first and the last row. The
+    autoscaler's own ``fleet_idle_fraction`` is a sliding window that a short run never fills."""
+    timed = [r for r in rows if r.get("rollout_idle_seconds_total") is not None and r.get("rollout_workers")]
+    if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"]:
+        return None
+    first, last = timed[0], timed[-1]
+    span = (last["time"] - first["time"]) * last["rollout_workers"]
+    return (last["rollout_idle_seconds_total"] - first["rollout_idle_seconds_total"]) / span
 
 
 def section(rows: list[dict], machine: str, command: str, earlier: list[dict] | None = None, label: str = ""):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from rlpipe.config import ConfigError, RunConfig, sharded_problem
 from rlpipe.paths import BUILTIN_NAMES, TOY_ARCHS, TOY_PREFIX
+from rlpipe.task_config import MathTask
+from rlpipe.teacher_check import teacher_problem
 from rlpipe.transports import STAGED
 
 
@@ -60,8 +62,8 @@ def environment_problems(cfg: RunConfig) -> list[str]:
 
 def tool_problems(cfg: RunConfig) -> list[str]:
     """An in-turn tool (``task.tool``) that does not import, or that meets a setting it cannot
-    run with: multi-turn episodes (their environment answers between turns instead) or the toy's
-    task (its answers are one number, with no equation to pause in)."""
+    run with: multi-turn episodes (their environment answers between turns instead). The toy's
+    task has no ``tool`` key (its answers are one number, with no equation to pause in)."""
     if not cfg.task.tool:
         return ["eval.without_tool: only with task.tool"] if cfg.eval.without_tool else []
     from rollout_service.inline_tools import load_tool
@@ -74,8 +76,6 @@ def tool_problems(cfg: RunConfig) -> list[str]:
     if cfg.task.environment:
         problems.append("task.tool: an in-turn tool writes into single-turn answers; with task.environment the "
                         "environment answers between turns instead (set one of the two)")
-    if cfg.task.type == "arith":
-        problems.append("task.tool: only for task.type 'math' or 'remote'")
     return problems
 
 
@@ -173,7 +173,8 @@ def data_problems(cfg: RunConfig) -> list[str]:
     except ConfigError as e:
         problems.append(str(e))
     except (OSError, ValueError) as e:
-        key = "task.reward" if cfg.task.reward and "reward" in str(e) else "task.dataset"
+        math_reward = isinstance(cfg.task, MathTask) and cfg.task.reward
+        key = "task.reward" if math_reward and "reward" in str(e) else "task.dataset"
         problems.append(f"{key}: {' '.join(str(e).split())}" if not str(e).startswith(key) else str(e))
     if cfg.eval.dataset:
         t = cfg.task
@@ -239,6 +240,8 @@ def validate_run(cfg: RunConfig) -> None:
         problems.append(str(e))
         transport = STAGED
     problems += lora_problems(cfg)
+    if cfg.learner.teacher.path and (why := teacher_problem(cfg.learner.teacher.path, cfg.model.path)):
+        problems.append(why)  # on-policy distillation: the teacher must read the student's ids
     if cfg.rollout.engine:
         from rollout_service.engine_args import engine_args_problems
 
@@ -256,11 +259,11 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.model.toy_tool_calls and path and not path.startswith(TOY_PREFIX) and \
             not (Path(path) / "rlpipe_toy.json").is_file():  # a toy the launcher built is its directory
         problems.append(f"model.toy_tool_calls: only a toy model is warm-started, and model.path is {path}")
-    if cfg.eval.every and cfg.task.type == "arith":
-        problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
     data = data_problems(cfg)
     problems += data
-    if cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
+    if cfg.eval.every and cfg.task.type == "arith":
+        problems.append("eval.every: held-out evaluation needs a dataset task (task.type math or remote)")
+    elif cfg.eval.every and cfg.eval.dataset == cfg.task.dataset:
         problems.append("eval.dataset: the same as task.dataset; evaluate on held-out rows (e.g. gsm8k:test)")
     elif cfg.eval.every and cfg.task.type != "arith" and not cfg.eval.drop_shared and not data:
         from rlpipe.datasets import check_disjoint, load_rows

@@ -52,13 +52,16 @@ def resolve_model(cfg: RunConfig, log=print) -> str:
     from launch.toy import ensure_toy_model, toy_spec
     from rlpipe.arith import ArithmeticProblems
     from rlpipe.paths import TOY_PREFIX
+    from rlpipe.task_config import ArithTask
 
     arch = path[len(TOY_PREFIX):] if path else None  # toy-<arch> (check_model_path) or null
+    # The toy is warm-started on the arithmetic task: the run's own, or the default one under a dataset task.
+    arith = cfg.task if isinstance(cfg.task, ArithTask) else ArithTask()
     spec = toy_spec(
         arch or "qwen2",
         hidden_size=cfg.model.toy_hidden_size,
         num_layers=cfg.model.toy_layers,
-        task=ArithmeticProblems(digits=cfg.task.digits, ops=cfg.task.ops, style=cfg.task.arith_style),
+        task=ArithmeticProblems(digits=arith.digits, ops=arith.ops, style=arith.arith_style),
         seed=cfg.seed,
         target_sampled_accuracy=cfg.model.toy_target_sampled_accuracy,
         tool_calls=cfg.model.toy_tool_calls,

@@ -38,7 +38,7 @@ class Batch:
     targets: torch.Tensor  # (N, T-1) long: input_ids shifted left
     mask: torch.Tensor  # (N, T-1) float: 1 on response tokens the model sampled (0 on environment tokens)
     behavior_logprobs: torch.Tensor  # (N, T-1) float: mu, 0 off the mask
-    advantages: torch.Tensor  # (N,)
+    advantages: torch.Tensor  # (N,), or (N, T-1) per token with a teacher (learner/distillation.py)
     rewards: torch.Tensor  # (N,)
     group_index: torch.Tensor  # (N,) long: which record each row came from
     prompt_len: torch.Tensor  # (N,) long: the record's prompt tokens, shared by the rows of a group

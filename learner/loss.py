@@ -27,6 +27,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """A sample's advantage (N,) as every one of its tokens' (N, 1), or per-token advantages (N, T) as they
+    are (on-policy distillation adds a per-token term to the sample's: learner/distillation.py)."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
+
+
 def row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(N, T) -> (N,): the sum of each row over its response tokens."""
     return (x * mask).sum(dim=1)
@@ -191,7 +197,7 @@ def ppo_clip_terms(pi: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor
     ``ref`` is pi_old, or mu for the modes that take the ratio against the behavior policy.
     loss_t = -w_t * min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A),  r_t = exp(pi - ref)
     """
-    adv = advantages[:, None]
+    adv = token_advantages(advantages)
     ratio = torch.exp((pi - ref).clamp(-clamp, clamp))
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
@@ -219,7 +225,7 @@ def cispo_terms(pi: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, m
     aggregates token-level over the batch (``loss_agg: token_mean``). The loss *value* is a
     surrogate (its gradient is the policy gradient); it is what ``learner_loss`` reports.
     """
-    adv = advantages[:, None]
+    adv = token_advantages(advantages)
     ratio = torch.exp((pi - ref).clamp(-clamp, clamp))
     coef = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
     per_token = -weights * coef * adv * pi * mask

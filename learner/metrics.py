@@ -92,6 +92,10 @@ _TRAIN = {
                                  "candidates the records carry",
     "score_centering_rho": "learner.score_centering_k only: mean ratio of the sampler's tail mass to the training "
                            "policy's outside the top-k (rho)",
+    "distill_reverse_kl": "learner.teacher only: mean per-token reverse KL of the student against the teacher on "
+                          "the student's samples, log mu(y) - log teacher(y) (k1; the distillation signal), before "
+                          "the update",
+    "distill_k3": "learner.teacher only: the same KL's k3 estimate per token (never negative, lower variance)",
     "kl_ref": "mean per-token KL estimate of the policy against the frozen reference model (learner.kl_coef > 0)",
     "kl_loss": "KL penalty of the step: its loss term (kl_in loss) or mean reward penalty per sample (kl_in reward)",
     "mismatch_kl": "k1 estimate of KL(rollout || training policy) per token (can dip below 0)",

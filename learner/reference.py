@@ -33,7 +33,14 @@ def load_reference(cfg, device: torch.device, policy=None, collective: bool = Fa
         return None
     if cfg.learner.lora.rank:
         return BaseView(policy, collective)
-    model = load_policy(cfg.model.path).to(device)
+    return frozen_model(cfg.model.path, cfg, device)
+
+
+def frozen_model(path: str, cfg, device: torch.device):
+    """The model at ``path`` on ``device``, frozen and in eval mode, its weights rounded as the engines
+    hold the policy's when the learner runs at served weights: the reference, and the distillation
+    teacher (learner/distillation.py), so that one equal to the student is the served student."""
+    model = load_policy(path).to(device)
     model.requires_grad_(False)
     if (dtype := served_dtype(cfg)) is not None:
         with torch.no_grad():

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.loss import ISSettings, masked_mean
+from learner.loss import ISSettings, masked_mean, token_advantages
 from rlpipe.corrections import CENTERING_WEIGHT
 
 TAIL_FLOOR = 1e-6  # the trainer's tail mass below which rho's denominator is held
@@ -105,7 +105,7 @@ def centering_terms(pi_topk: torch.Tensor, mu_topk: torch.Tensor, advantages: to
     coef, rho, head_q = centering_coefficients(pi_topk, mu_topk, weights, settings)
     valid = torch.isfinite(mu_topk)
     log_p = torch.where(valid, pi_topk, 0.0)  # no gradient (and no 0 x inf) through a non-candidate
-    term = advantages[:, None] * (coef * log_p).sum(-1) * mask
+    term = token_advantages(advantages) * (coef * log_p).sum(-1) * mask
     with torch.no_grad():
         metrics = {
             "score_centering_drift": masked_mean(coef.abs().sum(-1), mask).item(),

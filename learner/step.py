@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from learner.batch import collate, microbatches
+from learner.distillation import distill_advantages
 from learner.lora import trainable
 from learner.loss import (
     POLICY_LOSSES,
@@ -74,9 +75,11 @@ def _token_weighted(parts: list[tuple[dict, float]]) -> dict:
 class PPOStep:
     """The PPO update of one learner step on every rank; it holds no queue or Redis state."""
 
-    def __init__(self, cfg, ranks, model, train_model, opt, scaler, counters, staleness_histogram, reference=None):
+    def __init__(self, cfg, ranks, model, train_model, opt, scaler, counters, staleness_histogram, reference=None,
+                 teacher=None):
         self.cfg, self.ranks, self.model, self.train_model = cfg, ranks, model, train_model
         self.reference = reference  # the frozen base model of the KL penalty (learner/reference.py), or None
+        self.teacher = teacher  # the frozen teacher of on-policy distillation (learner/distillation.py), or None
         self.opt, self.scaler, self.counters = opt, scaler, counters
         # the step's metrics from what it measured (learner/step_metrics.py)
         self.step_metrics = StepMetrics(cfg, model, opt, scaler, counters, staleness_histogram)
@@ -113,7 +116,7 @@ class PPOStep:
         if bypass or self.single_pass:
             return self._train_step_single_pass(records, rewards, batch, bypass)
         with self.served.rounded():
-            pi_old, entropy, ref_lp = self._no_grad_pass(batch)
+            pi_old, entropy, ref_lp, teacher_lp = self._no_grad_pass(batch)
         mu = batch.behavior_logprobs
         # kl_in reward: each sample's reward less kl_coef x its k1 sum against the reference, under
         # the policy that sampled it as the learner sees it (pi_old).
@@ -121,6 +124,7 @@ class PPOStep:
         advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm,
                                                          negative_scale=lc.negative_scale)
         batch.advantages = advantages.reshape(-1).to(self.device)  # rows are records x samples (collate)
+        informative, distill_metrics = self._with_teacher(batch, teacher_lp, informative)
         weights, is_metrics = importance_weights(pi_old, mu, batch.mask, self.is_settings)
         ref = mu if self.is_settings.against_mu else pi_old
         update = self._update(batch, informative, weights, ref, ref_lp)
@@ -128,7 +132,7 @@ class PPOStep:
                                                 is_metrics, update, kl_metrics))
         if (visible := self.served.visible_fraction()) is not None:
             metrics["learner_served_visible_fraction"] = visible
-        return metrics
+        return {**metrics, **distill_metrics}
 
     @property
     def single_pass(self) -> bool:
@@ -140,15 +144,15 @@ class PPOStep:
 
     def _no_grad_pass(self, batch, policy: bool = True):
         """pi_old and the entropy of every row under the current weights (``policy``), and the
-        reference model's log-probs of every row (if there is one), in the training precision,
-        through the same micro-batches: (pi_old, entropy, ref), each (N, T) or None. Each
-        rank computes its rows, then every rank has all of them."""
+        reference model's and the teacher's log-probs of every row (each if there is one), in the
+        training precision, through the same micro-batches: (pi_old, entropy, ref, teacher), each
+        (N, T) or None. Each rank computes its rows, then every rank has all of them."""
         lc, ranks = self.cfg.learner, self.ranks
         models = {"pi_old": self.model} if policy else {}
-        if self.reference is not None:
-            models["ref"] = self.reference
+        frozen = {"ref": self.reference, "teacher": self.teacher}
+        models.update({name: model for name, model in frozen.items() if model is not None})
         if not models:
-            return None, None, None
+            return None, None, None, None
         n_rows = len(batch.rewards)
         mine = ranks.mine(torch.arange(n_rows, device=self.device))
         width = batch.mask.shape[1]
@@ -158,7 +162,7 @@ class PPOStep:
         n_parts = len(parts)
         # Sharded, every rank runs as many policy forwards (each gathers the layers): extra ones are discarded.
         # A separate reference is whole on every rank: it runs only on real parts (LoRA's is the policy: on all).
-        if (policy or getattr(self.reference, "collective", False)) and ranks.sharded:
+        if (policy or any(getattr(m, "collective", False) for m in frozen.values())) and ranks.sharded:
             parts += [torch.arange(1, device=self.device)] * (ranks.max(n_parts) - n_parts)
         with torch.no_grad():
             for i, part in enumerate(parts):
@@ -166,7 +170,7 @@ class PPOStep:
                 at = torch.tensor([position[int(row)] for row in part.tolist()], device=self.device) \
                     if i < n_parts else None
                 for name, model in models.items():
-                    if at is None and name == "ref" and not getattr(model, "collective", False):
+                    if at is None and name in frozen and not getattr(model, "collective", False):
                         continue  # a whole reference runs on real parts only (a sharded one, LoRA's, on every one)
                     part_lp, part_ent = token_logprobs(model, mb, lc.dtype, lc.fp32_lm_head,
                                                        response_only=lc.response_logits, share_prompt=self.share_prompt,
@@ -177,7 +181,7 @@ class PPOStep:
                             out["entropy"][at, : part_ent.shape[1]] = part_ent
         full = {name: ranks.share_rows(value, mine, n_rows) for name, value in out.items()
                 if name != "entropy" or policy}
-        return full.get("pi_old"), full.get("entropy"), full.get("ref")
+        return full.get("pi_old"), full.get("entropy"), full.get("ref"), full.get("teacher")
 
     def _kl_before_update(self, pi, ref_lp, mask, rewards) -> tuple[dict, torch.Tensor]:
         """The KL metrics of the step's samples against the reference, measured before the
@@ -202,11 +206,12 @@ class PPOStep:
         forwarded). Under bypass a reference model's KL is measured against mu."""
         lc, ranks = self.cfg.learner, self.ranks
         mu, n_rows = batch.behavior_logprobs, len(batch.rewards)
-        ref_lp = self._no_grad_pass(batch, policy=False)[2] if self.reference is not None else None
+        _, _, ref_lp, teacher_lp = self._no_grad_pass(batch, policy=False)
         kl_metrics, scored = self._kl_before_update(mu, ref_lp, batch.mask, rewards)
         advantages, informative = compute_advantages(scored, lc.advantage, lc.adv_std_norm,
                                                          negative_scale=lc.negative_scale)
         batch.advantages = advantages.reshape(-1).to(self.device)
+        informative, distill_metrics = self._with_teacher(batch, teacher_lp, informative)
         everyone = torch.arange(n_rows, device=self.device)
         pi_old, entropy, seen = torch.zeros_like(mu), torch.zeros_like(mu), torch.zeros(n_rows, device=self.device)
 
@@ -223,7 +228,18 @@ class PPOStep:
                                                 is_metrics, update, kl_metrics))
         if (visible := self.served.visible_fraction()) is not None:
             metrics["learner_served_visible_fraction"] = visible
-        return metrics
+        return {**metrics, **distill_metrics}
+
+    def _with_teacher(self, batch, teacher_lp, informative) -> tuple[torch.Tensor, dict]:
+        """With a teacher, ``batch.advantages`` become per token: the task's less ``teacher.kl_coef`` x
+        each token's reverse KL against the teacher, the student being the sampler (mu); every group
+        then has a signal (learner/distillation.py). Returns the groups to train and the metrics."""
+        if teacher_lp is None:
+            return informative, {}
+        lc = self.cfg.learner
+        batch.advantages, metrics = distill_advantages(batch.advantages, batch.behavior_logprobs, teacher_lp,
+                                                       batch.mask, lc.teacher.kl_coef, lc.log_ratio_clamp)
+        return torch.ones_like(informative), metrics
 
     def _update(self, batch, informative, weights, ref, ref_lp=None, first_epoch=None) -> UpdateStats:
         """``ppo_epochs`` x ``minibatches`` optimizer steps on the policy loss of the

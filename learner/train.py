@@ -35,6 +35,7 @@ from learner.channels import Collectives, FleetSync
 from learner.checkpoint import RunCounters
 from learner.checkpointer import Checkpointer, checkpoint_roles
 from learner.dist import Ranks
+from learner.distillation import load_teacher
 from learner.durability import Durability
 from learner.evals import Evals
 from learner.ledger import Ledger
@@ -141,7 +142,8 @@ class Learner(Durability):
                                       lc.wandb, lc.mlflow)
         self.run_counters = RunCounters()
         self.ppo = PPOStep(cfg, self.ranks, self.model, self.train_model, self.opt, self.scaler, self.run_counters,
-                           self.metrics.staleness, load_reference(cfg, self.device, self.model, self.ranks.sharded))
+                           self.metrics.staleness, load_reference(cfg, self.device, self.model, self.ranks.sharded),
+                           load_teacher(cfg, self.device))
         # An MoE's routers count their load; with rollout.routing_replay they replay the rollout's experts too
         for model in (m for m in (self.model, self.ppo.reference)
                       if isinstance(m, torch.nn.Module) and replay_problem(m) is None):

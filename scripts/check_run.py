@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
+    from rlpipe.task_config import DatasetTask
     from rollout_service.tasks import make_task
 
     sys.path.insert(0, os.getcwd())  # task.reward's module, found as the roles find it (python -m launch.cli, here)
@@ -38,7 +39,8 @@ def main(argv: list[str]) -> int:
         print(f"check_run: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     first = task.prompt(0)
-    print(f"{cfg.task.dataset}: {task.size} rows; the first prompt (row {first.prompt_id}):\n{first.text}")
+    source = cfg.task.dataset if isinstance(cfg.task, DatasetTask) else f"task.type {cfg.task.type}"
+    print(f"{source}: {task.size} rows; the first prompt (row {first.prompt_id}):\n{first.text}")
     reward, info = asyncio.run(task.score(first, [first.answer]))[0]
     print(f"its reference answer {first.answer!r} as a response scores {reward} {info or ''}")
     if len(argv) == 2:

@@ -123,6 +123,29 @@ def doc(cls: type) -> str:
     return "\n\n".join(" ".join(line.strip() for line in para.splitlines()) for para in text.split("\n\n"))
 
 
+def discriminator(variants: list[type[BaseModel]]) -> str | None:
+    """The key whose value picks one of a tagged section's variants (``task.type``), or None for
+    a section of one: the key each variant holds as a Literal of one value."""
+    if len(variants) < 2:
+        return None
+    return next(name for name, field in variants[0].model_fields.items()
+                if all(len(typing.get_args(v.model_fields[name].annotation)) == 1 for v in variants
+                       if name in v.model_fields) and all(name in v.model_fields for v in variants))
+
+
+def holders(variants: list[type[BaseModel]], tag: str, name: str) -> str:
+    """The variants that have key ``name``, by their tag's value: "all", or e.g. "`math`, `remote`"."""
+    tags = [typing.get_args(v.model_fields[tag].annotation)[0] for v in variants if name in v.model_fields]
+    return "all" if len(tags) == len(variants) else ", ".join(f"`{t}`" for t in tags)
+
+
+def default_of(field) -> str:
+    """The default column of a key the default variant lacks: its own variant's default, or "required"."""
+    if field.is_required():
+        return "required"
+    return f"`{cell(json.dumps(field.get_default(call_default_factory=True), ensure_ascii=False))}`"
+
+
 def config_page() -> str:
     """docs/reference/config.md."""
     from rlpipe.config import RunConfig
@@ -142,14 +165,16 @@ def config_page() -> str:
             continue
         out += [f"## `{section}`" if section else "## Top level", ""]
         out += [doc(v) + "\n" for v in variants if doc(v)]
-        out += ["| key | type | default | description |", "|---|---|---|---|"]
+        tag = discriminator(variants)
+        out += [f"| key |{f' for `{tag}` |' if tag else ''} type | default | description |",
+                "|---|---|---|---|" + ("---|" if tag else "")]
         node = defaults
         for part in filter(None, section.split(".")):
             node = node[part]
         for name, fields in own.items():
-            default = json.dumps(node.get(name), ensure_ascii=False)
-            out.append(f"| `{name}` | {field_type(fields)} | `{cell(default)}` | "
-                       f"{cell(next(f.description for f in fields if f.description))} |")
+            default = f"`{cell(json.dumps(node[name], ensure_ascii=False))}`" if name in node else default_of(fields[0])
+            out.append(f"| `{name}` |{f' {holders(variants, tag, name)} |' if tag else ''} {field_type(fields)} | "
+                       f"{default} | {cell(next(f.description for f in fields if f.description))} |")
         out.append("")
     return "\n".join(out)
 

@@ -58,7 +58,7 @@ def test_config_files_and_values_that_do_not_parse_are_named(tmp_path):
     assert_usage_error(*rlpipe("demo", "--config", str(tmp_path)), str(tmp_path))  # a directory
     # YAML reads these as a date and a boolean: the message says so and how to quote them
     assert_usage_error(*rlpipe("check", "--set", "run_id=2026-12-01"), "run_id", "a date: quote it")
-    assert_usage_error(*rlpipe("check", "--set", "task.system_prompt=no"), "task.system_prompt", "a bool")
+    assert_usage_error(*rlpipe("check", "--set", "task.environment=no"), "task.environment", "a bool")
     # an RLPIPE_* name that is neither a config key nor one rlpipe reads is refused, not ignored in silence
     assert_usage_error(*rlpipe("check", env={"RLPIPE_STPES": "7"}), "RLPIPE_STPES: not a config key")
     assert_usage_error(*rlpipe("check", env={"RLPIPE_STEPS": "abc"}), "steps: Input should be a valid integer")

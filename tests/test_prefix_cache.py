@@ -84,7 +84,7 @@ def test_a_request_after_an_update_reads_no_kv_of_the_old_weights_while_old_requ
         for _attempt in range(3):  # the update must land while the long request runs
             running = asyncio.ensure_future(eng.generate(PROMPT[:8], n=4, temperature=1.0, max_tokens=56,
                                                          min_tokens=56, seed=2))
-            while not any(t.counts for t in eng._active.values()):
+            while not running.done() and not any(t.counts for t in eng._active.values()):
                 await asyncio.sleep(0.005)
             await load(eng, 2 if eng.version != 2 else 3)
             new = await one(eng, PROMPT)  # while the old request may still run

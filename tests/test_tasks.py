@@ -14,6 +14,7 @@ import pytest
 
 from rlpipe.config import ConfigError, TaskConfig, build_config
 from rlpipe.data_files import read_rows
+from rlpipe.task_config import task_config
 from rollout_service.tasks import (
     ArithTask,
     MathTask,
@@ -102,7 +103,7 @@ def write_jsonl(path, rows, extra=""):
 
 
 def math_cfg(path, **kw) -> TaskConfig:
-    return TaskConfig(type="math", dataset=str(path), **kw)
+    return task_config(type="math", dataset=str(path), **kw)
 
 
 def test_jsonl_and_parquet_give_the_same_prompts(tmp_path):
@@ -153,7 +154,7 @@ def test_unknown_extension(tmp_path):
 
 def test_remote_rows_need_no_answer(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "write a poem"}])
-    task = RemoteTask(TaskConfig(type="remote", dataset=str(path), verifier_url="http://127.0.0.1:1/"))
+    task = RemoteTask(task_config(type="remote", dataset=str(path), verifier_url="http://127.0.0.1:1/"))
     assert task.prompt(0).answer == ""
 
 
@@ -192,7 +193,7 @@ def test_math_task_scores_a_group(tmp_path):
 
 
 def test_arith_task_keeps_the_toy_order():
-    task = make_task(TaskConfig())
+    task = make_task(task_config())
     assert isinstance(task, ArithTask) and task.size == 4096
     p = task.prompt(4096 + 5)
     assert (p.prompt_id, p.text, p.answer, p.index) == ("5", *task.task.problem(5), 4096 + 5)
@@ -206,7 +207,7 @@ def test_arith_task_keeps_the_toy_order():
 def remote_task(tmp_path, url, **kw) -> RemoteTask:
     path = write_jsonl(tmp_path / "d.jsonl", [{"id": "r1", "prompt": "Say hi", "answer": "hi", "lang": "en"}])
     kw = {"verifier_timeout_s": 2.0, "verifier_backoff_s": 0.01, **kw}
-    return make_task(TaskConfig(type="remote", dataset=str(path), verifier_url=url, **kw))
+    return make_task(task_config(type="remote", dataset=str(path), verifier_url=url, **kw))
 
 
 def score(task, responses=("a", "bbb")):
