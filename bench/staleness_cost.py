@@ -81,7 +81,10 @@ def section(rows: list[dict], machine: str, command: str, earlier: list[dict] | 
           r["staleness_max"], r["staleness_mean"], r["produced"], r["trained"], r["filtered"], r["dropped_stale"],
           r["dropped_fraction"], r["rollout_idle_fraction"], r.get("seconds")] for code, r in arms])
     sec.note(f"On {machine}. The bound holds by construction (the learner drops an older group and counts it); "
-             "the cost is the groups sampled for a version that arrive after the learner moved on.")
+             "the cost is the groups sampled for a version that arrive after the learner moved on (dropped stale), "
+             "and the workers' time with no group in flight (workers idle, over the whole run: the change of "
+             "rollout_idle_seconds_total over workers x its span). Sampling more per version instead of further "
+             "ahead drops fewer groups and leaves the workers idler where, as here, the learner is the bound.")
     sec.data = {"machine": machine, "rows": rows, "earlier": earlier or [], "earlier_label": label}
     return sec
 
