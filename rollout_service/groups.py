@@ -58,8 +58,9 @@ class GroupGenerator:
         self.episodes = EpisodeRunner(cfg, tokenizer, engine, metrics) if cfg.task.environment else None
         # task.tool: each answer is written with an in-turn tool (rollout_service/inline_tools.py)
         self.tool = load_tool(cfg.task.tool) if cfg.task.tool else None
-        if cfg.learner.score_centering_k > len(tokenizer):  # vLLM's top-k of more ids than the vocabulary kills it
-            raise ConfigError(f"learner.score_centering_k: {cfg.learner.score_centering_k} is more than the model's "
+        k = cfg.learner.score_centering_k
+        if k and k > len(tokenizer):  # vLLM's top-k of more ids than the vocabulary kills it
+            raise ConfigError(f"learner.score_centering_k: {k} is more than the model's "
                               f"{len(tokenizer)} token ids")
 
     async def __call__(self, group: Group) -> GroupRecord | None:
