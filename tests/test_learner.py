@@ -532,7 +532,8 @@ def test_tool_imitation_trains_the_tools_tokens_beside_the_policy_loss(redis_ser
     plen = len(records[0].prompt_tokens)
     assert batch.env_mask[0, plen - 1] == 1 and batch.env_mask.sum() == sum(len(r.samples) for r in records)
     assert (batch.env_mask * batch.mask).sum() == 0
-    overrides = {"learner.ppo_epochs": 1, "task.tool": "calculator"}
+    overrides = {"learner.ppo_epochs": 1, "task.type": "math", "task.dataset": "mawps:singleop",  # a tool's task
+                 "task.tool": "calculator"}
     plain = make_learner(redis_server, toy_model_path, tmp_path, **overrides)
     assert "tool_nll" not in plain.train(records)
     learner = make_learner(redis_server, toy_model_path, tmp_path, **overrides,
