@@ -309,12 +309,7 @@ class GlooGroup:
         root, but point-to-point a dead or stuck worker fails only its own sends, and the
         others still get the version (a failed collective leaves every peer waiting out its
         timeout)."""
-        try:
-            return self._pair(dst).send([tensor], 0 if dst == 0 else 1, tag)
-        except SyncError:
-            raise
-        except Exception as e:
-            raise SyncError(f"send to rank {dst} failed: {e}") from e
+        return self._on_pair("send", dst, tensor, tag)
 
     def post(self, tensor: torch.Tensor, tag: int, ranks: Iterable[int], failed: dict[int, str]) -> dict:
         """Start sending ``tensor`` to each of ``ranks`` not in ``failed`` (rank -> why);
@@ -330,12 +325,17 @@ class GlooGroup:
         return works
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int):
+        return self._on_pair("recv", src, tensor, tag)
+
+    def _on_pair(self, op: str, peer: int, tensor: torch.Tensor, tag: int):
+        """``op`` (send or recv) of ``tensor`` on the pair group with ``peer`` (the peer is rank 1
+        of a pair, the learner rank 0); any failure of gloo's as a :class:`SyncError` naming the peer."""
         try:
-            return self._pair(src).recv([tensor], 0 if src == 0 else 1, tag)
+            return getattr(self._pair(peer), op)([tensor], 0 if peer == 0 else 1, tag)
         except SyncError:
             raise
         except Exception as e:
-            raise SyncError(f"receive from rank {src} failed: {e}") from e
+            raise SyncError(f"{'send to' if op == 'send' else 'receive from'} rank {peer} failed: {e}") from e
 
     def wait(self, work) -> None:
         try:
