@@ -62,7 +62,8 @@ def engine_speed(spec: dict) -> dict[str, float]:
     quant = QuantConfig(int8=Int8Quant(profile=spec["profile"], activations="dynamic"))
     profile = profile_for(spec["precision"], quant=quant, model_path=spec["model"])
     lora = LoraServe(8, 1, 1) if spec["adapter"] else None
-    engine = RolloutEngine(spec["model"], profile, RolloutConfig(max_model_len=512, kv_cache_gib=2), lora=lora)
+    engine = RolloutEngine(spec["model"], profile, RolloutConfig(max_model_len=512, kv_cache_gib=2,
+                                                                     engine=spec.get("engine_args", {})), lora=lora)
     llm = LLM(**engine.engine_kwargs())
     llm.collective_rpc("rlpipe_init", args=(engine.model_dir, profile.compat, engine.quant_profile,
                                             lora.rank if lora else 0))
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,16,64", help="requests decoded at once")
     ap.add_argument("--tokens", type=int, default=64, help="tokens each response decodes")
     ap.add_argument("--json", help="write the report section here (launch/results.py)")
+    ap.add_argument("--engine-args", default="{}", help="more vLLM engine arguments for every engine, as JSON "
+                    "(rollout.engine's), e.g. '{\"hf_overrides\": {\"head_dtype\": \"float32\"}}'")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine process
     args = ap.parse_args(argv)
     if args.engine:
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
             precision, _, extra = name.partition("+")
             spec = {"name": name, "precision": precision, "model": model, "profile": profile, "prompt": list(prompt),
                     "tokens": args.tokens, "batches": batches, "adapter": str(adapter) if extra == "lora" else "",
-                    "workdir": str(workdir)}
+                    "workdir": str(workdir), "engine_args": json.loads(args.engine_args)}
             rows[name] = run_engine(spec, __file__, name.replace("+", "-"))
             print(f"[decode-speed] {name}: " + ", ".join(f"batch {b} {v:.1f}" for b, v in rows[name].items())
                   + " tokens/s", file=sys.stderr, flush=True)

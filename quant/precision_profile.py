@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlpipe.config import QuantConfig
+from rlpipe.machine import engine_head_dtype
 from rlpipe.precisions import spec
 
 
@@ -49,8 +50,13 @@ class PrecisionProfile:
         blob = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
-    def engine_kwargs(self) -> dict:
+    def engine_kwargs(self, engine: dict | None = None) -> dict:
+        """vLLM arguments of this precision; ``engine`` (the run's ``rollout.engine``) may hold its own
+        ``hf_overrides``, which then stand alone (set ``head_dtype`` there too to keep it)."""
         kwargs = {"dtype": self.dtype}
+        head = engine_head_dtype(self.dtype)  # a bf16 head is slow on a CPU without native bf16 (rlpipe/machine.py)
+        if head and "hf_overrides" not in (engine or {}):
+            kwargs["hf_overrides"] = {"head_dtype": head}
         if self.quantization:  # (a compressed-tensors checkpoint names its scheme in its config.json)
             kwargs["quantization"] = self.quantization
         return kwargs

@@ -152,7 +152,7 @@ class RolloutEngine:
             **({"weight_transfer_config": {"backend": backend}} if (backend := transfer_backend(self.transport))
                else {}),
             disable_log_stats=not self.cfg.vllm_metrics,  # on: vLLM's vllm:* series (rollout/metrics.py)
-            **self.profile.engine_kwargs(),
+            **self.profile.engine_kwargs(self.cfg.engine),
             **lora_engine_kwargs(self.lora),
             # a cached prefix is not forwarded: its tokens would have no routes
             **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),

@@ -50,3 +50,26 @@ def test_a_cores_peak_follows_its_flags_and_clock(cpuinfo, fp32, bf16):
     assert peak.fp32_gflops == pytest.approx(fp32)
     assert peak.bf16_gflops == (pytest.approx(bf16) if bf16 else None)
     assert f"{peak.clock_ghz:.2f} GHz" in peak.why
+
+
+def test_a_bf16_engine_runs_its_head_in_fp32_only_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(machine, "_cuda_capability", lambda: None)
+    milan, spr = machine.cpu_flags(EPYC_MILAN), machine.cpu_flags(SAPPHIRE_RAPIDS)
+    assert machine.engine_head_dtype("bfloat16", milan) == "float32"  # int8's activations are bf16
+    assert machine.engine_head_dtype("bfloat16", spr) == ""  # native bf16: the head's bf16 GEMM is fast
+    assert machine.engine_head_dtype("float32", milan) == ""  # already fp32
+    monkeypatch.setattr(machine, "_cuda_capability", lambda: (9, 0))
+    assert machine.engine_head_dtype("bfloat16", milan) == ""  # a GPU keeps its dtype
+
+
+def test_the_profile_asks_vllm_for_the_head_dtype_unless_the_run_sets_hf_overrides(monkeypatch):
+    from quant.precision_profile import PrecisionProfile
+
+    monkeypatch.setattr(machine, "_cuda_capability", lambda: None)
+    monkeypatch.setattr(machine, "cpu_flags", lambda cpuinfo=None: {"avx", "avx2", "fma"})  # AVX2 alone
+    profile = PrecisionProfile("int8", "bfloat16")
+    assert profile.engine_kwargs()["hf_overrides"] == {"head_dtype": "float32"}
+    assert "hf_overrides" not in profile.engine_kwargs({"hf_overrides": {"rope_theta": 1.0}})  # theirs stand alone
+    assert "hf_overrides" not in PrecisionProfile("fp32", "float32").engine_kwargs()
+    monkeypatch.setattr(machine, "cpu_flags", lambda cpuinfo=None: {"avx512_bf16", "avx2"})
+    assert "hf_overrides" not in profile.engine_kwargs()
