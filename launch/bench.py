@@ -105,7 +105,7 @@ PARTS = (
 # --quick's precision and surge sections read its run (bench/seeds.py quick_from) and delta_sync measures it
 ORDER = ["weight_sync", "quant", "rollout", "queue", "learner", "async", "attribution", "precision", "surge", "int8",
          "delta_sync", "lora", "moe", "real", "real-lora", "real-lora-40", "real-int8", "real-rollout",
-         "tool-tokens", "tool-arms", "recipe-speed", "prefix-cache", "staleness", "soak", "gpu"]
+         "tool-tokens", "tool-arms", "recipe-speed", "prefix-cache", "correction-arms", "staleness", "soak", "gpu"]
 # --quick's lane of parts that start a cluster (Redis, workers, a learner): lanes()
 CLUSTER_LANE = ("async", "int8", "delta_sync", "precision", "surge", "moe", "lora", "real", "real-lora",
                 "real-rollout", "staleness")
@@ -113,7 +113,8 @@ CLUSTER_LANE = ("async", "int8", "delta_sync", "precision", "surge", "moe", "lor
 # command here, and the report renders the last result kept in docs/results/.
 BY_HAND = {"tool-arms": "python -P bench/tool_arms.py --runs-dir runs --json docs/results/tool-arms.json",
            "recipe-speed": "python -P bench/recipe_speed.py --runs-dir runs --json docs/results/recipe-speed.json",
-           "prefix-cache": "python -P bench/prefix_cache.py --json docs/results/prefix-cache.json"}
+           "prefix-cache": "python -P bench/prefix_cache.py --json docs/results/prefix-cache.json",
+           "correction-arms": "python -P bench/correction_arms.py --runs-dir runs --json docs/results/correction-arms.json"}
 # Why a section may be missing, beyond "not run yet": the GPU one needs a GPU machine (docs/gpu.md).
 NOT_RUN = {**{name: f"run by hand, hours: `{cmd}`" for name, cmd in BY_HAND.items()},
            "gpu": "the GPU run is still owed: no GPU machine has been lent yet; on one, run `python bench/gpu.py "
