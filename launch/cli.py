@@ -42,7 +42,8 @@ def positive_seconds(text: str) -> float:
 def _config_args(p):
     p.add_argument("--config", help="YAML config file (RLPIPE_<SECTION>__<KEY> env vars override it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set learner.lr=1e-4 (repeatable)")
+                   help="override one config key, e.g. --set learner.lr=1e-4 (repeatable); KEY= sets it "
+                   "to the empty string, KEY=null to null")
 
 
 def _run_shape_args(p):
@@ -153,8 +154,8 @@ def _overrides(args) -> dict:
     for item in args.set:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        out[key.strip()] = parse_yaml(value, f"--set {key.strip()}")
+        key, value = item.split("=", 1)  # KEY= is the empty string (YAML reads it as null): "no tool", "no dataset"
+        out[key.strip()] = parse_yaml(value, f"--set {key.strip()}") if value.strip() else ""
     if "," in (getattr(args, "precision", None) or ""):
         fleet = [p.strip() for p in args.precision.split(",")]
         out["rollout.fleet"], args.precision = fleet, fleet[0]

@@ -273,3 +273,10 @@ def test_every_command_and_every_flag_of_the_cli_says_what_it_does():
             if not isinstance(a, argparse._HelpAction) and not a.help]
     assert not bare, bare
     assert all(c.help for c in commands._choices_actions)
+
+
+def test_set_with_nothing_after_the_equals_sign_is_the_empty_string():
+    from launch.cli import _overrides, _parser
+
+    args = _parser().parse_args(["demo", "--set", "task.tool=", "--set", "eval.dataset=null", "--set", "learner.lr=0.001"])
+    assert _overrides(args) == {"task.tool": "", "eval.dataset": None, "learner.lr": 0.001}
