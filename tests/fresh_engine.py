@@ -22,7 +22,9 @@ def main(checkpoint: str, requests_path: str) -> None:
     from rlpipe.config import RolloutConfig
     from rollout_service.engine import RolloutEngine
 
-    kwargs = RolloutEngine(checkpoint, PrecisionProfile("fresh", "bfloat16"), RolloutConfig()).engine_kwargs()
+    # the head in the model's dtype, as the synced workers run it (tests/test_quant_engine.py MODEL_DTYPE_HEAD)
+    config = RolloutConfig(engine={"hf_overrides": {}})
+    kwargs = RolloutEngine(checkpoint, PrecisionProfile("fresh", "bfloat16"), config).engine_kwargs()
     kwargs.pop("worker_extension_cls")
     llm = LLM(**kwargs)
     out = []
