@@ -32,9 +32,10 @@ from weight_sync.transport import IncompatibleWorker
 pytestmark = pytest.mark.slow
 
 # The LM head runs in the model's dtype in the worker and in the fresh oracle (tests/fresh_engine.py) on every
-# CPU: rlpipe's default fp32 head on a CPU without native bf16 (rlpipe/machine.py) rounds differently with the
-# batch's shape and threads (1.8e-7 between the two engines on the AVX2 EPYC), and what these tests check is
-# that the weights the sync delivered equal a checkpoint's to the last bit, which a tolerance would blur.
+# CPU: with rlpipe's default fp32 head on a CPU without native bf16 (rlpipe/machine.py) the two engines' log-probs
+# differed by up to 1.8e-7 on the AVX2 EPYC (the fp32 GEMM's rounding, most likely with another batch shape or
+# thread count), and what these tests check is that the weights the sync delivered equal a checkpoint's to the
+# last bit, which a tolerance would blur.
 MODEL_DTYPE_HEAD = {"rollout.engine": {"hf_overrides": {}}}
 KINDS = {
     "int8-static": {"rollout.precision": "int8", "quant.int8.activations": "static", **MODEL_DTYPE_HEAD},
