@@ -50,12 +50,11 @@ class PrecisionProfile:
         blob = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
-    def engine_kwargs(self, engine: dict | None = None) -> dict:
-        """vLLM arguments of this precision; ``engine`` (the run's ``rollout.engine``) may hold its own
-        ``hf_overrides``, which then stand alone (set ``head_dtype`` there too to keep it)."""
+    def engine_kwargs(self) -> dict:
+        """vLLM arguments of this precision (a run's ``rollout.engine`` may replace ``hf_overrides``:
+        rollout_service/engine.py)."""
         kwargs = {"dtype": self.dtype}
-        head = engine_head_dtype(self.dtype)  # a bf16 head is slow on a CPU without native bf16 (rlpipe/machine.py)
-        if head and "hf_overrides" not in (engine or {}):
+        if head := engine_head_dtype(self.dtype):  # a bf16 head is slow on a CPU without native bf16 (rlpipe/machine.py)
             kwargs["hf_overrides"] = {"head_dtype": head}
         if self.quantization:  # (a compressed-tensors checkpoint names its scheme in its config.json)
             kwargs["quantization"] = self.quantization

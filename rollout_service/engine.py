@@ -152,10 +152,11 @@ class RolloutEngine:
             **({"weight_transfer_config": {"backend": backend}} if (backend := transfer_backend(self.transport))
                else {}),
             disable_log_stats=not self.cfg.vllm_metrics,  # on: vLLM's vllm:* series (rollout/metrics.py)
-            **self.profile.engine_kwargs(self.cfg.engine),
             **lora_engine_kwargs(self.lora),
+            # the run's own over the precision's (its hf_overrides replace the head dtype); under routing replay
             # a cached prefix is not forwarded: its tokens would have no routes
-            **self.cfg.engine | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
+            **self.profile.engine_kwargs() | self.cfg.engine
+            | ({"enable_prefix_caching": False} if self.cfg.routing_replay else {}),
             **({"enable_return_routed_experts": True} if self.native_routes else {}),
             **({"max_logprobs": self.sampler_topk} if self.sampler_topk > 20 else {}),  # vLLM's default: 20
         )

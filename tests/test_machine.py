@@ -62,14 +62,19 @@ def test_a_bf16_engine_runs_its_head_in_fp32_only_without_native_bf16(monkeypatc
     assert machine.engine_head_dtype("bfloat16", milan) == ""  # a GPU keeps its dtype
 
 
-def test_the_profile_asks_vllm_for_the_head_dtype_unless_the_run_sets_hf_overrides(monkeypatch):
+def test_the_engine_asks_vllm_for_the_head_dtype_unless_the_run_sets_hf_overrides(monkeypatch, toy_model_path):
     from quant.precision_profile import PrecisionProfile
+    from rlpipe.config import RolloutConfig
+    from rollout_service.engine import RolloutEngine
+
+    def kwargs(profile, engine=None):
+        return RolloutEngine(toy_model_path, profile, RolloutConfig(engine=engine or {})).engine_kwargs()
 
     monkeypatch.setattr(machine, "_cuda_capability", lambda: None)
     monkeypatch.setattr(machine, "cpu_flags", lambda cpuinfo=None: {"avx", "avx2", "fma"})  # AVX2 alone
     profile = PrecisionProfile("int8", "bfloat16")
-    assert profile.engine_kwargs()["hf_overrides"] == {"head_dtype": "float32"}
-    assert "hf_overrides" not in profile.engine_kwargs({"hf_overrides": {"rope_theta": 1.0}})  # theirs stand alone
-    assert "hf_overrides" not in PrecisionProfile("fp32", "float32").engine_kwargs()
+    assert kwargs(profile)["hf_overrides"] == {"head_dtype": "float32"}
+    assert kwargs(profile, {"hf_overrides": {"rope_theta": 1.0}})["hf_overrides"] == {"rope_theta": 1.0}  # theirs stand alone
+    assert "hf_overrides" not in kwargs(PrecisionProfile("fp32", "float32"))
     monkeypatch.setattr(machine, "cpu_flags", lambda cpuinfo=None: {"avx512_bf16", "avx2"})
-    assert "hf_overrides" not in profile.engine_kwargs()
+    assert "hf_overrides" not in kwargs(profile)
