@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -51,10 +50,11 @@ TOPK_BYTES = 6  # a top-k entry on the wire: an int32 id and an fp16 log-prob
 
 
 def teacher_dir() -> str:
-    """The unquantized model given, as a directory (built once from the installed wheel)."""
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "build-model", "--set", "model.path=smollm2-135m-instruct"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return out.strip().splitlines()[-1]
+    """The unquantized model given, as a directory (prepared once from the installed wheel)."""
+    from launch.demo import resolve_model
+    from rlpipe.config import build_config
+
+    return resolve_model(build_config({"model": {"path": "smollm2-135m-instruct"}}, environ={}), log=lambda _: None)
 
 
 def demo_command(name: str, seed: int, runs_dir: Path, budget: int, teacher: str) -> list[str]:

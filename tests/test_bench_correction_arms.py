@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.correction_arms import ARMS, arm_row, demo_command
+from bench.correction_arms import ARMS, arm_row, demo_command, teacher_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_each_arms_command_passes_the_launch_checks(name, tmp_path):
     teacher = str(tmp_path / "teacher")
     if name == "distill":  # the teacher check wants a model directory with the student's vocabulary
-        teacher = subprocess.run([sys.executable, "-m", "launch.cli", "build-model", "--set",
-                                  "model.path=smollm2-135m-instruct"], cwd=ROOT, capture_output=True, text=True,
-                                 check=True).stdout.strip().splitlines()[-1]
+        teacher = teacher_dir()
     command = demo_command(name, 0, tmp_path, 420, teacher)
     command[command.index("demo")] = "check"
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
